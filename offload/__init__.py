@@ -1,0 +1,24 @@
+"""Host memory and host<->device transfers: pinned blocks, a memory guard, streams, threads.
+
+This layer knows no optimizer and no process group.
+"""
+
+from ._copy_engine import CopyEngine, CopyPair, copy_async, wait_event
+from ._host_memory import check_host_memory, format_bytes, local_world_size
+from ._pinned import HostBufferRequest, HostBuffers
+from ._threads import ThreadBudget, resolve_thread_budget, usable_cores
+
+__all__ = [
+    "CopyEngine",
+    "CopyPair",
+    "HostBufferRequest",
+    "HostBuffers",
+    "ThreadBudget",
+    "check_host_memory",
+    "copy_async",
+    "format_bytes",
+    "local_world_size",
+    "resolve_thread_budget",
+    "usable_cores",
+    "wait_event",
+]

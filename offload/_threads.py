@@ -1,0 +1,73 @@
+"""How many CPU threads one rank's CPU optimizer may use."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
+from ._host_memory import local_world_size
+
+__all__ = ["ThreadBudget", "resolve_thread_budget", "usable_cores"]
+
+logger = logging.getLogger("zero_shard")
+_torchrun_warned = False
+
+
+@dataclass(frozen=True)
+class ThreadBudget:
+    """The CPU thread count for one rank's CPU optimizer, and where it came from."""
+
+    num_threads: int
+    source: str  # "argument", "OMP_NUM_THREADS", or "cores / local ranks"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(len(os.sched_getaffinity(0)), 1)
+    return max(os.cpu_count() or 1, 1)
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def resolve_thread_budget(requested: int | None = None) -> ThreadBudget:
+    """Chooses the CPU optimizer's thread count for this rank, logs it and returns it.
+
+    Order: ``requested`` if given; else ``OMP_NUM_THREADS`` if the user set it (torchrun's own
+    ``OMP_NUM_THREADS=1`` does not count: it would leave the CPU optimizer on one core); else the
+    usable cores divided by the ranks on this host (``LOCAL_WORLD_SIZE``), at least 1.
+
+    Args:
+        requested: an explicit thread count, or ``None`` to choose one.
+    """
+    global _torchrun_warned
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"num_threads must be a positive integer or None, got {requested!r}")
+        budget = ThreadBudget(requested, "argument")
+    else:
+        omp = os.environ.get("OMP_NUM_THREADS", "")
+        from_torchrun = omp == "1" and _under_torchrun()
+        if omp.isdigit() and int(omp) >= 1 and not from_torchrun:
+            budget = ThreadBudget(int(omp), "OMP_NUM_THREADS")
+        else:
+            budget = ThreadBudget(
+                max(usable_cores() // local_world_size(), 1), "cores / local ranks"
+            )
+            if from_torchrun and not _torchrun_warned:
+                _torchrun_warned = True
+                warnings.warn(
+                    f"torchrun set OMP_NUM_THREADS=1; zero-shard's CPU optimizer uses "
+                    f"{budget.num_threads} threads on this rank instead ({usable_cores()} usable "
+                    f"cores / {local_world_size()} local ranks). Pass num_threads to choose.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+    logger.info(
+        "zero-shard: CPU optimizer threads per rank = %d (%s)", budget.num_threads, budget.source
+    )
+    return budget

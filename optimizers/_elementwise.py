@@ -1,0 +1,127 @@
+"""Which optimizer classes may be split by element, and how each device runs them."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "IMPL_KEYS",
+    "StateLayout",
+    "check_elementwise",
+    "implementation_kwargs",
+    "probe_state_layout",
+]
+
+# Every element of these optimizers' update depends only on the same element of the param, grad
+# and state (plus scalars shared by the whole param, such as the step count), so a parameter can
+# be cut into pieces stepped on different devices and the result is the same.
+_ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+)
+# Devices with a fused kernel, per class (torch >= 2.8).
+_FUSED_DEVICES: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
+    torch.optim.Adam: ("cuda", "cpu", "xpu", "mps"),
+    torch.optim.AdamW: ("cuda", "cpu", "xpu", "mps"),
+    torch.optim.SGD: ("cuda", "cpu", "xpu", "mps"),
+    torch.optim.Adagrad: ("cpu",),
+}
+# Group keys that choose an implementation rather than the math; set per device.
+IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _elementwise_base(cls: type) -> type[torch.optim.Optimizer] | None:
+    for base in _ELEMENTWISE:
+        if issubclass(cls, base) and cls.step is base.step:
+            return base
+    return None
+
+
+def check_elementwise(cls: Any) -> None:
+    """Raises unless ``cls`` is an optimizer class whose update is elementwise.
+
+    Accepted: torch's elementwise optimizers (Adam, AdamW, SGD, Adagrad, Adamax, NAdam, RAdam,
+    RMSprop, Rprop, Adadelta, ASGD), subclasses of them that keep their ``step``, and any class
+    that declares ``_zero_shard_elementwise = True``.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {cls!r}")
+    if getattr(cls, "_zero_shard_elementwise", False) or _elementwise_base(cls) is not None:
+        return
+    names = ", ".join(base.__name__ for base in _ELEMENTWISE)
+    raise NotImplementedError(
+        f"{cls.__module__}.{cls.__qualname__} is not a known elementwise optimizer: zero-shard "
+        f"splits parameters by element between devices and ranks, which changes the result of "
+        f"optimizers that look at whole tensors (norms, factored or matrix state). Supported: "
+        f"{names}. If your class really is elementwise, set `_zero_shard_elementwise = True` on it."
+    )
+
+
+def implementation_kwargs(cls: type[torch.optim.Optimizer], device_type: str) -> dict[str, Any]:
+    """Constructor flags for the fastest correct implementation of ``cls`` on ``device_type``."""
+    params = inspect.signature(cls.__init__).parameters
+    base = _elementwise_base(cls)
+    kwargs: dict[str, Any] = {}
+    if "differentiable" in params:
+        kwargs["differentiable"] = False
+    if "capturable" in params and device_type == "cpu":
+        kwargs["capturable"] = False
+    if "fused" in params and base is not None and device_type in _FUSED_DEVICES.get(base, ()):
+        kwargs["fused"] = True
+        if "foreach" in params:
+            kwargs["foreach"] = False
+    elif "foreach" in params:
+        kwargs["foreach"] = device_type != "cpu"
+        if "fused" in params:
+            kwargs["fused"] = False
+    return kwargs
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """The per-parameter state an optimizer keeps, learned by stepping it once on a probe."""
+
+    elementwise_keys: tuple[str, ...]  # tensors shaped like the param ("exp_avg", ...)
+    scalar_keys: tuple[str, ...]  # one value per param ("step", ...)
+
+
+def probe_state_layout(
+    cls: type[torch.optim.Optimizer], hyperparams: dict[str, Any]
+) -> StateLayout:
+    """Steps ``cls`` once on a small CPU probe and sorts the state it creates.
+
+    Raises ``NotImplementedError`` if any state is neither param-shaped nor a scalar (such an
+    optimizer is not elementwise whatever it declares).
+    """
+    probe = torch.zeros(3, 2)
+    probe.grad = torch.full_like(probe, 1e-3)
+    group = {k: v for k, v in hyperparams.items() if k not in IMPL_KEYS and k != "params"}
+    group["params"] = [probe]
+    optimizer = cls([group], **implementation_kwargs(cls, "cpu"))
+    optimizer.step()
+    elementwise, scalars = [], []
+    for key, value in optimizer.state[probe].items():
+        if torch.is_tensor(value) and value.shape == probe.shape:
+            elementwise.append(key)
+        elif (torch.is_tensor(value) and value.dim() == 0) or isinstance(value, (int, float)):
+            scalars.append(key)
+        else:
+            raise NotImplementedError(
+                f"{cls.__qualname__} keeps state {key!r} of shape "
+                f"{tuple(getattr(value, 'shape', ()))} for a param of shape {tuple(probe.shape)}: "
+                "not elementwise, so it cannot be split between devices"
+            )
+    return StateLayout(tuple(elementwise), tuple(scalars))

@@ -1,0 +1,272 @@
+"""The elements stepped on the CPU: D2H of grads -> CPU step on a worker thread -> H2D of params.
+
+[Note: host pipeline]
+``start`` records an event on the current stream (the grads are complete there), queues every
+chunk's grad copy on the D2H stream behind that event, and hands each chunk to one worker thread,
+which waits for its chunk's copy, casts the grads to fp32, steps the chunk's CPU sub-optimizer
+and casts the updated weights back into the chunk's staging buffer. ``finish`` takes the chunks
+in the same order as they complete and queues their copies to the model params on the H2D stream;
+the current stream then waits for the last of them (the H2D stream runs in order), so the next
+forward sees the new params with no host synchronization. Meanwhile the accelerator's own share
+is stepped on the current stream. So the D2H of chunk k+1, the CPU step of chunk k and the H2D of
+chunk k-1 overlap each other and the accelerator's step.
+
+[Note: pinned buffer reuse]
+A chunk's staging buffer carries grads in (D2H) and params out (H2D). The next D2H into it is
+queued behind an event on the current stream recorded after backward, and the current stream
+waited for this step's last H2D before that backward: so no copy into staging can start before
+the previous copy out of it ended. The worker touches staging only after its D2H event
+completed and before its H2D is queued.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+from torch.profiler import record_function
+
+from offload import (
+    CopyEngine,
+    CopyPair,
+    HostBufferRequest,
+    HostBuffers,
+    ThreadBudget,
+    check_host_memory,
+    wait_event,
+)
+
+from ._fused_backends import build_sub_optimizer
+from ._layout import ChunkSpec
+from ._records import ParamRecord, Piece, flat_param
+
+__all__ = ["HostChunk", "HostPart"]
+
+
+class HostChunk(NamedTuple):
+    """Host pieces of one param group and dtype, copied, cast and stepped together."""
+
+    spec: ChunkSpec
+    pieces: list[tuple[ParamRecord, Piece]]
+    main: torch.Tensor  # 1-D fp32, host
+    grad: torch.Tensor  # 1-D fp32, host; is `staging` itself when the model dtype is fp32
+    staging: torch.Tensor  # 1-D model dtype, pinned when possible
+    optimizer: torch.optim.Optimizer
+
+
+class _ChunkJob(NamedTuple):
+    chunk: HostChunk
+    active: list[tuple[ParamRecord, Piece]]  # the pieces whose param has a grad this step
+    future: Future
+
+
+def host_bytes_needed(specs: Sequence[ChunkSpec], num_state_tensors: int) -> int:
+    """Host bytes for ``specs``: fp32 main, fp32 grad (unless fp32 staging serves), staging, state."""
+    total = 0
+    for spec in specs:
+        per_element = 4 * (1 + num_state_tensors) + spec.dtype.itemsize
+        per_element += 4 if spec.dtype != torch.float32 else 0
+        total += spec.numel * per_element
+    return total
+
+
+def _slice(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    return tensor[start : start + numel]
+
+
+class HostPart:
+    """fp32 main weights, grads and state of the CPU's share, and the pipeline that steps them."""
+
+    chunks: list[HostChunk]  # in parameter order
+    engine: CopyEngine
+    buffers: HostBuffers  # the staging buffers, one view per chunk
+    threads: ThreadBudget
+    _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
+    _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
+    _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
+    _start_event: Any  # event on the current stream after backward; None on CPU
+
+    def __init__(
+        self,
+        records: Sequence[ParamRecord],
+        specs: Sequence[ChunkSpec],
+        groups: Sequence[dict[str, Any]],
+        cls: type[torch.optim.Optimizer],
+        device: torch.device,
+        *,
+        pin_memory: bool,
+        threads: ThreadBudget,
+        num_state_tensors: int,
+    ) -> None:
+        check_host_memory(
+            host_bytes_needed(specs, num_state_tensors),
+            what="the fp32 main weights, grads and optimizer state offloaded to the CPU",
+            setting="the offload fraction",
+        )
+        self.engine = CopyEngine(device)
+        self.threads = threads
+        self._start_event = None
+        self.buffers = HostBuffers(
+            [HostBufferRequest(spec.numel, spec.dtype) for spec in specs],
+            pin=pin_memory and device.type != "cpu",
+        )
+        self._main_flats, self._grad_flats, self.chunks = [], [], []
+        for group_index in sorted({spec.group_index for spec in specs}):
+            group_specs = [(i, s) for i, s in enumerate(specs) if s.group_index == group_index]
+            self._build_group(records, group_specs, groups[group_index], cls)
+        self._executor = None
+        if self.chunks:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="zero_shard_cpu_step",
+                initializer=torch.set_num_threads,
+                initargs=(threads.num_threads,),
+            )
+            weakref.finalize(self, self._executor.shutdown, wait=False)
+        self.reload_from_params()
+
+    def _build_group(
+        self,
+        records: Sequence[ParamRecord],
+        group_specs: list[tuple[int, ChunkSpec]],
+        group: dict[str, Any],
+        cls: type[torch.optim.Optimizer],
+    ) -> None:
+        main_flat = torch.empty(sum(s.numel for _, s in group_specs), dtype=torch.float32)
+        low_numel = sum(s.numel for _, s in group_specs if s.dtype != torch.float32)
+        grad_flat = torch.zeros(low_numel, dtype=torch.float32)
+        self._main_flats.append(main_flat)
+        if low_numel:
+            self._grad_flats.append(grad_flat)
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        main_offset = grad_offset = 0
+        for chunk_index, spec in group_specs:
+            staging = self.buffers.views[chunk_index]
+            main = _slice(main_flat, main_offset, spec.numel)
+            if spec.dtype == torch.float32:
+                grad = staging
+            else:
+                grad = _slice(grad_flat, grad_offset, spec.numel)
+                grad_offset += spec.numel
+            main_offset += spec.numel
+            pieces_main, offset = [], 0
+            for piece_spec in spec.pieces:
+                pieces_main.append(_slice(main, offset, piece_spec.numel))
+                offset += piece_spec.numel
+            optimizer = build_sub_optimizer(cls, [{"params": pieces_main, **hyper}], "cpu")
+            pieces, offset = [], 0
+            for piece_spec, piece_main in zip(spec.pieces, pieces_main, strict=True):
+                piece = Piece(
+                    spec=piece_spec,
+                    main=piece_main,
+                    grad=_slice(grad, offset, piece_spec.numel),
+                    optimizer=optimizer,
+                    staging=_slice(staging, offset, piece_spec.numel),
+                )
+                record = records[piece_spec.param_index]
+                record.pieces.append(piece)
+                pieces.append((record, piece))
+                offset += piece_spec.numel
+            self.chunks.append(HostChunk(spec, pieces, main, grad, staging, optimizer))
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of host memory held: flat buffers, staging and optimizer state."""
+        flats = sum(t.numel() * t.element_size() for t in (*self._main_flats, *self._grad_flats))
+        state = sum(
+            value.numel() * value.element_size()
+            for chunk in self.chunks
+            for _, piece in chunk.pieces
+            for value in piece.state.values()
+            if torch.is_tensor(value) and value.dim() > 0
+        )
+        return flats + state + self.buffers.num_bytes
+
+    @torch.no_grad()
+    def reload_from_params(self) -> None:
+        """Refreshes every host fp32 main weight from the model params, through staging."""
+        after = self.engine.record_current()
+        for chunk in self.chunks:
+            pairs = [
+                CopyPair(
+                    piece.staging, _slice(flat_param(r.param), piece.spec.start, piece.spec.numel)
+                )
+                for r, piece in chunk.pieces
+            ]
+            wait_event(self.engine.d2h(pairs, after=[after]))
+            chunk.main.copy_(chunk.staging)
+
+    @torch.no_grad()
+    def start(self, grads: dict[int, torch.Tensor]) -> list[_ChunkJob]:
+        """Queues the D2H copies and CPU steps of every chunk with grads; see [Note: host pipeline]."""
+        if not self.chunks:
+            return []
+        self._start_event = self.engine.record_current()
+        jobs = []
+        # Last params first: in backward their grads are ready first.
+        for chunk in reversed(self.chunks):
+            active = [(r, p) for r, p in chunk.pieces if r.index in grads]
+            for record, piece in chunk.pieces:
+                piece.main.grad = piece.grad if record.index in grads else None
+            if not active:
+                continue
+            with record_function("zero_shard::d2h"):
+                pairs = [
+                    CopyPair(
+                        piece.staging, _slice(grads[r.index], piece.spec.start, piece.spec.numel)
+                    )
+                    for r, piece in active
+                ]
+                event = self.engine.d2h(pairs, after=[self._start_event])
+            future = self._executor.submit(_step_chunk, chunk, active, event)
+            jobs.append(_ChunkJob(chunk, active, future))
+        return jobs
+
+    @torch.no_grad()
+    def finish(self, jobs: Sequence[_ChunkJob]) -> None:
+        """Waits for each chunk's CPU step, queues its H2D, and orders the current stream after."""
+        last_event, error = None, None
+        for job in jobs:
+            try:
+                job.future.result()
+            except BaseException as err:  # wait for every chunk before raising
+                error = error or err
+                continue
+            if error is not None:
+                continue
+            with record_function("zero_shard::h2d"):
+                pairs = [
+                    CopyPair(
+                        _slice(flat_param(r.param), piece.spec.start, piece.spec.numel),
+                        piece.staging,
+                    )
+                    for r, piece in job.active
+                ]
+                last_event = self.engine.h2d(pairs, after=[self._start_event])
+        # The H2D stream runs in order: its last event covers every chunk's copy.
+        self.engine.wait_on_current(last_event)
+        self._start_event = None
+        if error is not None:
+            raise error
+
+
+def _step_chunk(chunk: HostChunk, active: list[tuple[ParamRecord, Piece]], d2h_event: Any) -> None:
+    """Worker thread: grads in staging -> fp32 -> CPU step -> weights back into staging."""
+    wait_event(d2h_event)  # the chunk's grads have landed in staging
+    with record_function("zero_shard::cpu_step"):
+        whole = len(active) == len(chunk.pieces)
+        if chunk.grad is not chunk.staging:
+            if whole:
+                chunk.grad.copy_(chunk.staging)
+            else:
+                for _, piece in active:
+                    piece.grad.copy_(piece.staging)
+        chunk.optimizer.step()
+        if whole:
+            chunk.staging.copy_(chunk.main)
+        else:
+            for _, piece in active:
+                piece.staging.copy_(piece.main)

@@ -1,0 +1,387 @@
+"""One rank's optimizer, split by element between the accelerator and the CPU."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from offload import resolve_thread_budget
+
+from ._device_part import DevicePart
+from ._elementwise import IMPL_KEYS, check_elementwise, probe_state_layout
+from ._host_part import HostPart
+from ._layout import ParamInfo, plan_layout
+from ._policy import OffloadPolicy
+from ._records import ParamRecord, flat_grad, flat_param
+from ._state import (
+    check_saved_state,
+    gather_main,
+    gather_state,
+    groups_by_main,
+    init_state,
+    scatter_state,
+)
+
+__all__ = ["HybridDeviceOptimizer", "MemoryReport"]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Where the optimizer's memory is (the model's own params and grads not counted)."""
+
+    device_bytes: int  # fp32 main weights, main grads and state on the accelerator
+    host_bytes: int  # the same on the CPU, plus the staging buffers
+    host_staging_bytes: int  # of host_bytes: the staging buffers for host<->device copies
+    pinned: bool  # whether the staging buffers are pinned
+    num_device_elements: int
+    num_host_elements: int
+
+
+def _check_param(param: torch.Tensor, device: torch.device) -> None:
+    if param.device.type == "meta":
+        raise ValueError(
+            f"a param of shape {tuple(param.shape)} is on the meta device; materialize the model "
+            "first (model.to_empty(device=...) and initialize it), then build the optimizer"
+        )
+    if param.device != device:
+        raise ValueError(
+            f"params are on different devices ({device} and {param.device}); move the model to "
+            "one device before building the optimizer"
+        )
+    if param.is_sparse:
+        raise TypeError("zero-shard does not support sparse params; use dense tensors")
+    if param.is_complex():
+        raise TypeError(
+            f"zero-shard does not support complex params (got {param.dtype}); keep them as real "
+            "tensors (torch.view_as_real) in the model"
+        )
+    if not param.is_floating_point():
+        raise TypeError(f"params must be floating point, got {param.dtype}")
+    if not param.is_contiguous():
+        raise ValueError(
+            f"a param of shape {tuple(param.shape)} is not contiguous; make it contiguous "
+            "(param.data = param.data.contiguous()) before building the optimizer"
+        )
+
+
+class HybridDeviceOptimizer(torch.optim.Optimizer):
+    """An elementwise torch optimizer whose state is split between the accelerator and the CPU.
+
+    ``offload_fraction`` of all parameter elements (the last parameters first, exact to the
+    element) keep their fp32 main weights, grads and optimizer state on the CPU and are stepped
+    there on a worker thread, chunk by chunk, while the rest is stepped on the accelerator. Grads
+    travel device-to-host and weights host-to-device in the model dtype through pinned buffers,
+    overlapped with each other and with the accelerator's step. Low-precision (bf16/fp16)
+    params get fp32 main weights; fp32 params kept on the accelerator are stepped in place.
+
+    It is a ``torch.optim.Optimizer``: ``param_groups`` are the user's (LR schedulers and manual
+    edits reach both devices at the next step), ``state_dict()`` has torch's shape plus
+    ``main_param`` (fp32) for low-precision params, and loads into an optimizer with any
+    ``offload_fraction``.
+
+    Args:
+        params: parameters or param groups, as for any torch optimizer. All on one device.
+        optimizer_cls: an elementwise optimizer class (default ``torch.optim.AdamW``).
+        offload_fraction: share of elements on the CPU, in [0, 1]; default 0. Shorthand for
+            ``policy=OffloadPolicy(fraction=...)``.
+        policy: full offload settings (pinning, threads, chunk size, accelerator kernel).
+        **optimizer_kwargs: hyperparameters for ``optimizer_cls`` (lr, betas, weight_decay...).
+
+    Example:
+        >>> model = torch.nn.Linear(8, 8)
+        >>> opt = HybridDeviceOptimizer(model.parameters(), torch.optim.AdamW,
+        ...                             offload_fraction=0.5, lr=1e-3)
+        >>> model(torch.randn(2, 8)).sum().backward()
+        >>> opt.step(); opt.zero_grad()
+    """
+
+    policy: OffloadPolicy
+    optimizer_cls: type[torch.optim.Optimizer]
+    _records: list[ParamRecord] | None  # one per param over all groups; None while building
+    _device: DevicePart
+    _host: HostPart
+    _warned_ignored: bool
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        offload_fraction: float | None = None,
+        policy: OffloadPolicy | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        check_elementwise(optimizer_cls)
+        if policy is None:
+            policy = OffloadPolicy(fraction=0.0 if offload_fraction is None else offload_fraction)
+        elif not isinstance(policy, OffloadPolicy):
+            raise TypeError(f"policy must be an OffloadPolicy, got {type(policy).__name__}")
+        elif offload_fraction is not None:
+            raise ValueError(
+                "pass the offload fraction once: either offload_fraction=... or "
+                "policy=OffloadPolicy(fraction=...), not both"
+            )
+        self.policy = policy
+        self.optimizer_cls = optimizer_cls
+        self._records = None
+        self._warned_ignored = False
+        # The class's own constructor checks the hyperparameters and supplies their defaults.
+        defaults = optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults
+        super().__init__(params, defaults)
+        self._build()
+
+    @classmethod
+    def wrap(
+        cls,
+        optimizer: torch.optim.Optimizer,
+        *,
+        offload_fraction: float | None = None,
+        policy: OffloadPolicy | None = None,
+    ) -> HybridDeviceOptimizer:
+        """Builds a HybridDeviceOptimizer from an optimizer the user already made.
+
+        Takes its class, defaults, param groups (per-group lr, weight decay...) and any state it
+        has (main weights then come from the model params). Drop the original afterwards
+        (``opt = HybridDeviceOptimizer.wrap(opt, offload_fraction=0.5)``) so its state is freed.
+        """
+        if isinstance(optimizer, HybridDeviceOptimizer):
+            raise TypeError("the optimizer is already a HybridDeviceOptimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        groups = [dict(group) for group in optimizer.param_groups]
+        hybrid = cls(
+            groups,
+            type(optimizer),
+            offload_fraction=offload_fraction,
+            policy=policy,
+            **optimizer.defaults,
+        )
+        if optimizer.state:
+            hybrid.load_state_dict(optimizer.state_dict())
+        return hybrid
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._records is not None:
+            raise NotImplementedError(
+                "HybridDeviceOptimizer lays out its flat buffers at construction; build a new one "
+                "with every param group (carry the state over with state_dict/load_state_dict)"
+            )
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        seen: set[int] = set()
+        for param in params:
+            if id(param) in seen:
+                raise ValueError(
+                    f"a param of shape {tuple(param.shape)} appears twice in one param group; "
+                    "pass each param once"
+                )
+            seen.add(id(param))
+        super().add_param_group({**param_group, "params": params})
+
+    def _build(self) -> None:
+        records = [
+            ParamRecord(param=param, index=index, group_index=group_index)
+            for index, (group_index, param) in enumerate(
+                (g, p) for g, group in enumerate(self.param_groups) for p in group["params"]
+            )
+        ]
+        device = records[0].param.device
+        for record in records:
+            _check_param(record.param, device)
+        trainable = [record for record in records if record.param.requires_grad]
+        layout = plan_layout(
+            [ParamInfo(r.param.numel(), r.group_index, r.param.dtype) for r in trainable],
+            self.policy.fraction,
+            self.policy.chunk_numel,
+        )
+        layouts = [probe_state_layout(self.optimizer_cls, group) for group in self.param_groups]
+        threads = resolve_thread_budget(self.policy.num_threads) if layout.host_chunks else None
+        self._host = HostPart(
+            trainable,
+            layout.host_chunks,
+            self.param_groups,
+            self.optimizer_cls,
+            device,
+            pin_memory=self.policy.pin_memory,
+            threads=threads,
+            num_state_tensors=max(len(layout.elementwise_keys) for layout in layouts),
+        )
+        self._device = DevicePart(
+            trainable,
+            layout.device_pieces,
+            self.param_groups,
+            self.optimizer_cls,
+            device,
+            self.policy.device_impl,
+        )
+        self._num_elements = (
+            layout.num_elements - layout.num_host_elements,
+            layout.num_host_elements,
+        )
+        init_state(trainable, self.optimizer_cls, layouts)
+        self._layouts = layouts
+        self._records = records
+
+    def _sub_groups(self) -> Iterable[tuple[dict[str, Any], dict[str, Any]]]:
+        """(sub-optimizer group, the user's group it follows), for both devices."""
+        if self._device.optimizer is not None:
+            for sub_group, index in zip(
+                self._device.optimizer.param_groups, self._device.group_map, strict=True
+            ):
+                yield sub_group, self.param_groups[index]
+        for chunk in self._host.chunks:
+            yield chunk.optimizer.param_groups[0], self.param_groups[chunk.spec.group_index]
+
+    def _sync_hyperparams(self) -> None:
+        # LR schedulers and users edit self.param_groups; the sub-optimizers follow at each step.
+        for sub_group, group in self._sub_groups():
+            for key, value in group.items():
+                if key != "params" and key not in IMPL_KEYS:
+                    sub_group[key] = value
+
+    def _collect_grads(self) -> dict[int, torch.Tensor]:
+        grads = {}
+        for record in self._records:
+            grad = flat_grad(record.param)
+            if grad is None:
+                continue
+            if record.ignored:
+                if not self._warned_ignored:
+                    self._warned_ignored = True
+                    warnings.warn(
+                        f"param {record.index} (shape {tuple(record.param.shape)}) has a grad but "
+                        "had requires_grad=False when the optimizer was built, so it is not "
+                        "updated; rebuild the optimizer to train it",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                continue
+            grads[record.index] = grad
+        return grads
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Steps every param that has a grad; returns the closure's loss if one is given.
+
+        On return the model params hold the new weights as seen by the current stream: later
+        work on it waits for the copies, the host does not.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparams()
+        # A non-contiguous grad is copied to a temporary here; it outlives every copy that reads
+        # it, since finish() returns only after the worker waited for all D2H copies.
+        grads = self._collect_grads()
+        jobs = self._host.start(grads)
+        self._device.step(grads)
+        self._host.finish(jobs)
+        return loss
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refreshes every fp32 main weight, on the accelerator and the CPU, from the model.
+
+        Call it after loading model weights into the params (fine-tuning from a model-only
+        checkpoint); otherwise the next step would continue from the old main weights.
+        """
+        self._device.reload_from_params()
+        self._host.reload_from_params()
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of optimizer memory on each device, and whether the staging is pinned."""
+        return MemoryReport(
+            device_bytes=self._device.num_bytes,
+            host_bytes=self._host.num_bytes,
+            host_staging_bytes=self._host.buffers.num_bytes,
+            pinned=self._host.buffers.pinned,
+            num_device_elements=self._num_elements[0],
+            num_host_elements=self._num_elements[1],
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict, plus ``main_param`` (fp32) for low-precision params.
+
+        Tensors of a param kept in one piece are views of the live state; a param cut between
+        devices or chunks is presented as a CPU copy.
+        """
+        state: dict[int, dict[str, Any]] = {}
+        for record in self._records:
+            if record.ignored:
+                continue
+            param_state = gather_state(record)
+            if param_state is None:
+                continue
+            if record.param.dtype != torch.float32:
+                param_state["main_param"] = gather_main(record)
+            state[record.index] = param_state
+        param_groups = []
+        for group_index, group in enumerate(self.param_groups):
+            packed = {key: value for key, value in group.items() if key != "params"}
+            packed["params"] = [r.index for r in self._records if r.group_index == group_index]
+            param_groups.append(packed)
+        return {"state": state, "param_groups": param_groups}
+
+    def _match_saved(self, state_dict: dict[str, Any]) -> list[tuple[ParamRecord, Any]]:
+        """Pairs each record with its saved param id, checking the groups line up."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            raise ValueError("expected an optimizer state dict with 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the state dict has {len(saved_groups)} param groups, this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        pairs = []
+        records = iter(self._records)
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {index} has {len(saved['params'])} params in the state dict "
+                    f"and {len(group['params'])} in this optimizer"
+                )
+            pairs.extend((next(records), saved_id) for saved_id in saved["params"])
+        return pairs
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict from ``state_dict()`` (any offload fraction) or a torch optimizer.
+
+        Main weights come from ``main_param`` where present, else from the model params.
+        Everything is checked before anything changes.
+        """
+        pairs = self._match_saved(state_dict)
+        saved_state = state_dict["state"]
+        for record, saved_id in pairs:
+            if saved_id in saved_state and not record.ignored:
+                check_saved_state(record, saved_state[saved_id])
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        self._sync_hyperparams()
+        self.reload_model_params()
+        groups = groups_by_main(self._records)
+        for record, saved_id in pairs:
+            if record.ignored:
+                continue
+            saved = saved_state.get(saved_id)
+            if saved is None:
+                for piece in record.pieces:
+                    piece.optimizer.state.pop(piece.main, None)
+                continue
+            scatter_state(record, saved, groups)
+            main = saved.get("main_param")
+            if main is not None:
+                self._load_main(record, main)
+        init_state(self._records, self.optimizer_cls, self._layouts)
+
+    def _load_main(self, record: ParamRecord, main: torch.Tensor) -> None:
+        flat = main.detach().reshape(-1)
+        for piece in record.pieces:
+            piece.main.copy_(flat[piece.spec.start : piece.spec.start + piece.spec.numel])
+        # The model param becomes the main weight in the model dtype, as after a step.
+        flat_param(record.param).copy_(flat.to(record.param.device))

@@ -1,0 +1,98 @@
+"""Where each element lives: the element-exact split between accelerator and CPU, in chunks.
+
+Pure bookkeeping over numbers; no tensors are touched here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["ChunkSpec", "Layout", "ParamInfo", "PieceSpec", "plan_layout"]
+
+
+class ParamInfo(NamedTuple):
+    """What the planner needs of one parameter."""
+
+    numel: int
+    group_index: int
+    dtype: torch.dtype
+
+
+class PieceSpec(NamedTuple):
+    """Elements ``[start, start + numel)`` of the flattened parameter ``param_index``."""
+
+    param_index: int
+    start: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Host pieces stepped, copied and cast together: one param group, one model dtype."""
+
+    group_index: int
+    dtype: torch.dtype
+    pieces: tuple[PieceSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(piece.numel for piece in self.pieces)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The split of every parameter between the accelerator and the CPU."""
+
+    device_pieces: tuple[PieceSpec, ...]  # the head of each param kept on the accelerator
+    host_chunks: tuple[ChunkSpec, ...]  # the offloaded tails, in parameter order
+    num_host_elements: int
+    num_elements: int
+
+
+def plan_layout(params: Sequence[ParamInfo], fraction: float, chunk_numel: int) -> Layout:
+    """Splits ``params`` so that ``fraction`` of all elements, to the element, go to the CPU.
+
+    The CPU takes elements from the end: the last parameters whole, then the tail of the one
+    where the fraction falls (DESIGN.md: the last layers' grads are ready first in backward and
+    their params are needed last in forward). The offloaded elements are cut into pieces of at
+    most ``chunk_numel`` and packed into chunks of at most ``chunk_numel`` that never mix param
+    groups or dtypes. Zero-numel params stay on the accelerator.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise AssertionError(f"expected a fraction in [0, 1], got {fraction}")
+    num_elements = sum(param.numel for param in params)
+    num_host = min(num_elements, math.floor(fraction * num_elements + 0.5))
+    host_start = [param.numel for param in params]
+    remaining = num_host
+    for index in reversed(range(len(params))):
+        taken = min(remaining, params[index].numel)
+        host_start[index] -= taken
+        remaining -= taken
+
+    device_pieces = tuple(
+        PieceSpec(index, 0, host_start[index])
+        for index, param in enumerate(params)
+        if host_start[index] > 0 or param.numel == 0
+    )
+    chunks: list[ChunkSpec] = []
+    pending: list[PieceSpec] = []
+    pending_numel = 0
+    pending_key: tuple[int, torch.dtype] | None = None
+    for index, param in enumerate(params):
+        key = (param.group_index, param.dtype)
+        for start in range(host_start[index], param.numel, chunk_numel):
+            piece = PieceSpec(index, start, min(chunk_numel, param.numel - start))
+            if pending and (key != pending_key or pending_numel + piece.numel > chunk_numel):
+                chunks.append(ChunkSpec(pending_key[0], pending_key[1], tuple(pending)))
+                pending, pending_numel = [], 0
+            pending.append(piece)
+            pending_numel += piece.numel
+            pending_key = key
+    if pending:
+        chunks.append(ChunkSpec(pending_key[0], pending_key[1], tuple(pending)))
+    return Layout(device_pieces, tuple(chunks), num_host, num_elements)

@@ -1,0 +1,62 @@
+"""What moves to the CPU and how: the offload policy."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["DEVICE_IMPLS", "OffloadPolicy"]
+
+DEVICE_IMPLS = ("torch", "apex", "te")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """How much optimizer work and memory moves to the CPU, and how it is moved.
+
+    Args:
+        fraction: share of the elements (of all parameters, counted element by element) whose
+            fp32 main weights, grads and optimizer state live and are stepped on the CPU.
+            0 keeps everything on the accelerator, 1 moves everything. The last parameters are
+            offloaded first. Default 1.0.
+        pin_memory: stage the host copies in pinned memory (fast, asynchronous copies). If
+            pinning fails, pageable memory is used with a warning. Default True.
+        num_threads: CPU threads for the CPU optimizer on this rank; ``None`` picks usable
+            cores / ranks on this host (torchrun's ``OMP_NUM_THREADS=1`` is overridden).
+        chunk_numel: elements per pipelined chunk: the copy of chunk k+1, the CPU step of chunk k
+            and the copy back of chunk k-1 overlap. Default 16M (64 MiB of fp32).
+        device_impl: the accelerator's Adam/AdamW kernel: ``"torch"`` (fused, default),
+            ``"apex"`` or ``"te"`` (FusedAdam from apex or TransformerEngine, if installed).
+
+    Example:
+        >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
+        0.5
+    """
+
+    fraction: float = 1.0
+    pin_memory: bool = True
+    num_threads: int | None = None
+    chunk_numel: int = 1 << 24
+    device_impl: str = "torch"
+
+    def __post_init__(self) -> None:
+        fraction = self.fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise TypeError(f"offload fraction must be a float in [0, 1], got {fraction!r}")
+        if math.isnan(fraction) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(
+                f"offload fraction must be in [0, 1] (0 = all on the accelerator, 1 = all on "
+                f"the CPU), got {fraction}"
+            )
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"pin_memory must be a bool, got {self.pin_memory!r}")
+        threads = self.num_threads
+        if threads is not None and (
+            isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+        ):
+            raise ValueError(f"num_threads must be a positive integer or None, got {threads!r}")
+        chunk = self.chunk_numel
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk_numel must be a positive integer, got {chunk!r}")
+        if self.device_impl not in DEVICE_IMPLS:
+            raise ValueError(f"device_impl must be one of {DEVICE_IMPLS}, got {self.device_impl!r}")

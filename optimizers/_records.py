@@ -1,0 +1,59 @@
+"""One record per parameter, one per piece of it: what lives where."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._layout import PieceSpec
+
+__all__ = ["ParamRecord", "Piece", "flat_grad", "flat_param"]
+
+
+@dataclass
+class Piece:
+    """Elements ``spec.start : spec.start + spec.numel`` of one parameter, on one device."""
+
+    spec: PieceSpec
+    main: torch.Tensor  # 1-D fp32 leaf handed to the sub-optimizer (a view of a flat buffer,
+    #                     or of the model param itself for fp32 params kept on the accelerator)
+    grad: torch.Tensor | None  # 1-D fp32 main grad (view of a flat buffer); None: the model's
+    #                            own grad is used as is (fp32 params on the accelerator)
+    optimizer: torch.optim.Optimizer  # the sub-optimizer that steps `main`
+    staging: torch.Tensor | None = None  # host pieces: 1-D model dtype, pinned view; grads land
+    #                                      here and updated params leave from here
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state.get(self.main, {})
+
+
+@dataclass
+class ParamRecord:
+    """A model parameter and the pieces its main weight, grad and state are cut into."""
+
+    param: torch.Tensor  # the model's parameter (accelerator, model dtype)
+    index: int  # position over all param groups: the key in state_dict()["state"]
+    group_index: int
+    pieces: list[Piece] = field(default_factory=list)  # element order: accelerator piece first
+
+    @property
+    def ignored(self) -> bool:
+        """Params with ``requires_grad=False`` at construction get no pieces and never step."""
+        return not self.pieces
+
+
+def flat_param(param: torch.Tensor) -> torch.Tensor:
+    """The param's storage as a 1-D view (params are checked contiguous at construction)."""
+    return param.detach().view(-1)
+
+
+def flat_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The param's grad as a 1-D tensor, or ``None``; a non-contiguous grad is copied once."""
+    grad = param.grad
+    if grad is None:
+        return None
+    if grad.is_sparse:
+        raise TypeError("zero-shard does not support sparse gradients (use a dense embedding)")
+    return grad.view(-1) if grad.is_contiguous() else grad.contiguous().view(-1)

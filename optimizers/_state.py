@@ -1,0 +1,163 @@
+"""Optimizer state across pieces: eager creation, and the per-parameter view of it.
+
+A parameter cut into pieces has one state dict per piece, kept by the sub-optimizer that steps
+the piece. Outwards (``state_dict``) each parameter shows one dict shaped like torch's: tensors
+with the parameter's shape, scalars such as ``step`` once. A parameter in one piece shows views of
+its live state; one cut in several (the piece straddling the accelerator/CPU split, or a param
+longer than a chunk) shows a CPU copy of the concatenation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ._elementwise import StateLayout
+from ._records import ParamRecord, Piece
+
+__all__ = [
+    "check_saved_state",
+    "gather_main",
+    "gather_state",
+    "groups_by_main",
+    "init_state",
+    "scatter_state",
+]
+
+# Optimizers whose state at creation is zeros for every elementwise tensor and 0 for `step`; it
+# can be created at construction with no step taken (the others create theirs at the first step).
+_ZERO_INITIAL_STATE = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adadelta,
+)
+
+
+def groups_by_main(records: Iterable[ParamRecord]) -> dict[int, dict[str, Any]]:
+    """Maps ``id(piece.main)`` to the sub-optimizer group that steps it, for every piece."""
+    optimizers = {id(p.optimizer): p.optimizer for r in records for p in r.pieces}
+    return {
+        id(param): group
+        for optimizer in optimizers.values()
+        for group in optimizer.param_groups
+        for param in group["params"]
+    }
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _step_tensor(value: Any, piece: Piece, group: dict[str, Any]) -> torch.Tensor:
+    """``step`` the way torch keeps it: on the param's device for fused/capturable, else CPU."""
+    value = torch.as_tensor(value).detach()
+    if group.get("fused") or group.get("capturable"):
+        return value.to(dtype=torch.float32, device=piece.main.device, copy=True)
+    return value.to(dtype=_scalar_dtype(), device="cpu", copy=True)
+
+
+def _starts_zero(cls: type, group: dict[str, Any]) -> bool:
+    if issubclass(cls, _ZERO_INITIAL_STATE):
+        return True
+    # SGD's first step copies the grad into the buffer; zeros give the same only without dampening.
+    return issubclass(cls, torch.optim.SGD) and group.get("dampening", 0) == 0
+
+
+def init_state(records: Iterable[ParamRecord], cls: type, layouts: Sequence[StateLayout]) -> None:
+    """Creates, for every piece without state, the state its optimizer would create at its first
+    step, where that state is known to start at zero (``_ZERO_INITIAL_STATE``; SGD without
+    dampening). Other optimizers create their state at the first step, as in torch.
+
+    ``layouts[g]`` is the state layout of the user's param group ``g``.
+    """
+    groups = groups_by_main(records)
+    for record in records:
+        layout = layouts[record.group_index]
+        if any(key != "step" for key in layout.scalar_keys):
+            continue  # a scalar other than the step count starts non-zero: stay lazy
+        for piece in record.pieces:
+            if piece.state or not isinstance(piece.optimizer, cls):
+                continue
+            group = groups[id(piece.main)]
+            if not _starts_zero(cls, group):
+                continue
+            state: dict[str, Any] = {}
+            if "step" in layout.scalar_keys:
+                state["step"] = _step_tensor(0.0, piece, group)
+            for key in layout.elementwise_keys:
+                state[key] = torch.zeros_like(piece.main, memory_format=torch.contiguous_format)
+            piece.optimizer.state[piece.main] = state
+
+
+def _is_elementwise(value: Any, piece: Piece) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == piece.spec.numel
+
+
+def _join(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    if len(parts) == 1:
+        return parts[0].view(shape)
+    return torch.cat([part.detach().cpu() for part in parts]).view(shape)
+
+
+def gather_state(record: ParamRecord) -> dict[str, Any] | None:
+    """The parameter's state as one torch-shaped dict, or ``None`` if it has none yet."""
+    states = [piece.state for piece in record.pieces]
+    if not any(states):
+        return None
+    if not all(states):
+        raise AssertionError(f"expected state on every piece of param {record.index}, got some")
+    merged: dict[str, Any] = {}
+    for key, value in states[0].items():
+        if _is_elementwise(value, record.pieces[0]):
+            merged[key] = _join([state[key] for state in states], record.param.shape)
+        else:
+            merged[key] = value
+    return merged
+
+
+def gather_main(record: ParamRecord) -> torch.Tensor:
+    """The parameter's fp32 main weight, in the parameter's shape."""
+    return _join([piece.main for piece in record.pieces], record.param.shape)
+
+
+def check_saved_state(record: ParamRecord, saved: dict[str, Any]) -> None:
+    """Raises ``ValueError`` if a saved tensor does not fit the parameter."""
+    numel = record.param.numel()
+    for key, value in saved.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.numel() != numel:
+            raise ValueError(
+                f"saved state {key!r} of param {record.index} has shape {tuple(value.shape)}, "
+                f"but the param has shape {tuple(record.param.shape)}: the checkpoint is of "
+                "another model or another parameter order"
+            )
+
+
+def scatter_state(
+    record: ParamRecord, saved: dict[str, Any], groups: dict[int, dict[str, Any]]
+) -> None:
+    """Replaces each piece's state with its slice of ``saved`` (checked by check_saved_state).
+
+    ``groups`` is :func:`groups_by_main` of the optimizer's records.
+    """
+    for piece in record.pieces:
+        group = groups[id(piece.main)]
+        start, numel = piece.spec.start, piece.spec.numel
+        state: dict[str, Any] = {}
+        for key, value in saved.items():
+            if key == "main_param":
+                continue
+            if torch.is_tensor(value) and value.dim() > 0:
+                flat = value.detach().reshape(-1)[start : start + numel]
+                state[key] = flat.to(device=piece.main.device, dtype=torch.float32, copy=True)
+            elif key == "step":
+                state[key] = _step_tensor(value, piece, group)
+            elif torch.is_tensor(value):
+                state[key] = value.to(device=piece.main.device, dtype=torch.float32, copy=True)
+            else:
+                state[key] = value
+        piece.optimizer.state[piece.main] = state
