@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -153,12 +154,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         groups = [dict(group) for group in optimizer.param_groups]
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         hybrid = cls(
             groups,
             type(optimizer),
             offload_fraction=offload_fraction,
             policy=policy,
-            **optimizer.defaults,
+            **defaults,
         )
         if optimizer.state:
             hybrid.load_state_dict(optimizer.state_dict())

@@ -1,0 +1,44 @@
+import warnings
+
+import pytest
+
+from offload import _threads, resolve_thread_budget, usable_cores
+
+
+def test_argument_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert resolve_thread_budget(5).num_threads == 5
+    assert resolve_thread_budget(5).source == "argument"
+
+
+def test_user_omp_num_threads_is_respected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert resolve_thread_budget().num_threads == 3
+
+
+def test_torchrun_one_thread_is_overridden_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(_threads, "_torchrun_warned", False)
+    monkeypatch.setattr(_threads, "usable_cores", lambda: 16)
+    with pytest.warns(RuntimeWarning, match="torchrun set OMP_NUM_THREADS=1"):
+        budget = resolve_thread_budget()
+    assert budget.num_threads == 16 and budget.source == "cores / local ranks"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per process
+        assert resolve_thread_budget().num_threads == 2
+
+
+def test_no_setting_divides_cores_by_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert resolve_thread_budget().num_threads == max(usable_cores() // 64, 1)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
+def test_bad_thread_count(bad: object) -> None:
+    with pytest.raises(ValueError, match="num_threads must be a positive integer"):
+        resolve_thread_budget(bad)  # type: ignore[arg-type]

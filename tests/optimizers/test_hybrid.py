@@ -1,0 +1,218 @@
+"""HybridDeviceOptimizer on CPU: parity with plain torch optimizers, state dicts, reloads."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import pytest
+import torch
+from _parity import (
+    EXACT,
+    OPTIMIZERS,
+    OTHER_KERNEL,
+    SAME_KERNEL,
+    assert_matches,
+    fp32_copies,
+    groups_of,
+    main_weights,
+    make_params,
+    set_grads,
+    train_side_by_side,
+)
+
+from optimizers import HybridDeviceOptimizer, OffloadPolicy
+
+FRACTIONS = [0.0, 0.37, 1.0]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def hybrid(params, name: str, fraction: float, chunk_numel: int = 40) -> HybridDeviceOptimizer:
+    cls, kwargs = OPTIMIZERS[name]
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=chunk_numel, num_threads=2)
+    return HybridDeviceOptimizer(groups_of(params), cls, policy=policy, **kwargs)
+
+
+def reference(refs, name: str, fused: bool) -> torch.optim.Optimizer:
+    cls, kwargs = OPTIMIZERS[name]
+    return cls(groups_of(refs), **kwargs, **({"fused": True} if fused else {}))
+
+
+@pytest.mark.parametrize(
+    ("name", "fraction", "dtype"), itertools.product(OPTIMIZERS, FRACTIONS, DTYPES)
+)
+def test_parity_every_step(name: str, fraction: float, dtype: torch.dtype) -> None:
+    # Against torch's default (single-tensor) implementation: within RTOL/ATOL (see _parity).
+    params = make_params(dtype, "cpu")
+    refs = fp32_copies(params)
+    opt, ref_opt = hybrid(params, name, fraction), reference(refs, name, fused=False)
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=5):
+        assert_matches(opt, params, refs, tol=OTHER_KERNEL, where=f"step {step}")
+    # Against torch's fused CPU kernel, which both devices run here: bit for bit.
+    params = make_params(dtype, "cpu")
+    refs = fp32_copies(params)
+    opt, ref_opt = hybrid(params, name, fraction), reference(refs, name, fused=True)
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=5):
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"fused, step {step}")
+    state = opt.state_dict()["state"]
+    for index, ref in enumerate(refs):
+        for key, value in ref_opt.state[ref].items():
+            torch.testing.assert_close(
+                state[index][key].cpu().float(),
+                value.float(),
+                rtol=SAME_KERNEL[0],
+                atol=SAME_KERNEL[1],
+            )
+
+
+def test_split_really_moves_elements_to_the_host() -> None:
+    params = make_params(torch.bfloat16, "cpu")
+    opt = hybrid(params, "adamw", 0.37)
+    report = opt.memory_report()
+    total = sum(p.numel() for p in params)
+    assert report.num_host_elements == round(0.37 * total)
+    assert report.num_device_elements == total - report.num_host_elements
+    assert report.host_bytes > 0 and report.device_bytes > 0 and not report.pinned
+    full = hybrid(make_params(torch.bfloat16, "cpu"), "adamw", 1.0).memory_report()
+    assert full.device_bytes == 0 and full.num_host_elements == total
+
+
+def test_lr_scheduler_and_manual_edits_reach_both_devices() -> None:
+    params = make_params(torch.bfloat16, "cpu")
+    refs = fp32_copies(params)
+    opt, ref_opt = hybrid(params, "adamw", 0.5), reference(refs, "adamw", fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 0.5**step)
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=4):
+        sched.step()
+        ref_sched.step()
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+    # The sub-optimizers took the lr of the last step (the scheduler has moved on since).
+    sub_lrs = {round(sub["lr"], 12) for sub, _ in opt._sub_groups()}
+    assert sub_lrs == {round(3e-3 * 0.5**3, 12), round(1e-2 * 0.5**3, 12)}
+    for group, ref_group in zip(opt.param_groups, ref_opt.param_groups, strict=True):
+        group["weight_decay"] = ref_group["weight_decay"] = 0.3
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=2, seed=7):
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"after edit, step {step}")
+
+
+@pytest.mark.parametrize(
+    ("name", "before", "after", "dtype"),
+    [
+        ("adamw", 0.37, 0.37, torch.bfloat16),  # same layout: bit for bit
+        ("adamw", 0.37, 1.0, torch.bfloat16),
+        ("adamw", 1.0, 0.0, torch.float32),
+        ("adam", 0.0, 0.6, torch.bfloat16),
+        ("sgd", 0.5, 0.2, torch.float16),
+    ],
+)
+def test_state_dict_round_trip_into_another_fraction(
+    name: str, before: float, after: float, dtype: torch.dtype
+) -> None:
+    tol = EXACT if before == after else SAME_KERNEL
+    params = make_params(dtype, "cpu")
+    refs = fp32_copies(params)  # unused reference optimizer: only drives the same grads
+    opt, ref_opt = hybrid(params, name, before), reference(refs, name, fused=True)
+    steps = train_side_by_side(opt, ref_opt, params, refs, steps=6)
+    for _ in range(3):
+        next(steps)
+    buffer = io.BytesIO()
+    torch.save({"model": [p.detach().clone() for p in params], "optim": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed_params = [torch.nn.Parameter(t) for t in saved["model"]]
+    resumed = hybrid(resumed_params, name, after, chunk_numel=40 if tol == EXACT else 17)
+    resumed.load_state_dict(saved["optim"])
+    gen = torch.Generator().manual_seed(99)
+    for step in range(3):  # the uninterrupted run and the resumed one see the same grads
+        set_grads(params, refs, gen)
+        for param, resumed_param in zip(params, resumed_params, strict=True):
+            resumed_param.grad = None if param.grad is None else param.grad.clone()
+        opt.step()
+        resumed.step()
+        for index, (a, b) in enumerate(
+            zip(main_weights(opt, params), main_weights(resumed, resumed_params), strict=True)
+        ):
+            torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1], msg=f"step {step}: {index}")
+            assert torch.equal(resumed_params[index], b.to(dtype))
+
+
+def test_load_torch_optimizer_state_through_wrap() -> None:
+    params = make_params(torch.float32, "cpu")
+    refs = fp32_copies(params)
+    cls, kwargs = OPTIMIZERS["adamw"]
+    user_opt = cls(groups_of(params), **kwargs, fused=True)
+    ref_opt = cls(groups_of(refs), **kwargs, fused=True)
+    for _ in train_side_by_side(user_opt, ref_opt, params, refs, steps=2):
+        pass
+    opt = HybridDeviceOptimizer.wrap(user_opt, offload_fraction=0.5)
+    assert opt.optimizer_cls is cls
+    assert [g["lr"] for g in opt.param_groups] == [1e-2, 3e-3]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=3):
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_reload_model_params_after_model_only_load(fraction: float) -> None:
+    params = make_params(torch.bfloat16, "cpu")
+    opt = hybrid(params, "adamw", fraction)
+    loaded = make_params(torch.bfloat16, "cpu", seed=5)  # "the checkpoint"
+    with torch.no_grad():
+        for param, weights in zip(params, loaded, strict=True):
+            param.copy_(weights)
+    stale = main_weights(opt, params)
+    assert any(
+        not torch.equal(m, w.float()) for m, w in zip(stale, loaded, strict=True) if w.numel()
+    ), "without a reload the main weights are still the old ones"
+    opt.reload_model_params()
+    refs = fp32_copies(loaded)
+    ref_opt = reference(refs, "adamw", fused=True)
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=2):
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_params_without_grad_are_left_alone_like_torch(fraction: float) -> None:
+    params = make_params(torch.bfloat16, "cpu")
+    refs = fp32_copies(params)
+    opt, ref_opt = hybrid(params, "adamw", fraction), reference(refs, "adamw", fused=True)
+    skip = {0: {0, 5}, 1: {5}, 3: {0, 1, 2, 3, 4, 5}}  # step -> params without a grad
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=5, skip=skip):
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+    state = opt.state_dict()["state"]
+    for index, ref in enumerate(refs):
+        assert torch.equal(state[index]["step"].cpu(), ref_opt.state[ref]["step"].cpu())
+
+
+def test_frozen_params_are_ignored_but_keep_their_index() -> None:
+    params = make_params(torch.bfloat16, "cpu")
+    params[3].requires_grad_(False)
+    opt = hybrid(params, "adamw", 0.5)
+    total = sum(p.numel() for i, p in enumerate(params) if i != 3)
+    report = opt.memory_report()
+    assert report.num_device_elements + report.num_host_elements == total
+    state_dict = opt.state_dict()
+    assert 3 not in state_dict["state"]
+    assert [g["params"] for g in state_dict["param_groups"]] == [[0, 1, 2], [3, 4, 5]]
+    before = params[3].detach().clone()
+    params[3].grad = torch.ones_like(params[3])
+    with pytest.warns(RuntimeWarning, match="requires_grad=False when the optimizer was built"):
+        opt.step()
+    assert torch.equal(params[3], before)
+
+
+def test_state_exists_from_construction() -> None:
+    opt = hybrid(make_params(torch.bfloat16, "cpu"), "adamw", 0.37)
+    state = opt.state_dict()["state"]
+    assert sorted(state) == [0, 1, 2, 3, 4, 5]
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq", "main_param"} for s in state.values())
+    assert all(s["step"].item() == 0 for s in state.values())
+
+
+def test_state_dict_views_alias_live_state_when_param_is_whole() -> None:
+    params = make_params(torch.float32, "cpu")
+    opt = hybrid(params, "adamw", 0.0)
+    state = opt.state_dict()["state"]
+    state[0]["exp_avg"].fill_(3.0)
+    assert torch.all(opt.state_dict()["state"][0]["exp_avg"] == 3.0)

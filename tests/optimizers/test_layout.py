@@ -1,0 +1,61 @@
+import itertools
+
+import pytest
+import torch
+
+from optimizers._layout import ParamInfo, plan_layout
+
+BF16, FP32 = torch.bfloat16, torch.float32
+PARAMS = [
+    ParamInfo(105, 0, BF16),
+    ParamInfo(0, 0, BF16),
+    ParamInfo(3, 0, BF16),
+    ParamInfo(250, 0, BF16),
+    ParamInfo(7, 1, FP32),
+    ParamInfo(40, 1, BF16),
+    ParamInfo(1, 1, BF16),
+]
+
+
+def covered(layout, params):
+    seen = [[0] * p.numel for p in params]
+    pieces = list(layout.device_pieces) + [p for c in layout.host_chunks for p in c.pieces]
+    for piece in pieces:
+        for i in range(piece.start, piece.start + piece.numel):
+            seen[piece.param_index][i] += 1
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("fraction", "chunk"), itertools.product([0.0, 0.37, 0.5, 0.999, 1.0], [1, 8, 64, 10_000])
+)
+def test_every_element_once_and_fraction_exact(fraction: float, chunk: int) -> None:
+    layout = plan_layout(PARAMS, fraction, chunk)
+    total = sum(p.numel for p in PARAMS)
+    assert layout.num_elements == total
+    assert layout.num_host_elements == round(fraction * total)
+    assert sum(c.numel for c in layout.host_chunks) == layout.num_host_elements
+    assert all(count == 1 for row in covered(layout, PARAMS) for count in row)
+    for c in layout.host_chunks:
+        assert c.numel <= chunk
+        assert {PARAMS[p.param_index].group_index for p in c.pieces} == {c.group_index}
+        assert {PARAMS[p.param_index].dtype for p in c.pieces} == {c.dtype}
+
+
+def test_last_params_go_first_and_split_is_a_tail() -> None:
+    layout = plan_layout(PARAMS, 0.3, 64)
+    num_host = layout.num_host_elements  # 122 of 406
+    host = sorted((p.param_index, p.start, p.numel) for c in layout.host_chunks for p in c.pieces)
+    # params 6, 5, 4 whole (48 elements), then the last 74 elements of param 3
+    assert [h[0] for h in host] == [3, 3, 4, 5, 6]
+    assert host[0][1] == 250 - (num_host - 48)
+    device = {p.param_index: (p.start, p.numel) for p in layout.device_pieces}
+    assert device[3] == (0, 250 - (num_host - 48))
+    assert 1 in device and device[1] == (0, 0)  # zero-numel params stay on the accelerator
+
+
+def test_params_smaller_than_a_chunk_are_not_cut() -> None:
+    params = [ParamInfo(10, 0, BF16)] * 5
+    layout = plan_layout(params, 1.0, 25)
+    assert [len(c.pieces) for c in layout.host_chunks] == [2, 2, 1]
+    assert all(p.numel == 10 for c in layout.host_chunks for p in c.pieces)
