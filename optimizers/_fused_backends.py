@@ -2,7 +2,7 @@
 
 apex and TransformerEngine are optional: they are imported only when asked for, and neither is
 installed in CI or on the lent GPU machines, so their adapters stay thin (constructor arguments
-only) and are unverified; see docs/status.md.
+only) and are unverified (README.md, Status).
 """
 
 from __future__ import annotations

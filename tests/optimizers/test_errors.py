@@ -1,0 +1,138 @@
+"""Bad input gets an error that names the value and the fix."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from _parity import groups_of, make_params
+
+from optimizers import HybridDeviceOptimizer, OffloadPolicy
+from optimizers._fused_backends import build_sub_optimizer
+
+
+def params() -> list[torch.nn.Parameter]:
+    return make_params(torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("fraction", [1.5, -0.1, math.nan, math.inf])
+def test_fraction_out_of_range(fraction: float) -> None:
+    with pytest.raises(ValueError, match=r"offload fraction must be in \[0, 1\].*got"):
+        HybridDeviceOptimizer(params(), offload_fraction=fraction)
+    with pytest.raises(ValueError, match="offload fraction must be in"):
+        OffloadPolicy(fraction=fraction)
+
+
+def test_fraction_of_wrong_type() -> None:
+    with pytest.raises(TypeError, match="got '0.5'"):
+        HybridDeviceOptimizer(params(), offload_fraction="0.5")
+
+
+@pytest.mark.parametrize("cls", [torch.optim.LBFGS, torch.optim.Adafactor, torch.optim.SparseAdam])
+def test_non_elementwise_class(cls: type) -> None:
+    with pytest.raises(NotImplementedError, match=cls.__name__):
+        HybridDeviceOptimizer(params(), cls, lr=1e-3)
+
+
+def test_subclass_that_changes_step_is_refused_unless_marked() -> None:
+    class Custom(torch.optim.AdamW):
+        def step(self, closure=None):  # type: ignore[override]
+            return super().step(closure)
+
+    with pytest.raises(NotImplementedError, match="Custom"):
+        HybridDeviceOptimizer(params(), Custom)
+
+    class Marked(Custom):
+        _zero_shard_elementwise = True
+
+    HybridDeviceOptimizer(params(), Marked)
+
+
+def test_not_an_optimizer_class() -> None:
+    with pytest.raises(TypeError, match="optimizer_cls must be a torch.optim.Optimizer subclass"):
+        HybridDeviceOptimizer(params(), torch.nn.Linear)
+
+
+def test_duplicate_params() -> None:
+    p = params()
+    with pytest.raises(ValueError, match="appears twice in one param group"):
+        HybridDeviceOptimizer([p[0], p[1], p[0]])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        HybridDeviceOptimizer([{"params": [p[0]]}, {"params": [p[0], p[1]]}])
+
+
+def test_meta_params() -> None:
+    meta = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    with pytest.raises(ValueError, match="meta device; materialize the model"):
+        HybridDeviceOptimizer([meta])
+
+
+def test_complex_and_non_contiguous_params() -> None:
+    with pytest.raises(TypeError, match="complex params"):
+        HybridDeviceOptimizer([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+    strided = torch.nn.Parameter(torch.zeros(4, 6).t())
+    with pytest.raises(ValueError, match="not contiguous"):
+        HybridDeviceOptimizer([strided])
+
+
+def test_bad_hyperparameters_come_from_the_class() -> None:
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        HybridDeviceOptimizer(params(), torch.optim.AdamW, lr=-1.0)
+
+
+def test_fraction_given_twice() -> None:
+    with pytest.raises(ValueError, match="pass the offload fraction once"):
+        HybridDeviceOptimizer(params(), offload_fraction=0.5, policy=OffloadPolicy(fraction=0.5))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("num_threads", 0, "num_threads must be a positive integer or None, got 0"),
+        ("chunk_numel", 0, "chunk_numel must be a positive integer, got 0"),
+        ("device_impl", "cuda", "device_impl must be one of"),
+    ],
+)
+def test_bad_policy(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        OffloadPolicy(**{field: value})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("apex") is not None, reason="apex is installed here")
+def test_missing_fused_backend() -> None:
+    # Neither apex nor TransformerEngine is installed in CI or on the GPU machines.
+    group = [{"params": params()[:1], "lr": 1e-3}]
+    with pytest.raises(ImportError, match="needs apex.optimizers, which is not installed"):
+        build_sub_optimizer(torch.optim.AdamW, group, "cuda", "apex")
+    with pytest.raises(ValueError, match="Adam and AdamW only, got SGD"):
+        build_sub_optimizer(torch.optim.SGD, group, "cuda", "te")
+
+
+def test_add_param_group_after_construction() -> None:
+    opt = HybridDeviceOptimizer(params()[:2])
+    with pytest.raises(NotImplementedError, match="build a new one"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_load_state_dict_mismatches() -> None:
+    p = params()
+    opt = HybridDeviceOptimizer(groups_of(p), offload_fraction=0.5)
+    good = opt.state_dict()
+    with pytest.raises(ValueError, match="has 1 param groups, this optimizer has 2"):
+        opt.load_state_dict({"state": {}, "param_groups": good["param_groups"][:1]})
+    fewer = [dict(g) for g in good["param_groups"]]
+    fewer[1]["params"] = fewer[1]["params"][:-1]
+    with pytest.raises(ValueError, match="param group 1 has 2 params in the state dict and 3"):
+        opt.load_state_dict({"state": good["state"], "param_groups": fewer})
+    other = HybridDeviceOptimizer(groups_of(make_params(torch.bfloat16, "cpu")))
+    wrong = other.state_dict()
+    wrong["state"][3] = {**wrong["state"][3], "exp_avg": torch.zeros(4, 4)}
+    before = {k: v.clone() for k, v in opt.state_dict()["state"][3].items()}
+    with pytest.raises(ValueError, match=r"'exp_avg' of param 3 has shape \(4, 4\).*\(16, 16\)"):
+        opt.load_state_dict(wrong)
+    after = opt.state_dict()["state"][3]
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refused load changed state"
+    with pytest.raises(ValueError, match="'state' and 'param_groups'"):
+        opt.load_state_dict({"state": {}})

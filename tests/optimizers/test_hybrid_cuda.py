@@ -1,0 +1,101 @@
+"""HybridDeviceOptimizer on a CUDA GPU: parity, a race test and GPU memory. Run on the lent GPU
+machines (docs/gpu-tests.md); skipped without CUDA."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from _parity import (
+    OTHER_KERNEL,
+    SAME_KERNEL,
+    assert_matches,
+    fp32_copies,
+    groups_of,
+    make_params,
+    train_side_by_side,
+)
+
+from optimizers import HybridDeviceOptimizer, OffloadPolicy
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize(
+    ("name", "fraction", "dtype"),
+    itertools.product(["adamw", "sgd"], [0.0, 0.5, 1.0], [torch.bfloat16, torch.float32]),
+)
+def test_parity_on_cuda(name: str, fraction: float, dtype: torch.dtype) -> None:
+    cls, kwargs = {
+        "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+        "sgd": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+    }[name]
+    params = make_params(dtype, "cuda")
+    refs = fp32_copies(params)  # on CUDA, torch's fused kernel
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=40)
+    opt = HybridDeviceOptimizer(groups_of(params), cls, policy=policy, **kwargs)
+    ref_opt = cls(groups_of(refs), **kwargs, fused=True)
+    if fraction > 0:
+        assert opt.memory_report().pinned
+    # The CPU share runs the CPU kernel, the reference the CUDA one.
+    tol = SAME_KERNEL if fraction == 0 else OTHER_KERNEL
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=5):
+        assert_matches(opt, params, refs, tol=tol, where=f"step {step}")
+
+
+def _model(width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(width, width, bias=False) for _ in range(depth)]
+    return torch.nn.Sequential(*layers).to(device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_no_race_between_copies_and_compute(fraction: float) -> None:
+    """Wide layers and a tiny batch: the copies take far longer than the compute around them.
+
+    After every step the next forward runs at once, with no synchronization; it must see the
+    same params as a forward run after a full synchronize (else it read them before the H2D
+    landed). The main weights must follow a CPU AdamW fed with the same grads, run after the
+    tested step (else the D2H read grads before backward wrote them, or staging was reused
+    while a copy still read it).
+    """
+    width, depth = 2048, 8  # 33M params, 67 MB of bf16 per direction per step
+    model = _model(width, depth)
+    params = list(model.parameters())
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=width * width // 2)
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
+    shadow = [p.detach().float().cpu().clone() for p in params]
+    for tensor in shadow:
+        tensor.requires_grad_(True)
+    shadow_opt = torch.optim.AdamW(shadow, lr=1e-2, fused=True)
+    x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
+    for step in range(20):
+        model(x).float().square().mean().backward()
+        grads = [p.grad.detach().clone() for p in params]  # on the current stream, no sync
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        fast = model(x)  # right after the step: must wait for the H2D, not read old params
+        torch.cuda.synchronize()
+        slow = model(x)
+        assert torch.equal(fast, slow), f"step {step}: forward read params before the copy landed"
+        for tensor, grad in zip(shadow, grads, strict=True):
+            tensor.grad = grad.float().cpu()
+        shadow_opt.step()
+        # The CPU share runs the same fused CPU kernel as the shadow; the GPU share the CUDA one.
+        assert_matches(opt, params, shadow, tol=OTHER_KERNEL, where=f"step {step}")
+
+
+def test_full_offload_keeps_no_fp32_copies_on_the_gpu() -> None:
+    model = _model(1024, 4)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    opt = HybridDeviceOptimizer(model.parameters(), offload_fraction=1.0, lr=1e-3)
+    model(torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)).sum().backward()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    opt.step()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    assert opt.memory_report().device_bytes == 0
+    # Only the model's own bf16 grads (and tiny activations) were added.
+    assert after - before <= grads + (1 << 20)
