@@ -39,7 +39,7 @@ def reference(refs, name: str, fused: bool) -> torch.optim.Optimizer:
 
 
 @pytest.mark.parametrize(
-    ("name", "fraction", "dtype"), itertools.product(OPTIMIZERS, FRACTIONS, DTYPES)
+    ("name", "fraction", "dtype"), list(itertools.product(OPTIMIZERS, FRACTIONS, DTYPES))
 )
 def test_parity_every_step(name: str, fraction: float, dtype: torch.dtype) -> None:
     # Against torch's default (single-tensor) implementation: within RTOL/ATOL (see _parity).

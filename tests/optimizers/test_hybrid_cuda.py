@@ -24,7 +24,7 @@ pytestmark = pytest.mark.cuda
 
 @pytest.mark.parametrize(
     ("name", "fraction", "dtype"),
-    itertools.product(["adamw", "sgd"], [0.0, 0.5, 1.0], [torch.bfloat16, torch.float32]),
+    list(itertools.product(["adamw", "sgd"], [0.0, 0.5, 1.0], [torch.bfloat16, torch.float32])),
 )
 def test_parity_on_cuda(name: str, fraction: float, dtype: torch.dtype) -> None:
     cls, kwargs = {

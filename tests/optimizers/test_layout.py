@@ -27,7 +27,7 @@ def covered(layout, params):
 
 
 @pytest.mark.parametrize(
-    ("fraction", "chunk"), itertools.product([0.0, 0.37, 0.5, 0.999, 1.0], [1, 8, 64, 10_000])
+    ("fraction", "chunk"), list(itertools.product([0.0, 0.37, 0.5, 0.999, 1.0], [1, 8, 64, 10_000]))
 )
 def test_every_element_once_and_fraction_exact(fraction: float, chunk: int) -> None:
     layout = plan_layout(PARAMS, fraction, chunk)
