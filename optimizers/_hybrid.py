@@ -34,10 +34,12 @@ __all__ = ["HybridDeviceOptimizer", "MemoryReport"]
 class MemoryReport:
     """Where the optimizer's memory is (the model's own params and grads not counted)."""
 
-    device_bytes: int  # fp32 main weights, main grads and state on the accelerator
-    host_bytes: int  # the same on the CPU, plus the staging buffers
+    device: str  # the params' device ("cuda:0"; "cpu" when training on the CPU, where both
+    #              shares live in host memory)
+    device_bytes: int  # fp32 main weights, main grads and state of the accelerator's share
+    host_bytes: int  # the same for the CPU's share, plus the staging buffers
     host_staging_bytes: int  # of host_bytes: the staging buffers for host<->device copies
-    pinned: bool  # whether the staging buffers are pinned
+    pinned: bool | None  # whether the staging buffers are pinned; None when nothing is offloaded
     num_device_elements: int
     num_host_elements: int
 
@@ -298,11 +300,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes of optimizer memory on each device, and whether the staging is pinned."""
+        buffers = self._host.buffers
         return MemoryReport(
+            device=str(self._records[0].param.device),
             device_bytes=self._device.num_bytes,
             host_bytes=self._host.num_bytes,
-            host_staging_bytes=self._host.buffers.num_bytes,
-            pinned=self._host.buffers.pinned,
+            host_staging_bytes=buffers.num_bytes,
+            pinned=buffers.pinned if buffers.views else None,
             num_device_elements=self._num_elements[0],
             num_host_elements=self._num_elements[1],
         )

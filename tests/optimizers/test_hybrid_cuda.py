@@ -54,16 +54,17 @@ def _model(width: int, depth: int) -> torch.nn.Module:
 def test_no_race_between_copies_and_compute(fraction: float) -> None:
     """Wide layers and a tiny batch: the copies take far longer than the compute around them.
 
-    After every step the next forward runs at once, with no synchronization; it must see the
-    same params as a forward run after a full synchronize (else it read them before the H2D
-    landed). The main weights must follow a CPU AdamW fed with the same grads, run after the
-    tested step (else the D2H read grads before backward wrote them, or staging was reused
-    while a copy still read it).
+    Before each step the GPU is kept busy and the grads are rewritten behind that work: a D2H that
+    does not wait for it reads stale grads. Right after each step a forward runs with no
+    synchronization; it must equal a forward run after a full synchronize (else it read params
+    before their H2D landed: each chunk is a whole layer, and layer 0's copy is queued last). The
+    main weights must follow a CPU AdamW fed with the same grads, run after the tested step.
+    tests/optimizers/race_sensitivity.py shows that removing either wait makes this test fail.
     """
-    width, depth = 2048, 8  # 33M params, 67 MB of bf16 per direction per step
+    width, depth = 4096, 4  # 67M params: 34 MB of bf16 per layer and direction
     model = _model(width, depth)
     params = list(model.parameters())
-    policy = OffloadPolicy(fraction=fraction, chunk_numel=width * width // 2)
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=width * width)
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
     shadow = [p.detach().float().cpu().clone() for p in params]
     for tensor in shadow:
@@ -72,13 +73,16 @@ def test_no_race_between_copies_and_compute(fraction: float) -> None:
     x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
     for step in range(20):
         model(x).float().square().mean().backward()
+        torch.cuda._sleep(50_000_000)  # tens of ms of queued work before the grads' last write
+        for param in params:
+            param.grad.mul_(0.5)
         grads = [p.grad.detach().clone() for p in params]  # on the current stream, no sync
         opt.step()
-        opt.zero_grad(set_to_none=True)
         fast = model(x)  # right after the step: must wait for the H2D, not read old params
         torch.cuda.synchronize()
         slow = model(x)
         assert torch.equal(fast, slow), f"step {step}: forward read params before the copy landed"
+        opt.zero_grad(set_to_none=True)
         for tensor, grad in zip(shadow, grads, strict=True):
             tensor.grad = grad.float().cpu()
         shadow_opt.step()
