@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import train_gpt  # noqa: E402
+import train_gpt
 
 
 @pytest.fixture(scope="module")
