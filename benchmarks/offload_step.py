@@ -324,10 +324,12 @@ def require_cuda(device: torch.device) -> None:
 # Systems
 
 
-def run_zero_shard(workload: Workload, fraction: float, settings: Settings) -> Result:
+def run_zero_shard(
+    workload: Workload, fraction: float, settings: Settings, cpu_kernel: str = "auto"
+) -> Result:
     device = settings.device
     model = make_model(workload, device, torch.bfloat16)
-    policy = OffloadPolicy(fraction=fraction, num_threads=settings.threads)
+    policy = OffloadPolicy(fraction=fraction, num_threads=settings.threads, cpu_kernel=cpu_kernel)
     opt = HybridDeviceOptimizer(
         model.params, torch.optim.AdamW, policy=policy, lr=LR, weight_decay=WEIGHT_DECAY
     )
@@ -341,7 +343,8 @@ def run_zero_shard(workload: Workload, fraction: float, settings: Settings) -> R
         "memory_report": dataclasses.asdict(opt.memory_report()),
         "policy": dataclasses.asdict(policy),
     }
-    return make_result("zero_shard", fraction, timing, device, extra)
+    name = "zero_shard" if cpu_kernel == "auto" else f"zero_shard_{cpu_kernel}_kernel"
+    return make_result(name, fraction, timing, device, extra)
 
 
 def run_gpu_floor(workload: Workload, settings: Settings) -> Result:
@@ -532,6 +535,9 @@ def run_workload(
     for fraction in settings.fractions:
         run = functools.partial(run_zero_shard, workload, fraction, settings)
         runs.append(("zero_shard", fraction, run))
+    # torch's fused CPU AdamW with separate casts, for the kernel's gain in the same run
+    run = functools.partial(run_zero_shard, workload, 1.0, settings, "torch")
+    runs.append(("zero_shard_torch_kernel", 1.0, run))
     for dtype, name in ((torch.bfloat16, "torchao_bf16"), (torch.float32, "torchao_fp32")):
         runs.append((name, 1.0, functools.partial(run_torchao, workload, dtype, settings)))
     for fraction in settings.peer_fractions:

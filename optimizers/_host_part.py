@@ -39,6 +39,7 @@ from offload import (
     wait_event,
 )
 
+from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies
 from ._fused_backends import build_sub_optimizer
 from ._layout import ChunkSpec
 from ._records import ParamRecord, Piece, flat_param
@@ -52,9 +53,11 @@ class HostChunk(NamedTuple):
     spec: ChunkSpec
     pieces: list[tuple[ParamRecord, Piece]]
     main: torch.Tensor  # 1-D fp32, host
-    grad: torch.Tensor  # 1-D fp32, host; is `staging` itself when the model dtype is fp32
+    grad: torch.Tensor | None  # 1-D fp32, host; `staging` itself when the model dtype is fp32;
+    #                            None when the kernel reads the grads from staging
     staging: torch.Tensor  # 1-D model dtype, pinned when possible
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
+    kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step()
 
 
 class _ChunkJob(NamedTuple):
@@ -63,12 +66,19 @@ class _ChunkJob(NamedTuple):
     future: Future
 
 
-def host_bytes_needed(specs: Sequence[ChunkSpec], num_state_tensors: int) -> int:
-    """Host bytes for ``specs``: fp32 main, fp32 grad (unless fp32 staging serves), staging, state."""
+def _needs_grad_buffer(spec: ChunkSpec, kernel: CpuAdamKernel | None) -> bool:
+    """An fp32 grad buffer, unless the grads are fp32 in staging or the kernel reads them there."""
+    return spec.dtype != torch.float32 and kernel is None
+
+
+def host_bytes_needed(
+    specs: Sequence[ChunkSpec], num_state_tensors: int, kernels: Sequence[CpuAdamKernel | None]
+) -> int:
+    """Host bytes for ``specs``: fp32 main, fp32 grad where needed, staging, optimizer state."""
     total = 0
-    for spec in specs:
+    for spec, kernel in zip(specs, kernels, strict=True):
         per_element = 4 * (1 + num_state_tensors) + spec.dtype.itemsize
-        per_element += 4 if spec.dtype != torch.float32 else 0
+        per_element += 4 if _needs_grad_buffer(spec, kernel) else 0
         total += spec.numel * per_element
     return total
 
@@ -86,6 +96,7 @@ class HostPart:
     threads: ThreadBudget
     _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
+    _cls: type[torch.optim.Optimizer]
     _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
     _start_event: Any  # event on the current stream after backward; None on CPU
 
@@ -100,14 +111,22 @@ class HostPart:
         pin_memory: bool,
         threads: ThreadBudget,
         num_state_tensors: int,
+        kernel: CpuAdamKernel | None,
     ) -> None:
+        kernels = [
+            kernel
+            if kernel is not None and fused_kernel_applies(cls, groups[s.group_index], s.dtype)
+            else None
+            for s in specs
+        ]
         check_host_memory(
-            host_bytes_needed(specs, num_state_tensors),
+            host_bytes_needed(specs, num_state_tensors, kernels),
             what="the fp32 main weights, grads and optimizer state offloaded to the CPU",
             setting="the offload fraction",
         )
         self.engine = CopyEngine(device)
         self.threads = threads
+        self._cls = cls
         self._start_event = None
         self.buffers = HostBuffers(
             [HostBufferRequest(spec.numel, spec.dtype) for spec in specs],
@@ -115,7 +134,9 @@ class HostPart:
         )
         self._main_flats, self._grad_flats, self.chunks = [], [], []
         for group_index in sorted({spec.group_index for spec in specs}):
-            group_specs = [(i, s) for i, s in enumerate(specs) if s.group_index == group_index]
+            group_specs = [
+                (i, s, kernels[i]) for i, s in enumerate(specs) if s.group_index == group_index
+            ]
             self._build_group(records, group_specs, groups[group_index], cls)
         self._executor = None
         if self.chunks:
@@ -131,26 +152,26 @@ class HostPart:
     def _build_group(
         self,
         records: Sequence[ParamRecord],
-        group_specs: list[tuple[int, ChunkSpec]],
+        group_specs: list[tuple[int, ChunkSpec, CpuAdamKernel | None]],
         group: dict[str, Any],
         cls: type[torch.optim.Optimizer],
     ) -> None:
-        main_flat = torch.empty(sum(s.numel for _, s in group_specs), dtype=torch.float32)
-        low_numel = sum(s.numel for _, s in group_specs if s.dtype != torch.float32)
-        grad_flat = torch.zeros(low_numel, dtype=torch.float32)
+        main_flat = torch.empty(sum(s.numel for _, s, _ in group_specs), dtype=torch.float32)
+        grad_numel = sum(s.numel for _, s, k in group_specs if _needs_grad_buffer(s, k))
+        grad_flat = torch.zeros(grad_numel, dtype=torch.float32)
         self._main_flats.append(main_flat)
-        if low_numel:
+        if grad_numel:
             self._grad_flats.append(grad_flat)
         hyper = {k: v for k, v in group.items() if k != "params"}
         main_offset = grad_offset = 0
-        for chunk_index, spec in group_specs:
+        for chunk_index, spec, kernel in group_specs:
             staging = self.buffers.views[chunk_index]
             main = _slice(main_flat, main_offset, spec.numel)
-            if spec.dtype == torch.float32:
-                grad = staging
-            else:
+            if _needs_grad_buffer(spec, kernel):
                 grad = _slice(grad_flat, grad_offset, spec.numel)
                 grad_offset += spec.numel
+            else:
+                grad = staging if kernel is None else None
             main_offset += spec.numel
             pieces_main, offset = [], 0
             for piece_spec in spec.pieces:
@@ -162,7 +183,7 @@ class HostPart:
                 piece = Piece(
                     spec=piece_spec,
                     main=piece_main,
-                    grad=_slice(grad, offset, piece_spec.numel),
+                    grad=None if grad is None else _slice(grad, offset, piece_spec.numel),
                     optimizer=optimizer,
                     staging=_slice(staging, offset, piece_spec.numel),
                 )
@@ -170,7 +191,7 @@ class HostPart:
                 record.pieces.append(piece)
                 pieces.append((record, piece))
                 offset += piece_spec.numel
-            self.chunks.append(HostChunk(spec, pieces, main, grad, staging, optimizer))
+            self.chunks.append(HostChunk(spec, pieces, main, grad, staging, optimizer, kernel))
 
     @property
     def num_bytes(self) -> int:
@@ -213,6 +234,8 @@ class HostPart:
                 piece.main.grad = piece.grad if record.index in grads else None
             if not active:
                 continue
+            if chunk.kernel is not None:
+                self._check_kernel_still_applies(chunk)
             with record_function("zero_shard::d2h"):
                 pairs = [
                     CopyPair(
@@ -224,6 +247,16 @@ class HostPart:
             future = self._executor.submit(_step_chunk, chunk, active, event)
             jobs.append(_ChunkJob(chunk, active, future))
         return jobs
+
+    def _check_kernel_still_applies(self, chunk: HostChunk) -> None:
+        group = chunk.optimizer.param_groups[0]
+        if not fused_kernel_applies(self._cls, group, chunk.spec.dtype):
+            raise RuntimeError(
+                "a param group's options changed after construction in a way the single-pass CPU "
+                "Adam kernel does not implement (amsgrad, maximize, capturable, or a tensor "
+                "lr/betas/eps/weight_decay); build the optimizer with those options, or with "
+                "OffloadPolicy(cpu_kernel='torch')"
+            )
 
     @torch.no_grad()
     def finish(self, jobs: Sequence[_ChunkJob]) -> None:
@@ -257,6 +290,11 @@ def _step_chunk(chunk: HostChunk, active: list[tuple[ParamRecord, Piece]], d2h_e
     """Worker thread: grads in staging -> fp32 -> CPU step -> weights back into staging."""
     wait_event(d2h_event)  # the chunk's grads have landed in staging
     with record_function("zero_shard::cpu_step"):
+        if chunk.kernel is not None:
+            group = chunk.optimizer.param_groups[0]
+            for _, piece in active:
+                chunk.kernel.step_piece(piece.main, piece.staging, piece.state, group)
+            return
         whole = len(active) == len(chunk.pieces)
         if chunk.grad is not chunk.staging:
             if whole:

@@ -12,10 +12,11 @@ import torch
 
 from offload import resolve_thread_budget
 
+from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies, load_cpu_adam
 from ._device_part import DevicePart
 from ._elementwise import IMPL_KEYS, check_elementwise, probe_state_layout
 from ._host_part import HostPart
-from ._layout import ParamInfo, plan_layout
+from ._layout import ChunkSpec, ParamInfo, plan_layout
 from ._policy import OffloadPolicy
 from ._records import ParamRecord, flat_grad, flat_param
 from ._state import (
@@ -214,6 +215,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pin_memory=self.policy.pin_memory,
             threads=threads,
             num_state_tensors=max(len(layout.elementwise_keys) for layout in layouts),
+            kernel=self._select_cpu_kernel(layout.host_chunks, threads),
         )
         self._device = DevicePart(
             trainable,
@@ -230,6 +232,32 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         init_state(trainable, self.optimizer_cls, layouts)
         self._layouts = layouts
         self._records = records
+
+    def _select_cpu_kernel(self, chunks: Iterable[ChunkSpec], threads: Any) -> CpuAdamKernel | None:
+        """The single-pass CPU Adam kernel if the policy asks for it and it applies here."""
+        mode = self.policy.cpu_kernel
+        if mode == "torch" or threads is None:
+            return None
+        cls = self.optimizer_cls
+        if not any(
+            fused_kernel_applies(cls, self.param_groups[c.group_index], c.dtype) for c in chunks
+        ):
+            if mode == "fused":
+                raise ValueError(
+                    f"cpu_kernel='fused' implements Adam and AdamW without amsgrad, maximize or "
+                    f"tensor hyperparameters, for bf16 and fp32 params; this optimizer is "
+                    f"{cls.__name__} with those options unmet. Use cpu_kernel='auto' or 'torch'"
+                )
+            return None
+        library = load_cpu_adam()
+        if library is None:
+            if mode == "fused":
+                raise RuntimeError(
+                    "cpu_kernel='fused' but the kernel could not be built here (see the warning); "
+                    "install a C compiler or use cpu_kernel='auto' or 'torch'"
+                )
+            return None
+        return CpuAdamKernel(library, cls, threads.num_threads)
 
     def _sub_groups(self) -> Iterable[tuple[dict[str, Any], dict[str, Any]]]:
         """(sub-optimizer group, the user's group it follows), for both devices."""

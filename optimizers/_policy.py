@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DEVICE_IMPLS", "OffloadPolicy"]
+__all__ = ["CPU_KERNELS", "DEVICE_IMPLS", "OffloadPolicy"]
 
 DEVICE_IMPLS = ("torch", "apex", "te")
+CPU_KERNELS = ("auto", "fused", "torch")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,12 @@ class OffloadPolicy:
             and the copy back of chunk k-1 overlap. Default 16M (64 MiB of fp32).
         device_impl: the accelerator's Adam/AdamW kernel: ``"torch"`` (fused, default),
             ``"apex"`` or ``"te"`` (FusedAdam from apex or TransformerEngine, if installed).
+        cpu_kernel: the CPU's Adam/AdamW kernel. ``"fused"``: zero-shard's single-pass kernel,
+            which reads bf16 grads and writes bf16 weights inside the update (built with the
+            host's C compiler on first use; the same bits as torch's fused kernel). ``"torch"``:
+            torch's fused CPU AdamW with separate casts. ``"auto"`` (default): ``"fused"`` where it
+            applies (Adam/AdamW without amsgrad or maximize, bf16 or fp32 params) and builds,
+            else ``"torch"``. Other optimizers always use torch's kernels.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
@@ -38,6 +45,7 @@ class OffloadPolicy:
     num_threads: int | None = None
     chunk_numel: int = 1 << 24
     device_impl: str = "torch"
+    cpu_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         fraction = self.fraction
@@ -58,5 +66,7 @@ class OffloadPolicy:
         chunk = self.chunk_numel
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk_numel must be a positive integer, got {chunk!r}")
+        if self.cpu_kernel not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernel must be one of {CPU_KERNELS}, got {self.cpu_kernel!r}")
         if self.device_impl not in DEVICE_IMPLS:
             raise ValueError(f"device_impl must be one of {DEVICE_IMPLS}, got {self.device_impl!r}")

@@ -1,0 +1,204 @@
+"""The single-pass CPU Adam/AdamW kernel (csrc/cpu_adam.c): built on first use, called by ctypes.
+
+torch's fused CPU AdamW needs fp32 grads and writes fp32 weights, so a bf16 model costs two more
+passes over host memory per step (grad cast in, weight cast out): measured on an H100 host they
+add 0.85x of the AdamW itself (docs/benchmarks/offload_step.md). This kernel reads the bf16 grad
+and writes the bf16 weight inside its one pass. It is built with the host's C compiler into a
+per-user cache the first time it is needed; without a compiler zero-shard warns once and uses
+torch's kernel and the casts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CpuAdamKernel", "fused_kernel_applies", "load_cpu_adam"]
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_adam.c"
+_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-shared",
+    "-fPIC",
+)
+_CACHE_ENV = "ZERO_SHARD_CACHE_DIR"
+
+
+class _AdamArgs(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_float)
+        for name in (
+            "one_minus_beta1",
+            "beta2",
+            "one_minus_beta2",
+            "eps",
+            "l2",
+            "decay",
+            "step_size",
+            "bc2_sqrt",
+        )
+    ]
+
+
+def _cpu_signature() -> str:
+    """The host CPU's model and flags: -march=native code is only valid on the same kind."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(_CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "zero_shard"
+    )
+    return Path(root)
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join(
+            [source, compiler.encode(), " ".join(_FLAGS).encode(), _cpu_signature().encode()]
+        )
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_adam_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: ranks building at once never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run(
+            [compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(built, target)
+    return target
+
+
+@cache
+def load_cpu_adam() -> ctypes.CDLL | None:
+    """The built kernel library, or ``None`` (with one warning) if it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        reason = "no C compiler found (set CC)"
+    else:
+        try:
+            library = ctypes.CDLL(str(_build(compiler)))
+        except (OSError, subprocess.CalledProcessError) as err:
+            detail = getattr(err, "stderr", "") or str(err)
+            reason = f"building it with {compiler} failed: {detail.strip()[:300]}"
+        else:
+            pointer = ctypes.c_void_p
+            for name in ("zero_shard_adam_bf16", "zero_shard_adam_f32"):
+                function = getattr(library, name)
+                function.argtypes = [pointer] * 4 + [ctypes.c_int64, _AdamArgs, ctypes.c_int]
+                function.restype = None
+            return library
+    warnings.warn(
+        f"zero-shard's single-pass CPU Adam kernel is not available ({reason}); using torch's "
+        "fused CPU AdamW with separate bf16<->fp32 casts, which is slower. Set "
+        "OffloadPolicy(cpu_kernel='torch') to silence this.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def fused_kernel_applies(cls: type, group: dict[str, Any], dtype: torch.dtype) -> bool:
+    """Whether the kernel computes exactly what ``cls`` would for this group and model dtype."""
+    if dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if not issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    base = torch.optim.AdamW if issubclass(cls, torch.optim.AdamW) else torch.optim.Adam
+    if cls.step is not base.step:
+        return False
+    if group.get("amsgrad") or group.get("maximize") or group.get("capturable"):
+        return False
+    betas = group.get("betas", (None, None))
+    return all(
+        _is_number(v)
+        for v in (group.get("lr"), *betas, group.get("eps"), group.get("weight_decay"))
+    )
+
+
+class CpuAdamKernel:
+    """Steps host pieces of Adam/AdamW with the single-pass kernel, torch's state kept as is."""
+
+    _library: ctypes.CDLL
+    decoupled: bool  # AdamW's weight decay (Adam's L2 otherwise)
+    num_threads: int
+
+    def __init__(self, library: ctypes.CDLL, cls: type, num_threads: int) -> None:
+        self._library = library
+        self.decoupled = issubclass(cls, torch.optim.AdamW)
+        self.num_threads = num_threads
+
+    def step_piece(
+        self,
+        main: torch.Tensor,
+        staging: torch.Tensor,
+        state: dict[str, Any],
+        group: dict[str, Any],
+    ) -> None:
+        """One Adam step of ``main`` with the grad in ``staging``; the new weight goes there too.
+
+        ``state`` is torch's per-param state (``step``, ``exp_avg``, ``exp_avg_sq``), updated in
+        place, so ``state_dict`` and torch's own step can take over at any point.
+        """
+        step_tensor = state["step"]
+        step_tensor += 1
+        step = float(step_tensor)
+        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        weight_decay = group["weight_decay"]
+        decoupled = self.decoupled or group.get("decoupled_weight_decay", False)
+        args = _AdamArgs(  # in double, rounded to float once: as torch's fused kernel does
+            one_minus_beta1=1.0 - beta1,
+            beta2=beta2,
+            one_minus_beta2=1.0 - beta2,
+            eps=eps,
+            l2=0.0 if decoupled else weight_decay,
+            decay=1.0 - lr * weight_decay if decoupled else 1.0,
+            step_size=lr / (1.0 - beta1**step),
+            bc2_sqrt=math.sqrt(1.0 - beta2**step),
+        )
+        function = (
+            self._library.zero_shard_adam_bf16
+            if staging.dtype == torch.bfloat16
+            else self._library.zero_shard_adam_f32
+        )
+        function(
+            main.data_ptr(),
+            state["exp_avg"].data_ptr(),
+            state["exp_avg_sq"].data_ptr(),
+            staging.data_ptr(),
+            main.numel(),
+            args,
+            self.num_threads,
+        )

@@ -1,0 +1,99 @@
+/* One pass of Adam / AdamW over a chunk on the CPU, for zero-shard's host share.
+ *
+ * Reads the model-dtype grad straight from the pinned staging buffer, updates the fp32 main
+ * weight and both moments, and writes the model-dtype weight back into the same staging slot,
+ * so the grad cast and the weight cast cost no pass of their own over host memory. The math
+ * is torch's fused CPU Adam/AdamW operation for operation, with its fused multiply-adds where
+ * torch's build has them (the lerp of exp_avg, the grad term of exp_avg_sq, Adam's L2 term) and
+ * none elsewhere (-ffp-contract=off): on whole vectors the results were the same bits as torch
+ * 2.13's (tests/optimizers/test_cpu_kernel.py). Coefficients are computed in double, as there.
+ *
+ * Built by optimizers/_cpu_kernel.py with the host's C compiler (-O3 -march=native -fopenmp
+ * -ffp-contract=off -fno-math-errno: IEEE arithmetic, but sqrtf need not set errno, so the loop
+ * vectorizes) and
+ * called through ctypes, which releases the GIL for the call.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+/* Round to nearest even, as torch does; NaN stays a (quiet) NaN. Branch-free, so it vectorizes. */
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    uint32_t quiet_nan = (bits >> 16) | 0x0040u;
+    return (uint16_t)(((bits & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
+}
+
+/* Coefficients are computed in double by the caller and rounded once, as torch does. */
+struct adam_args {
+    float one_minus_beta1, beta2, one_minus_beta2, eps;
+    float l2;      /* weight_decay for Adam (added to the grad), 0 for AdamW */
+    float decay;   /* 1 - lr * weight_decay for AdamW, 1 for Adam */
+    float step_size;             /* lr / bias_correction1 */
+    float bias_correction2_sqrt;
+};
+
+/* One thread's contiguous range; restrict and local scalars let the compiler vectorize. Adam's
+ * L2 term is compiled in or out (add_l2), not multiplied by zero: inf * 0 would make a NaN where
+ * torch leaves an inf weight alone. */
+#define ADAM_RANGE(name, grad_t, add_l2, load_grad, store_weight)                              \
+    static void name(float *restrict param, float *restrict exp_avg,                          \
+                     float *restrict exp_avg_sq, grad_t *restrict staging, int64_t begin,     \
+                     int64_t end, struct adam_args a) {                                       \
+        const float l2 = a.l2, decay = a.decay, one_minus_beta1 = a.one_minus_beta1;          \
+        const float beta2 = a.beta2, one_minus_beta2 = a.one_minus_beta2, eps = a.eps;        \
+        const float step_size = a.step_size, bc2_sqrt = a.bias_correction2_sqrt;              \
+        for (int64_t i = begin; i < end; ++i) {                                               \
+            float grad = (load_grad);                                                         \
+            float weight = param[i];                                                          \
+            if (add_l2) grad = fmaf(weight, l2, grad);                                        \
+            weight *= decay;                                                                  \
+            float m = exp_avg[i];                                                             \
+            m = fmaf(one_minus_beta1, grad - m, m);                                           \
+            float v = fmaf(one_minus_beta2 * grad, grad, exp_avg_sq[i] * beta2);              \
+            float denom = sqrtf(v) / bc2_sqrt + eps;                                          \
+            weight -= step_size * m / denom;                                                  \
+            param[i] = weight;                                                                \
+            exp_avg[i] = m;                                                                   \
+            exp_avg_sq[i] = v;                                                                \
+            store_weight;                                                                     \
+        }                                                                                     \
+    }
+
+#define LOAD_BF16 bf16_to_float(staging[i])
+#define STORE_BF16 staging[i] = float_to_bf16(weight)
+ADAM_RANGE(adam_range_bf16, uint16_t, 0, LOAD_BF16, STORE_BF16)
+ADAM_RANGE(adam_range_bf16_l2, uint16_t, 1, LOAD_BF16, STORE_BF16)
+ADAM_RANGE(adam_range_f32, float, 0, staging[i], staging[i] = weight)
+ADAM_RANGE(adam_range_f32_l2, float, 1, staging[i], staging[i] = weight)
+
+/* Static split: each thread takes one contiguous range (a multiple of 64 elements). */
+#define ADAM_ENTRY(name, range, range_l2, grad_t)                                               \
+    void name(float *param, float *exp_avg, float *exp_avg_sq, grad_t *staging, int64_t numel, \
+              struct adam_args a, int num_threads) {                                           \
+        _Pragma("omp parallel num_threads(num_threads)") {                                     \
+            int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();            \
+            int64_t per_thread = ((numel + threads - 1) / threads + 63) / 64 * 64;             \
+            int64_t begin = thread * per_thread;                                               \
+            int64_t end = begin + per_thread < numel ? begin + per_thread : numel;             \
+            if (begin < end && a.l2 != 0.0f)                                                   \
+                range_l2(param, exp_avg, exp_avg_sq, staging, begin, end, a);                  \
+            else if (begin < end)                                                              \
+                range(param, exp_avg, exp_avg_sq, staging, begin, end, a);                     \
+        }                                                                                      \
+    }
+
+/* staging: bf16 grads in, bf16 weights out (the same slots). */
+ADAM_ENTRY(zero_shard_adam_bf16, adam_range_bf16, adam_range_bf16_l2, uint16_t)
+/* staging: fp32 grads in, fp32 weights out. */
+ADAM_ENTRY(zero_shard_adam_f32, adam_range_f32, adam_range_f32_l2, float)

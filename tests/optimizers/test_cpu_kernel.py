@@ -1,0 +1,179 @@
+"""The single-pass CPU Adam kernel: same bits as torch's fused CPU kernel, bf16 rounding,
+fallback when it cannot be built, and HybridDeviceOptimizer with and without it."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+from _parity import (
+    SAME_KERNEL,
+    assert_matches,
+    fp32_copies,
+    groups_of,
+    make_params,
+    train_side_by_side,
+)
+
+from optimizers import HybridDeviceOptimizer, OffloadPolicy, _cpu_kernel
+from optimizers._cpu_kernel import CpuAdamKernel, load_cpu_adam
+
+NUMEL = 16 * 4099 + 13  # a vector body, and a tail that torch steps one element at a time
+
+
+def kernel_for(cls: type) -> CpuAdamKernel:
+    library = load_cpu_adam()
+    if library is None:
+        pytest.skip("no C compiler on this machine")
+    return CpuAdamKernel(library, cls, num_threads=2)
+
+
+@pytest.mark.parametrize(
+    ("cls", "dtype", "weight_decay"),
+    list(
+        itertools.product(
+            [torch.optim.AdamW, torch.optim.Adam], [torch.bfloat16, torch.float32], [0.0, 0.1]
+        )
+    ),
+)
+def test_same_bits_as_torch_fused_on_the_vector_body(
+    cls: type, dtype: torch.dtype, weight_decay: float
+) -> None:
+    kernel = kernel_for(cls)
+    gen = torch.Generator().manual_seed(0)
+    main = torch.randn(NUMEL, generator=gen)
+    ref = main.clone().requires_grad_(True)
+    ref_opt = cls([ref], lr=1e-2, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True)
+    group = ref_opt.param_groups[0]
+    state = {
+        "step": torch.tensor(0.0),
+        "exp_avg": torch.zeros(NUMEL),
+        "exp_avg_sq": torch.zeros(NUMEL),
+    }
+    body = NUMEL - NUMEL % 16
+    for step in range(4):
+        grad = torch.randn(NUMEL, generator=gen).to(dtype)
+        staging = grad.clone()
+        ref.grad = grad.float()
+        kernel.step_piece(main, staging, state, group)
+        ref_opt.step()
+        torch.testing.assert_close(main, ref.detach(), rtol=SAME_KERNEL[0], atol=SAME_KERNEL[1])
+        assert torch.equal(main[:body], ref.detach()[:body]), f"step {step}: weights"
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected = ref_opt.state[ref][key]
+            assert torch.equal(state[key][:body], expected[:body]), f"step {step}: {key}"
+        assert torch.equal(state["step"], ref_opt.state[ref]["step"])
+        # The model-dtype weight written back is the fp32 weight rounded as torch rounds it.
+        assert torch.equal(staging, main.to(dtype)), f"step {step}: staging"
+
+
+def test_bf16_rounding_of_special_values_matches_torch() -> None:
+    kernel = kernel_for(torch.optim.AdamW)
+    bits = torch.tensor(
+        [
+            0x3F808000,
+            0x3F818000,
+            0x3F80_8001,
+            0x7F7FFFFF,
+            0x00000001,
+            0x80000000,
+            0x7F800000,
+            0xFF800000,
+            0x7FC00000,
+            0x7F800001,
+            0xFFFFFFFF,
+            0x3F7FFFFF,
+        ],
+        dtype=torch.int64,
+    ).to(torch.int32)  # ties to even, overflow to inf, subnormal, -0, +-inf, NaNs
+    main = bits.view(torch.float32).clone()
+    expected = main.to(torch.bfloat16)
+    staging = torch.zeros(main.numel(), dtype=torch.bfloat16)  # zero grads: the weight stays
+    state = {
+        "step": torch.tensor(0.0),
+        "exp_avg": torch.zeros_like(main),
+        "exp_avg_sq": torch.zeros_like(main),
+    }
+    group = {"lr": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    kernel.step_piece(main, staging, state, group)
+    nan = expected.isnan()
+    assert torch.equal(staging.isnan(), nan)
+    assert torch.equal(staging[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+def test_no_compiler_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("ZERO_SHARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    load_cpu_adam.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="single-pass CPU Adam kernel is not available"):
+            opt = HybridDeviceOptimizer(make_params(torch.bfloat16, "cpu"), offload_fraction=1.0)
+        assert all(chunk.kernel is None for chunk in opt._host.chunks)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            HybridDeviceOptimizer(make_params(torch.bfloat16, "cpu"), offload_fraction=1.0)
+        policy = OffloadPolicy(fraction=1.0, cpu_kernel="fused")
+        with pytest.raises(RuntimeError, match="could not be built here"):
+            HybridDeviceOptimizer(make_params(torch.bfloat16, "cpu"), policy=policy)
+    finally:
+        load_cpu_adam.cache_clear()
+
+
+def test_fused_is_refused_where_it_does_not_apply() -> None:
+    policy = OffloadPolicy(fraction=1.0, cpu_kernel="fused")
+    with pytest.raises(ValueError, match="implements Adam and AdamW without amsgrad"):
+        HybridDeviceOptimizer(make_params(torch.bfloat16, "cpu"), torch.optim.SGD, policy=policy)
+    with pytest.raises(ValueError, match="implements Adam and AdamW without amsgrad"):
+        HybridDeviceOptimizer(make_params(torch.float16, "cpu"), policy=policy)
+
+
+@pytest.mark.parametrize(
+    ("cpu_kernel", "dtype"),
+    [("fused", torch.bfloat16), ("torch", torch.bfloat16), ("fused", torch.float32)],
+)
+def test_hybrid_parity_with_each_cpu_kernel(cpu_kernel: str, dtype: torch.dtype) -> None:
+    kernel_for(torch.optim.AdamW)
+    params = make_params(dtype, "cpu")
+    refs = fp32_copies(params)
+    policy = OffloadPolicy(fraction=0.6, chunk_numel=40, num_threads=2, cpu_kernel=cpu_kernel)
+    opt = HybridDeviceOptimizer(groups_of(params), policy=policy, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(groups_of(refs), lr=1e-2, weight_decay=0.1, fused=True)
+    uses_kernel = {chunk.kernel is not None for chunk in opt._host.chunks}
+    assert uses_kernel == {cpu_kernel == "fused"}
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=5):
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+
+
+def test_kernel_needs_no_fp32_grad_buffer() -> None:
+    kernel_for(torch.optim.AdamW)
+    sizes = {}
+    for cpu_kernel in ("fused", "torch"):
+        policy = OffloadPolicy(fraction=1.0, cpu_kernel=cpu_kernel)
+        opt = HybridDeviceOptimizer(make_params(torch.bfloat16, "cpu"), policy=policy)
+        sizes[cpu_kernel] = opt.memory_report().host_bytes
+    numel = sum(p.numel() for p in make_params(torch.bfloat16, "cpu"))
+    assert sizes["torch"] - sizes["fused"] == 4 * numel
+
+
+def test_option_change_that_the_kernel_cannot_follow_is_an_error() -> None:
+    kernel_for(torch.optim.AdamW)
+    params = make_params(torch.bfloat16, "cpu")
+    opt = HybridDeviceOptimizer(params, offload_fraction=1.0)
+    opt.param_groups[0]["maximize"] = True
+    for param in params:
+        param.grad = torch.ones_like(param)
+    with pytest.raises(RuntimeError, match="cpu_kernel='torch'"):
+        opt.step()
+
+
+def test_build_is_cached_per_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("ZERO_SHARD_CACHE_DIR", str(tmp_path))
+    compiler = _cpu_kernel.shutil.which("cc") or _cpu_kernel.shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler on this machine")
+    first = _cpu_kernel._build(compiler)
+    stamp = first.stat().st_mtime_ns
+    assert _cpu_kernel._build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no scratch left behind
