@@ -2,7 +2,8 @@
 
 Times, on this host's CPU with the zero-shard thread budget, for ``--numel`` elements cut into
 chunks of ``--chunk-numel``: the bf16 -> fp32 grad cast, torch's fused AdamW, the fp32 -> bf16
-weight cast, and the three back to back (what one chunk of HybridDeviceOptimizer does). Then a
+weight cast, the three back to back (HybridDeviceOptimizer with ``cpu_kernel="torch"``), and
+zero-shard's single-pass kernel that does all three in one pass (``cpu_kernel="fused"``). Then a
 ``torch.profiler`` summary of one HybridDeviceOptimizer step at fraction 1 on CUDA, if present.
 
     python benchmarks/cpu_step_breakdown.py --out $OUT/breakdown.json
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from offload import resolve_thread_budget
+from optimizers._cpu_kernel import CpuAdamKernel, load_cpu_adam
 
 
 def median_ms(fn: Callable[[], None], repeat: int) -> float:
@@ -61,7 +63,27 @@ def cpu_breakdown(numel: int, chunk_numel: int, repeat: int) -> dict[str, float]
             stage.copy_(main)
 
     one = torch.optim.AdamW(mains, lr=1e-4, fused=True)
+    kernel_ms = None
+    library = load_cpu_adam()
+    if library is not None:
+        kernel = CpuAdamKernel(library, torch.optim.AdamW, torch.get_num_threads())
+        states = [
+            {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(m),
+                "exp_avg_sq": torch.zeros_like(m),
+            }
+            for m in mains
+        ]
+        group = one.param_groups[0]
+
+        def fused_kernel() -> None:
+            for main, stage, state in zip(mains, staging, states, strict=True):
+                kernel.step_piece(main, stage, state, group)
+
+        kernel_ms = median_ms(fused_kernel, repeat)
     return {
+        "single_pass_kernel_ms": kernel_ms,
         "num_chunks": num_chunks,
         "cast_in_ms": median_ms(cast_in, repeat),
         "adamw_per_chunk_ms": median_ms(adamw, repeat),

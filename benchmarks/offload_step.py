@@ -325,11 +325,18 @@ def require_cuda(device: torch.device) -> None:
 
 
 def run_zero_shard(
-    workload: Workload, fraction: float, settings: Settings, cpu_kernel: str = "auto"
+    workload: Workload, fraction: float, settings: Settings, variant: str = ""
 ) -> Result:
+    """zero-shard with its defaults, or a variant: "torch_kernel" (torch's fused CPU AdamW and
+    separate casts) or "no_hooks" (grads sent D2H at step() rather than during backward)."""
     device = settings.device
     model = make_model(workload, device, torch.bfloat16)
-    policy = OffloadPolicy(fraction=fraction, num_threads=settings.threads, cpu_kernel=cpu_kernel)
+    overrides = {
+        "": {},
+        "torch_kernel": {"cpu_kernel": "torch"},
+        "no_hooks": {"d2h_during_backward": False},
+    }[variant]
+    policy = OffloadPolicy(fraction=fraction, num_threads=settings.threads, **overrides)
     opt = HybridDeviceOptimizer(
         model.params, torch.optim.AdamW, policy=policy, lr=LR, weight_decay=WEIGHT_DECAY
     )
@@ -343,7 +350,7 @@ def run_zero_shard(
         "memory_report": dataclasses.asdict(opt.memory_report()),
         "policy": dataclasses.asdict(policy),
     }
-    name = "zero_shard" if cpu_kernel == "auto" else f"zero_shard_{cpu_kernel}_kernel"
+    name = f"zero_shard_{variant}" if variant else "zero_shard"
     return make_result(name, fraction, timing, device, extra)
 
 
@@ -535,9 +542,10 @@ def run_workload(
     for fraction in settings.fractions:
         run = functools.partial(run_zero_shard, workload, fraction, settings)
         runs.append(("zero_shard", fraction, run))
-    # torch's fused CPU AdamW with separate casts, for the kernel's gain in the same run
-    run = functools.partial(run_zero_shard, workload, 1.0, settings, "torch")
-    runs.append(("zero_shard_torch_kernel", 1.0, run))
+    # At 1.0, each of the step's two mechanisms turned off in the same run, to show its share.
+    for variant in ("torch_kernel", "no_hooks"):
+        run = functools.partial(run_zero_shard, workload, 1.0, settings, variant)
+        runs.append((f"zero_shard_{variant}", 1.0, run))
     for dtype, name in ((torch.bfloat16, "torchao_bf16"), (torch.float32, "torchao_fp32")):
         runs.append((name, 1.0, functools.partial(run_torchao, workload, dtype, settings)))
     for fraction in settings.peer_fractions:

@@ -42,7 +42,7 @@ from offload import (
 from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies
 from ._fused_backends import build_sub_optimizer
 from ._layout import ChunkSpec
-from ._records import ParamRecord, Piece, flat_param
+from ._records import ParamRecord, Piece, SentGrad, flat_param
 
 __all__ = ["HostChunk", "HostPart"]
 
@@ -236,17 +236,42 @@ class HostPart:
                 continue
             if chunk.kernel is not None:
                 self._check_kernel_still_applies(chunk)
+            # Grads sent during backward and unchanged since are on their way; the rest (none
+            # sent, or changed after: accumulation, clipping, a new .grad) are sent now.
+            sent_events = [r.sent.event for r, _ in active if r.sent_grad_is_current()]
             with record_function("zero_shard::d2h"):
                 pairs = [
                     CopyPair(
                         piece.staging, _slice(grads[r.index], piece.spec.start, piece.spec.numel)
                     )
                     for r, piece in active
+                    if not r.sent_grad_is_current()
                 ]
-                event = self.engine.d2h(pairs, after=[self._start_event])
-            future = self._executor.submit(_step_chunk, chunk, active, event)
+                event = self.engine.d2h(pairs, after=[self._start_event]) if pairs else None
+            future = self._executor.submit(_step_chunk, chunk, active, [*sent_events, event])
             jobs.append(_ChunkJob(chunk, active, future))
         return jobs
+
+    @torch.no_grad()
+    def send_grad(self, record: ParamRecord) -> None:
+        """Backward hook: queue the D2H of this param's offloaded grad elements right away.
+
+        Runs on autograd's thread for the device, while the caller is inside ``backward()``: no
+        step is running. The copy waits for the current stream (the grad is complete there), and
+        that stream already waited for the last step's H2D out of the same staging slots.
+        """
+        grad = record.param.grad
+        if grad is None or not grad.is_contiguous():
+            return  # sent at step time instead (a non-contiguous grad needs a temporary)
+        flat = grad.view(-1)
+        pairs = [
+            CopyPair(piece.staging, _slice(flat, piece.spec.start, piece.spec.numel))
+            for piece in record.pieces
+            if piece.staging is not None
+        ]
+        with record_function("zero_shard::d2h_hook"):
+            event = self.engine.d2h(pairs, after=[self.engine.record_current()])
+        record.sent = SentGrad(grad, grad._version, event)
 
     def _check_kernel_still_applies(self, chunk: HostChunk) -> None:
         group = chunk.optimizer.param_groups[0]
@@ -279,6 +304,9 @@ class HostPart:
                     for r, piece in job.active
                 ]
                 last_event = self.engine.h2d(pairs, after=[self._start_event])
+        for chunk in self.chunks:
+            for record, _ in chunk.pieces:
+                record.sent = None  # consumed, or to be sent again if the step failed
         # The H2D stream runs in order: its last event covers every chunk's copy.
         self.engine.wait_on_current(last_event)
         self._start_event = None
@@ -286,9 +314,12 @@ class HostPart:
             raise error
 
 
-def _step_chunk(chunk: HostChunk, active: list[tuple[ParamRecord, Piece]], d2h_event: Any) -> None:
+def _step_chunk(
+    chunk: HostChunk, active: list[tuple[ParamRecord, Piece]], d2h_events: list[Any]
+) -> None:
     """Worker thread: grads in staging -> fp32 -> CPU step -> weights back into staging."""
-    wait_event(d2h_event)  # the chunk's grads have landed in staging
+    for event in d2h_events:
+        wait_event(event)  # the chunk's grads have landed in staging
     with record_function("zero_shard::cpu_step"):
         if chunk.kernel is not None:
             group = chunk.optimizer.param_groups[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,11 @@ def _check_param(param: torch.Tensor, device: torch.device) -> None:
             f"a param of shape {tuple(param.shape)} is not contiguous; make it contiguous "
             "(param.data = param.data.contiguous()) before building the optimizer"
         )
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -232,6 +238,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         init_state(trainable, self.optimizer_cls, layouts)
         self._layouts = layouts
         self._records = records
+        if self.policy.d2h_during_backward:
+            self._register_grad_hooks(trainable)
+
+    def _register_grad_hooks(self, records: Iterable[ParamRecord]) -> None:
+        """A post-accumulate-grad hook per offloaded param, sending its grad D2H at once."""
+        host = weakref.ref(self._host)  # hooks must not keep the optimizer alive
+        handles = []
+        for record in records:
+            if not any(piece.staging is not None for piece in record.pieces):
+                continue
+
+            def send(param: torch.Tensor, record: ParamRecord = record) -> None:
+                part = host()
+                if part is not None:
+                    part.send_grad(record)
+
+            handles.append(record.param.register_post_accumulate_grad_hook(send))
+        weakref.finalize(self, _remove_hooks, handles)
 
     def _select_cpu_kernel(self, chunks: Iterable[ChunkSpec], threads: Any) -> CpuAdamKernel | None:
         """The single-pass CPU Adam kernel if the policy asks for it and it applies here."""

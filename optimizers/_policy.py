@@ -34,6 +34,10 @@ class OffloadPolicy:
             torch's fused CPU AdamW with separate casts. ``"auto"`` (default): ``"fused"`` where it
             applies (Adam/AdamW without amsgrad or maximize, bf16 or fp32 params) and builds,
             else ``"torch"``. Other optimizers always use torch's kernels.
+        d2h_during_backward: send each offloaded grad to the host from a post-accumulate-grad
+            hook as soon as backward produces it, instead of at ``step()``. A grad changed after
+            its hook (accumulation over several backward passes, clipping, a new ``.grad``) is
+            detected and sent again at ``step()``. Default True.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
@@ -46,6 +50,7 @@ class OffloadPolicy:
     chunk_numel: int = 1 << 24
     device_impl: str = "torch"
     cpu_kernel: str = "auto"
+    d2h_during_backward: bool = True
 
     def __post_init__(self) -> None:
         fraction = self.fraction
@@ -56,8 +61,9 @@ class OffloadPolicy:
                 f"offload fraction must be in [0, 1] (0 = all on the accelerator, 1 = all on "
                 f"the CPU), got {fraction}"
             )
-        if not isinstance(self.pin_memory, bool):
-            raise TypeError(f"pin_memory must be a bool, got {self.pin_memory!r}")
+        for name in ("pin_memory", "d2h_during_backward"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         threads = self.num_threads
         if threads is not None and (
             isinstance(threads, bool) or not isinstance(threads, int) or threads < 1

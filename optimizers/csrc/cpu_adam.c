@@ -77,18 +77,21 @@ ADAM_RANGE(adam_range_bf16_l2, uint16_t, 1, LOAD_BF16, STORE_BF16)
 ADAM_RANGE(adam_range_f32, float, 0, staging[i], staging[i] = weight)
 ADAM_RANGE(adam_range_f32_l2, float, 1, staging[i], staging[i] = weight)
 
-/* Static split: each thread takes one contiguous range (a multiple of 64 elements). */
+/* Blocks of 32K elements handed out dynamically: when a core is taken for a while (the main
+ * thread queuing copies, the CUDA driver), the other threads take its share instead of all
+ * waiting for it at the end of the parallel region, as a static split would. */
+#define ADAM_BLOCK 32768
 #define ADAM_ENTRY(name, range, range_l2, grad_t)                                               \
     void name(float *param, float *exp_avg, float *exp_avg_sq, grad_t *staging, int64_t numel, \
               struct adam_args a, int num_threads) {                                           \
-        _Pragma("omp parallel num_threads(num_threads)") {                                     \
-            int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();            \
-            int64_t per_thread = ((numel + threads - 1) / threads + 63) / 64 * 64;             \
-            int64_t begin = thread * per_thread;                                               \
-            int64_t end = begin + per_thread < numel ? begin + per_thread : numel;             \
-            if (begin < end && a.l2 != 0.0f)                                                   \
+        const int64_t num_blocks = (numel + ADAM_BLOCK - 1) / ADAM_BLOCK;                      \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")              \
+        for (int64_t block = 0; block < num_blocks; ++block) {                                 \
+            int64_t begin = block * ADAM_BLOCK;                                                \
+            int64_t end = begin + ADAM_BLOCK < numel ? begin + ADAM_BLOCK : numel;             \
+            if (a.l2 != 0.0f)                                                                  \
                 range_l2(param, exp_avg, exp_avg_sq, staging, begin, end, a);                  \
-            else if (begin < end)                                                              \
+            else                                                                               \
                 range(param, exp_avg, exp_avg_sq, staging, begin, end, a);                     \
         }                                                                                      \
     }

@@ -38,7 +38,7 @@ def main() -> None:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(owner, attr, replacement)
             try:
-                test_hybrid_cuda.test_no_race_between_copies_and_compute(1.0)
+                test_hybrid_cuda.test_no_race_between_copies_and_compute(1.0, modify_grads=True)
             except AssertionError as err:
                 print(f"{name}: FAILED as it must ({str(err).splitlines()[0][:120]})")
             else:

@@ -50,12 +50,14 @@ def _model(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers).to(device="cuda", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_no_race_between_copies_and_compute(fraction: float) -> None:
+@pytest.mark.parametrize(("fraction", "modify_grads"), [(0.5, True), (1.0, True), (1.0, False)])
+def test_no_race_between_copies_and_compute(fraction: float, modify_grads: bool) -> None:
     """Wide layers and a tiny batch: the copies take far longer than the compute around them.
 
-    Before each step the GPU is kept busy and the grads are rewritten behind that work: a D2H that
-    does not wait for it reads stale grads. Right after each step a forward runs with no
+    With ``modify_grads``, before each step the GPU is kept busy and the grads are rewritten in
+    place behind that work: the grads sent by the backward hooks are stale and must be sent again,
+    and a D2H that does not wait for that work reads the old values. Without it, the grads sent
+    during backward are used as they are. Right after each step a forward runs with no
     synchronization; it must equal a forward run after a full synchronize (else it read params
     before their H2D landed: each chunk is a whole layer, and layer 0's copy is queued last). The
     main weights must follow a CPU AdamW fed with the same grads, run after the tested step.
@@ -73,9 +75,10 @@ def test_no_race_between_copies_and_compute(fraction: float) -> None:
     x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
     for step in range(20):
         model(x).float().square().mean().backward()
-        torch.cuda._sleep(50_000_000)  # tens of ms of queued work before the grads' last write
-        for param in params:
-            param.grad.mul_(0.5)
+        if modify_grads:
+            torch.cuda._sleep(50_000_000)  # tens of ms of queued work before the grads' last write
+            for param in params:
+                param.grad.mul_(0.5)
         grads = [p.grad.detach().clone() for p in params]  # on the current stream, no sync
         opt.step()
         fast = model(x)  # right after the step: must wait for the H2D, not read old params
