@@ -93,7 +93,7 @@ class HostPart:
     chunks: list[HostChunk]  # in parameter order
     engine: CopyEngine
     buffers: HostBuffers  # the staging buffers, one view per chunk
-    threads: ThreadBudget
+    threads: ThreadBudget | None  # None when nothing is offloaded
     _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
     _cls: type[torch.optim.Optimizer]
@@ -109,7 +109,7 @@ class HostPart:
         device: torch.device,
         *,
         pin_memory: bool,
-        threads: ThreadBudget,
+        threads: ThreadBudget | None,
         num_state_tensors: int,
         kernel: CpuAdamKernel | None,
     ) -> None:

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from offload import resolve_thread_budget
+from offload import ThreadBudget, resolve_thread_budget
 
 from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies, load_cpu_adam
 from ._device_part import DevicePart
-from ._elementwise import IMPL_KEYS, check_elementwise, probe_state_layout
+from ._elementwise import IMPL_KEYS, StateLayout, check_elementwise, probe_state_layout
 from ._host_part import HostPart
 from ._layout import ChunkSpec, ParamInfo, plan_layout
 from ._policy import OffloadPolicy
@@ -114,6 +114,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _records: list[ParamRecord] | None  # one per param over all groups; None while building
     _device: DevicePart
     _host: HostPart
+    _layouts: list[StateLayout]  # per param group: the state the optimizer keeps per param
+    _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
     _warned_ignored: bool
 
     def __init__(
@@ -257,7 +259,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             handles.append(record.param.register_post_accumulate_grad_hook(send))
         weakref.finalize(self, _remove_hooks, handles)
 
-    def _select_cpu_kernel(self, chunks: Iterable[ChunkSpec], threads: Any) -> CpuAdamKernel | None:
+    def _select_cpu_kernel(
+        self, chunks: Iterable[ChunkSpec], threads: ThreadBudget | None
+    ) -> CpuAdamKernel | None:
         """The single-pass CPU Adam kernel if the policy asks for it and it applies here."""
         mode = self.policy.cpu_kernel
         if mode == "torch" or threads is None:
