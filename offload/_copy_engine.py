@@ -101,6 +101,27 @@ class CopyEngine:
         event.record(module.current_stream(self.device))
         return event
 
+    def d2h_behind_current(self, pairs: Sequence[CopyPair]) -> None:
+        """Queues D2H copies behind the work already on the current stream, recording no event
+        of their own (cheap enough for a per-param backward hook); :meth:`mark_d2h` later gives
+        one event that covers them all."""
+        if not self.is_async:
+            copy_async(pairs, None)
+            return
+        module = torch.get_device_module(self.device)
+        self.d2h_stream.wait_stream(module.current_stream(self.device))
+        with module.stream(self.d2h_stream):
+            for pair in pairs:
+                pair.dst.copy_(pair.src, non_blocking=True)
+
+    def mark_d2h(self) -> Event | None:
+        """An event on the D2H stream: done once every D2H queued so far is done."""
+        if not self.is_async:
+            return None
+        event = torch.get_device_module(self.device).Event()
+        event.record(self.d2h_stream)
+        return event
+
     def wait_on_current(self, event: Event | None) -> None:
         """Makes the current stream wait for ``event`` without blocking the host."""
         if event is not None:

@@ -1,10 +1,15 @@
 """The elements stepped on the CPU: D2H of grads -> CPU step on a worker thread -> H2D of params.
 
 [Note: host pipeline]
-``start`` records an event on the current stream (the grads are complete there), queues every
-chunk's grad copy on the D2H stream behind that event, and hands each chunk to one worker thread,
-which waits for its chunk's copy, casts the grads to fp32, steps the chunk's CPU sub-optimizer
-and casts the updated weights back into the chunk's staging buffer. ``finish`` takes the chunks
+With ``d2h_during_backward``, a post-accumulate-grad hook queues each offloaded grad's copy on the
+D2H stream behind the current stream as soon as backward produced it (``send_grad``); once every
+param of a chunk was sent, an event on the D2H stream marks the chunk's grads (re-recorded if a
+grad is sent again, as in accumulation). ``start`` records an event on the current stream (the
+grads are complete there), queues the copies of the grads not sent by a hook or changed since on
+the D2H stream behind that event, and hands each chunk to one worker thread, which waits for its
+chunk's copies and steps it: the single-pass kernel reads the model-dtype grads from the chunk's
+staging buffer and writes the model-dtype weights back there; otherwise the grads are cast to
+fp32, the chunk's CPU sub-optimizer steps and the weights are cast back. ``finish`` takes the chunks
 in the same order as they complete and queues their copies to the model params on the H2D stream;
 the current stream then waits for the last of them (the H2D stream runs in order), so the next
 forward sees the new params with no host synchronization. Meanwhile the accelerator's own share
@@ -13,7 +18,8 @@ chunk k-1 overlap each other and the accelerator's step.
 
 [Note: pinned buffer reuse]
 A chunk's staging buffer carries grads in (D2H) and params out (H2D). The next D2H into it is
-queued behind an event on the current stream recorded after backward, and the current stream
+queued behind the current stream (a hook's copy during backward, or start's after backward),
+and the current stream
 waited for this step's last H2D before that backward: so no copy into staging can start before
 the previous copy out of it ended. The worker touches staging only after its D2H event
 completed and before its H2D is queued.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -47,7 +54,8 @@ from ._records import ParamRecord, Piece, SentGrad, flat_param
 __all__ = ["HostChunk", "HostPart"]
 
 
-class HostChunk(NamedTuple):
+@dataclass
+class HostChunk:
     """Host pieces of one param group and dtype, copied, cast and stepped together."""
 
     spec: ChunkSpec
@@ -58,6 +66,10 @@ class HostChunk(NamedTuple):
     staging: torch.Tensor  # 1-D model dtype, pinned when possible
     optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
     kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step()
+    num_records: int  # distinct params with pieces in the chunk
+    sent_by_hooks: set[int] = field(default_factory=set)  # record indices sent this step
+    hooks_done: Any = None  # D2H-stream event after the hooks sent every param of the chunk;
+    #                         None until they all did (or on CPU)
 
 
 class _ChunkJob(NamedTuple):
@@ -97,6 +109,7 @@ class HostPart:
     _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
     _cls: type[torch.optim.Optimizer]
+    _chunks_of: dict[int, list[HostChunk]]  # record index -> the chunks holding its pieces
     _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
     _start_event: Any  # event on the current stream after backward; None on CPU
 
@@ -138,6 +151,12 @@ class HostPart:
                 (i, s, kernels[i]) for i, s in enumerate(specs) if s.group_index == group_index
             ]
             self._build_group(records, group_specs, groups[group_index], cls)
+        self._chunks_of = {}
+        for chunk in self.chunks:
+            for record, _ in chunk.pieces:
+                chunks = self._chunks_of.setdefault(record.index, [])
+                if not chunks or chunks[-1] is not chunk:
+                    chunks.append(chunk)
         self._executor = None
         if self.chunks:
             self._executor = ThreadPoolExecutor(
@@ -191,7 +210,10 @@ class HostPart:
                 record.pieces.append(piece)
                 pieces.append((record, piece))
                 offset += piece_spec.numel
-            self.chunks.append(HostChunk(spec, pieces, main, grad, staging, optimizer, kernel))
+            num_records = len({record.index for record, _ in pieces})
+            self.chunks.append(
+                HostChunk(spec, pieces, main, grad, staging, optimizer, kernel, num_records)
+            )
 
     @property
     def num_bytes(self) -> int:
@@ -226,6 +248,7 @@ class HostPart:
         if not self.chunks:
             return []
         self._start_event = self.engine.record_current()
+        everything_sent = None  # covers all hook copies so far; made when a chunk needs it
         jobs = []
         # Last params first: in backward their grads are ready first.
         for chunk in reversed(self.chunks):
@@ -238,17 +261,23 @@ class HostPart:
                 self._check_kernel_still_applies(chunk)
             # Grads sent during backward and unchanged since are on their way; the rest (none
             # sent, or changed after: accumulation, clipping, a new .grad) are sent now.
-            sent_events = [r.sent.event for r, _ in active if r.sent_grad_is_current()]
+            current = [r.sent_grad_is_current() for r, _ in active]
+            events = []
+            if any(current):
+                if chunk.hooks_done is None and everything_sent is None:
+                    everything_sent = self.engine.mark_d2h()
+                events.append(chunk.hooks_done or everything_sent)
             with record_function("zero_shard::d2h"):
                 pairs = [
                     CopyPair(
                         piece.staging, _slice(grads[r.index], piece.spec.start, piece.spec.numel)
                     )
-                    for r, piece in active
-                    if not r.sent_grad_is_current()
+                    for (r, piece), sent in zip(active, current, strict=True)
+                    if not sent
                 ]
-                event = self.engine.d2h(pairs, after=[self._start_event]) if pairs else None
-            future = self._executor.submit(_step_chunk, chunk, active, [*sent_events, event])
+                if pairs:
+                    events.append(self.engine.d2h(pairs, after=[self._start_event]))
+            future = self._executor.submit(_step_chunk, chunk, active, events)
             jobs.append(_ChunkJob(chunk, active, future))
         return jobs
 
@@ -269,9 +298,13 @@ class HostPart:
             for piece in record.pieces
             if piece.staging is not None
         ]
-        with record_function("zero_shard::d2h_hook"):
-            event = self.engine.d2h(pairs, after=[self.engine.record_current()])
-        record.sent = SentGrad(grad, grad._version, event)
+        self.engine.d2h_behind_current(pairs)
+        record.sent = SentGrad(grad, grad._version)
+        for chunk in self._chunks_of[record.index]:
+            chunk.sent_by_hooks.add(record.index)
+            if len(chunk.sent_by_hooks) == chunk.num_records:
+                # Recorded again at every later send (accumulation): it must follow the last.
+                chunk.hooks_done = self.engine.mark_d2h()
 
     def _check_kernel_still_applies(self, chunk: HostChunk) -> None:
         group = chunk.optimizer.param_groups[0]
@@ -305,6 +338,8 @@ class HostPart:
                 ]
                 last_event = self.engine.h2d(pairs, after=[self._start_event])
         for chunk in self.chunks:
+            chunk.sent_by_hooks.clear()
+            chunk.hooks_done = None
             for record, _ in chunk.pieces:
                 record.sent = None  # consumed, or to be sent again if the step failed
         # The H2D stream runs in order: its last event covers every chunk's copy.

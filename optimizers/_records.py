@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -13,11 +13,11 @@ __all__ = ["ParamRecord", "Piece", "SentGrad", "flat_grad", "flat_param"]
 
 
 class SentGrad(NamedTuple):
-    """A grad whose offloaded elements were queued D2H during backward, and when."""
+    """A grad whose offloaded elements were queued D2H during backward (on the D2H stream, in
+    order: the event the step records there covers the copy)."""
 
     grad: torch.Tensor  # the param's .grad at the time (identity is checked at step)
     version: int  # grad._version at the time: an in-place change since means resend
-    event: Any  # recorded on the D2H stream after the copy; None on CPU (already done)
 
 
 @dataclass

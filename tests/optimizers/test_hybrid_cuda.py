@@ -50,14 +50,20 @@ def _model(width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers).to(device="cuda", dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize(("fraction", "modify_grads"), [(0.5, True), (1.0, True), (1.0, False)])
-def test_no_race_between_copies_and_compute(fraction: float, modify_grads: bool) -> None:
+@pytest.mark.parametrize(
+    ("fraction", "modify_grads", "micro_batches"),
+    [(0.5, True, 1), (1.0, True, 1), (1.0, False, 1), (0.5, False, 2)],
+)
+def test_no_race_between_copies_and_compute(
+    fraction: float, modify_grads: bool, micro_batches: int = 1
+) -> None:
     """Wide layers and a tiny batch: the copies take far longer than the compute around them.
 
     With ``modify_grads``, before each step the GPU is kept busy and the grads are rewritten in
     place behind that work: the grads sent by the backward hooks are stale and must be sent again,
     and a D2H that does not wait for that work reads the old values. Without it, the grads sent
-    during backward are used as they are. Right after each step a forward runs with no
+    during backward are used as they are; with two micro-batches, the hooks send every grad twice
+    and the step must wait for the second copies. Right after each step a forward runs with no
     synchronization; it must equal a forward run after a full synchronize (else it read params
     before their H2D landed: each chunk is a whole layer, and layer 0's copy is queued last). The
     main weights must follow a CPU AdamW fed with the same grads, run after the tested step.
@@ -74,7 +80,8 @@ def test_no_race_between_copies_and_compute(fraction: float, modify_grads: bool)
     shadow_opt = torch.optim.AdamW(shadow, lr=1e-2, fused=True)
     x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
     for step in range(20):
-        model(x).float().square().mean().backward()
+        for _ in range(micro_batches):
+            model(x).float().square().mean().backward()
         if modify_grads:
             torch.cuda._sleep(50_000_000)  # tens of ms of queued work before the grads' last write
             for param in params:
