@@ -55,7 +55,7 @@ def _model(width: int, depth: int) -> torch.nn.Module:
     [(0.5, True, 1), (1.0, True, 1), (1.0, False, 1), (0.5, False, 2)],
 )
 def test_no_race_between_copies_and_compute(
-    fraction: float, modify_grads: bool, micro_batches: int = 1
+    fraction: float, modify_grads: bool, micro_batches: int
 ) -> None:
     """Wide layers and a tiny batch: the copies take far longer than the compute around them.
 
