@@ -328,13 +328,13 @@ def run_zero_shard(
     workload: Workload, fraction: float, settings: Settings, variant: str = ""
 ) -> Result:
     """zero-shard with its defaults, or a variant: "torch_kernel" (torch's fused CPU AdamW and
-    separate casts) or "no_hooks" (grads sent D2H at step() rather than during backward)."""
+    separate casts) or "hooks" (grads sent D2H from backward hooks rather than at step())."""
     device = settings.device
     model = make_model(workload, device, torch.bfloat16)
     overrides = {
         "": {},
         "torch_kernel": {"cpu_kernel": "torch"},
-        "no_hooks": {"d2h_during_backward": False},
+        "hooks": {"d2h_during_backward": True},
     }[variant]
     policy = OffloadPolicy(fraction=fraction, num_threads=settings.threads, **overrides)
     opt = HybridDeviceOptimizer(
@@ -543,7 +543,7 @@ def run_workload(
         run = functools.partial(run_zero_shard, workload, fraction, settings)
         runs.append(("zero_shard", fraction, run))
     # At 1.0, each of the step's two mechanisms turned off in the same run, to show its share.
-    for variant in ("torch_kernel", "no_hooks"):
+    for variant in ("torch_kernel", "hooks"):
         run = functools.partial(run_zero_shard, workload, 1.0, settings, variant)
         runs.append((f"zero_shard_{variant}", 1.0, run))
     for dtype, name in ((torch.bfloat16, "torchao_bf16"), (torch.float32, "torchao_fp32")):

@@ -148,6 +148,32 @@ def fused_kernel_applies(cls: type, group: dict[str, Any], dtype: torch.dtype) -
     )
 
 
+def _check_buffers(main: torch.Tensor, staging: torch.Tensor, state: dict[str, Any]) -> None:
+    """The kernel writes through raw pointers: every buffer must be what it assumes."""
+    numel = main.numel()
+    for name, tensor in (
+        ("main", main),
+        ("exp_avg", state["exp_avg"]),
+        ("exp_avg_sq", state["exp_avg_sq"]),
+    ):
+        if (
+            tensor.dtype != torch.float32
+            or not tensor.is_contiguous()
+            or tensor.numel() != numel
+            or tensor.device.type != "cpu"
+        ):
+            raise AssertionError(
+                f"expected {name} as a contiguous fp32 CPU tensor of {numel} elements, got "
+                f"{tensor.dtype}, {tuple(tensor.shape)} on {tensor.device}"
+            )
+    if (
+        staging.dtype not in (torch.bfloat16, torch.float32)
+        or not staging.is_contiguous()
+        or staging.numel() != numel
+    ):
+        raise AssertionError(f"expected a contiguous bf16/fp32 staging of {numel} elements")
+
+
 class CpuAdamKernel:
     """Steps host pieces of Adam/AdamW with the single-pass kernel, torch's state kept as is."""
 
@@ -172,6 +198,7 @@ class CpuAdamKernel:
         ``state`` is torch's per-param state (``step``, ``exp_avg``, ``exp_avg_sq``), updated in
         place, so ``state_dict`` and torch's own step can take over at any point.
         """
+        _check_buffers(main, staging, state)
         step_tensor = state["step"]
         step_tensor += 1
         step = float(step_tensor)

@@ -56,9 +56,13 @@ class DevicePart:
             self.optimizer = None
             return
         self.optimizer = build_sub_optimizer(cls, sub_groups, device.type, impl)
-        for (_, group_specs), mains in zip(ordered, mains_per_group, strict=True):
+        for (_, group_specs), mains, sub_group in zip(
+            ordered, mains_per_group, self.optimizer.param_groups, strict=True
+        ):
             for spec, (main, grad) in zip(group_specs, mains, strict=True):
-                piece = Piece(spec=spec, main=main, grad=grad, optimizer=self.optimizer)
+                piece = Piece(
+                    spec=spec, main=main, grad=grad, optimizer=self.optimizer, group=sub_group
+                )
                 record = records[spec.param_index]
                 record.pieces.insert(0, piece)
                 self.pieces.append((record, piece))
@@ -133,9 +137,10 @@ class DevicePart:
                 piece.main.grad = None  # drop references to the model's grads
 
     @torch.no_grad()
-    def reload_from_params(self) -> None:
-        """Refreshes every fp32 main weight from the model params (fp32 params are their own)."""
+    def reload_from_params(self, indices: set[int] | None = None) -> None:
+        """Refreshes fp32 main weights from the model params (fp32 params are their own): of
+        every param, or of the params whose record index is in ``indices``."""
         for record, piece in self.pieces:
-            if piece.grad is not None:
+            if piece.grad is not None and (indices is None or record.index in indices):
                 start = piece.spec.start
                 piece.main.copy_(flat_param(record.param)[start : start + piece.spec.numel])

@@ -22,7 +22,9 @@ queued behind the current stream (a hook's copy during backward, or start's afte
 and the current stream
 waited for this step's last H2D before that backward: so no copy into staging can start before
 the previous copy out of it ended. The worker touches staging only after its D2H event
-completed and before its H2D is queued.
+completed and before its H2D is queued. This assumes that forward and backward run on the stream
+that was current when ``step()`` ran (as in ordinary training); a model run on another stream must
+make that stream wait for the current one first.
 """
 
 from __future__ import annotations
@@ -201,6 +203,7 @@ class HostPart:
             for piece_spec, piece_main in zip(spec.pieces, pieces_main, strict=True):
                 piece = Piece(
                     spec=piece_spec,
+                    group=optimizer.param_groups[0],
                     main=piece_main,
                     grad=None if grad is None else _slice(grad, offset, piece_spec.numel),
                     optimizer=optimizer,
@@ -229,24 +232,44 @@ class HostPart:
         return flats + state + self.buffers.num_bytes
 
     @torch.no_grad()
-    def reload_from_params(self) -> None:
-        """Refreshes every host fp32 main weight from the model params, through staging."""
+    def reload_from_params(self, indices: set[int] | None = None) -> None:
+        """Refreshes host fp32 main weights from the model params, through staging: of every
+        param, or of the params whose record index is in ``indices``.
+
+        Staging then holds weights, not grads: grads the backward hooks sent are sent again.
+        """
+        self._forget_sent_grads()
         after = self.engine.record_current()
         for chunk in self.chunks:
+            chosen = [(r, p) for r, p in chunk.pieces if indices is None or r.index in indices]
             pairs = [
                 CopyPair(
                     piece.staging, _slice(flat_param(r.param), piece.spec.start, piece.spec.numel)
                 )
-                for r, piece in chunk.pieces
+                for r, piece in chosen
             ]
             wait_event(self.engine.d2h(pairs, after=[after]))
-            chunk.main.copy_(chunk.staging)
+            if len(chosen) == len(chunk.pieces):
+                chunk.main.copy_(chunk.staging)
+            else:
+                for _, piece in chosen:
+                    piece.main.copy_(piece.staging)
+
+    def _forget_sent_grads(self) -> None:
+        for chunk in self.chunks:
+            chunk.sent_by_hooks.clear()
+            chunk.hooks_done = None
+            for record, _ in chunk.pieces:
+                record.sent = None
 
     @torch.no_grad()
     def start(self, grads: dict[int, torch.Tensor]) -> list[_ChunkJob]:
         """Queues the D2H copies and CPU steps of every chunk with grads; see [Note: host pipeline]."""
         if not self.chunks:
             return []
+        for chunk in self.chunks:  # refuse before any chunk is handed to the worker
+            if chunk.kernel is not None:
+                self._check_kernel_still_applies(chunk)
         self._start_event = self.engine.record_current()
         everything_sent = None  # covers all hook copies so far; made when a chunk needs it
         jobs = []
@@ -257,8 +280,6 @@ class HostPart:
                 piece.main.grad = piece.grad if record.index in grads else None
             if not active:
                 continue
-            if chunk.kernel is not None:
-                self._check_kernel_still_applies(chunk)
             # Grads sent during backward and unchanged since are on their way; the rest (none
             # sent, or changed after: accumulation, clipping, a new .grad) are sent now.
             current = [r.sent_grad_is_current() for r, _ in active]
@@ -326,8 +347,7 @@ class HostPart:
             except BaseException as err:  # wait for every chunk before raising
                 error = error or err
                 continue
-            if error is not None:
-                continue
+            # A chunk that stepped reaches the model even if another chunk failed.
             with record_function("zero_shard::h2d"):
                 pairs = [
                     CopyPair(
@@ -337,11 +357,7 @@ class HostPart:
                     for r, piece in job.active
                 ]
                 last_event = self.engine.h2d(pairs, after=[self._start_event])
-        for chunk in self.chunks:
-            chunk.sent_by_hooks.clear()
-            chunk.hooks_done = None
-            for record, _ in chunk.pieces:
-                record.sent = None  # consumed, or to be sent again if the step failed
+        self._forget_sent_grads()  # consumed, or to be sent again if the step failed
         # The H2D stream runs in order: its last event covers every chunk's copy.
         self.engine.wait_on_current(last_event)
         self._start_event = None

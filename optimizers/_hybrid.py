@@ -24,7 +24,6 @@ from ._state import (
     check_saved_state,
     gather_main,
     gather_state,
-    groups_by_main,
     init_state,
     scatter_state,
 )
@@ -340,8 +339,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # it, since finish() returns only after the worker waited for all D2H copies.
         grads = self._collect_grads()
         jobs = self._host.start(grads)
-        self._device.step(grads)
-        self._host.finish(jobs)
+        try:
+            self._device.step(grads)
+        finally:
+            # Even if the accelerator's step failed: the worker must not outlive this call, and
+            # the chunks it stepped must reach the model.
+            self._host.finish(jobs)
         return loss
 
     @torch.no_grad()
@@ -426,8 +429,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({key: value for key, value in saved.items() if key != "params"})
         self._sync_hyperparams()
-        self.reload_model_params()
-        groups = groups_by_main(self._records)
+        # Main weights without a saved fp32 copy come from the model. The saved copies may be the
+        # very views state_dict() returned, filled in place (DCP): those are not overwritten.
+        without_main = {
+            record.index
+            for record, saved_id in pairs
+            if "main_param" not in saved_state.get(saved_id, {})
+        }
+        self._device.reload_from_params(without_main)
+        self._host.reload_from_params(without_main)
         for record, saved_id in pairs:
             if record.ignored:
                 continue
@@ -436,7 +446,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for piece in record.pieces:
                     piece.optimizer.state.pop(piece.main, None)
                 continue
-            scatter_state(record, saved, groups)
+            scatter_state(record, saved)
             main = saved.get("main_param")
             if main is not None:
                 self._load_main(record, main)

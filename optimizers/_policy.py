@@ -35,9 +35,14 @@ class OffloadPolicy:
             applies (Adam/AdamW without amsgrad or maximize, bf16 or fp32 params) and builds,
             else ``"torch"``. Other optimizers always use torch's kernels.
         d2h_during_backward: send each offloaded grad to the host from a post-accumulate-grad
-            hook as soon as backward produces it, instead of at ``step()``. A grad changed after
-            its hook (accumulation over several backward passes, clipping, a new ``.grad``) is
-            detected and sent again at ``step()``. Default True.
+            hook as soon as backward produces it, instead of at ``step()`` (faster: the copy
+            leaves the step, see docs/benchmarks/offload_step.md). Only for training loops whose
+            grads are final when backward returns, or change only through operations that bump
+            the grad's version counter: a new ``.grad``, accumulation over several backward
+            passes, ``torch.nn.utils.clip_grad_norm_`` and other ordinary in-place ops are
+            detected and sent again. Not detected: ``GradScaler.unscale_`` (fp16 AMP),
+            ``dist.all_reduce(p.grad)``, writes through ``p.grad.data``; the step would use the
+            grads as backward left them. Default False.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
@@ -50,7 +55,7 @@ class OffloadPolicy:
     chunk_numel: int = 1 << 24
     device_impl: str = "torch"
     cpu_kernel: str = "auto"
-    d2h_during_backward: bool = True
+    d2h_during_backward: bool = False
 
     def __post_init__(self) -> None:
         fraction = self.fraction

@@ -30,6 +30,7 @@ class Piece:
     grad: torch.Tensor | None  # 1-D fp32 main grad (view of a flat buffer); None: the model's
     #                            own grad is used as is (fp32 params on the accelerator)
     optimizer: torch.optim.Optimizer  # the sub-optimizer that steps `main`
+    group: dict  # the sub-optimizer's param group holding `main` (its hyperparameters)
     staging: torch.Tensor | None = None  # host pieces: 1-D model dtype, pinned view; grads land
     #                                      here and updated params leave from here
 

@@ -21,7 +21,6 @@ __all__ = [
     "check_saved_state",
     "gather_main",
     "gather_state",
-    "groups_by_main",
     "init_state",
     "scatter_state",
 ]
@@ -36,17 +35,6 @@ _ZERO_INITIAL_STATE = (
     torch.optim.RMSprop,
     torch.optim.Adadelta,
 )
-
-
-def groups_by_main(records: Iterable[ParamRecord]) -> dict[int, dict[str, Any]]:
-    """Maps ``id(piece.main)`` to the sub-optimizer group that steps it, for every piece."""
-    optimizers = {id(p.optimizer): p.optimizer for r in records for p in r.pieces}
-    return {
-        id(param): group
-        for optimizer in optimizers.values()
-        for group in optimizer.param_groups
-        for param in group["params"]
-    }
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -75,7 +63,6 @@ def init_state(records: Iterable[ParamRecord], cls: type, layouts: Sequence[Stat
 
     ``layouts[g]`` is the state layout of the user's param group ``g``.
     """
-    groups = groups_by_main(records)
     for record in records:
         layout = layouts[record.group_index]
         if any(key != "step" for key in layout.scalar_keys):
@@ -83,7 +70,7 @@ def init_state(records: Iterable[ParamRecord], cls: type, layouts: Sequence[Stat
         for piece in record.pieces:
             if piece.state or not isinstance(piece.optimizer, cls):
                 continue
-            group = groups[id(piece.main)]
+            group = piece.group
             if not _starts_zero(cls, group):
                 continue
             state: dict[str, Any] = {}
@@ -137,15 +124,10 @@ def check_saved_state(record: ParamRecord, saved: dict[str, Any]) -> None:
             )
 
 
-def scatter_state(
-    record: ParamRecord, saved: dict[str, Any], groups: dict[int, dict[str, Any]]
-) -> None:
-    """Replaces each piece's state with its slice of ``saved`` (checked by check_saved_state).
-
-    ``groups`` is :func:`groups_by_main` of the optimizer's records.
-    """
+def scatter_state(record: ParamRecord, saved: dict[str, Any]) -> None:
+    """Replaces each piece's state with its slice of ``saved`` (checked by check_saved_state)."""
     for piece in record.pieces:
-        group = groups[id(piece.main)]
+        group = piece.group
         start, numel = piece.spec.start, piece.spec.numel
         state: dict[str, Any] = {}
         for key, value in saved.items():

@@ -110,3 +110,41 @@ def test_hooks_do_not_keep_the_optimizer_alive() -> None:
     gc.collect()
     model(torch.randn(2, 15)).sum().backward()  # hooks of a dead optimizer: removed, no error
     assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+
+
+def test_hooks_are_off_by_default() -> None:
+    assert OffloadPolicy().d2h_during_backward is False
+
+
+def test_default_handles_grads_changed_without_a_version_bump() -> None:
+    # GradScaler.unscale_ divides the grads in place without bumping their version counter,
+    # and so does a write through .data: grads are read at step() by default, so both count.
+    def unscale(model: torch.nn.Module) -> None:
+        found_inf = torch.zeros(1)
+        grads = [p.grad for p in model.parameters()]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 0.25))
+        next(model.parameters()).grad.data.mul_(0.5)
+
+    model, reference = make_model(torch.float32), make_model(torch.float32)
+    policy = OffloadPolicy(fraction=0.6, chunk_numel=64, num_threads=2)
+    opt = HybridDeviceOptimizer(model.parameters(), policy=policy, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    train(model, opt, steps=4, between=unscale)
+    train(reference, ref_opt, steps=4, between=unscale)
+    for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
+
+
+def test_reload_after_backward_resends_the_grads() -> None:
+    # reload_model_params() refills the staging buffers with weights: grads sent by the hooks
+    # before it must be sent again.
+    model, reference = make_model(torch.float32), make_model(torch.float32)
+    opt = hybrid(model, hooks=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    for net, optimizer in ((model, opt), (reference, ref_opt)):
+        net(torch.ones(5, 15)).sum().backward()
+        if optimizer is opt:
+            opt.reload_model_params()
+        optimizer.step()
+    for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])

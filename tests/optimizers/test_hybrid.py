@@ -219,3 +219,80 @@ def test_state_dict_views_alias_live_state_when_param_is_whole() -> None:
     state = opt.state_dict()["state"]
     state[0]["exp_avg"].fill_(3.0)
     assert torch.all(opt.state_dict()["state"][0]["exp_avg"] == 3.0)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.37, 1.0])
+def test_load_into_the_views_state_dict_returned(fraction: float) -> None:
+    # DCP's way: fill the tensors state_dict() returned in place, then load_state_dict(them).
+    # The fp32 main weights must come through exactly, not be replaced by the bf16 model weights.
+    trained = make_params(torch.bfloat16, "cpu")
+    refs = fp32_copies(trained)
+    source, ref_opt = hybrid(trained, "adamw", 0.5), reference(refs, "adamw", fused=True)
+    for _ in train_side_by_side(source, ref_opt, trained, refs, steps=3):
+        pass
+    saved = {
+        index: {key: value.clone() for key, value in state.items()}
+        for index, state in source.state_dict()["state"].items()
+    }
+    params = [torch.nn.Parameter(p.detach().clone()) for p in trained]  # the model, loaded
+    opt = hybrid(params, "adamw", fraction)
+    target = opt.state_dict()
+    for index, state in target["state"].items():
+        for key, value in state.items():
+            value.copy_(saved[index][key])
+    opt.load_state_dict(target)
+    after = opt.state_dict()["state"]
+    for index, state in saved.items():
+        for key, value in state.items():
+            assert torch.equal(after[index][key], value), (index, key)
+
+
+def test_refused_option_change_leaves_everything_as_it_was() -> None:
+    params = make_params(torch.bfloat16, "cpu")
+    opt = hybrid(params, "adamw", 1.0)
+    if not any(chunk.kernel is not None for chunk in opt._host.chunks):
+        pytest.skip("the single-pass kernel is not built here")
+    opt.param_groups[0]["amsgrad"] = True  # group 1 (the last params) is reached first
+    for param in params:
+        param.grad = torch.ones_like(param)
+    before_params = [p.detach().clone() for p in params]
+    before_state = {
+        i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()
+    }
+    with pytest.raises(RuntimeError, match="cpu_kernel='torch'"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before_params, strict=True))
+    for index, state in opt.state_dict()["state"].items():
+        assert all(torch.equal(v, before_state[index][k]) for k, v in state.items()), index
+
+
+def test_failed_accelerator_step_still_finishes_the_host_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    params = make_params(torch.bfloat16, "cpu")
+    opt = hybrid(params, "adamw", 0.5)
+
+    def fail(grads):  # type: ignore[no-untyped-def]
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(opt._device, "step", fail)
+    gen = torch.Generator().manual_seed(0)
+    set_grads(params, fp32_copies(params), gen)
+    with pytest.raises(RuntimeError, match="simulated"):
+        opt.step()
+    # The CPU share stepped and its new weights reached the model: main and model agree.
+    mains = main_weights(opt, params)
+    for record in opt._records:
+        for piece in record.pieces:
+            if piece.staging is None:
+                continue
+            start, numel = piece.spec.start, piece.spec.numel
+            model = params[record.index].detach().reshape(-1)[start : start + numel]
+            main = mains[record.index].reshape(-1)[start : start + numel]
+            assert torch.equal(model, main.to(model.dtype))
+    # Nothing of the failed step is left running: the next step works and agrees with itself.
+    monkeypatch.undo()
+    set_grads(params, fp32_copies(params), gen)
+    opt.step()
+    for index, main in enumerate(main_weights(opt, params)):
+        assert torch.equal(params[index].detach(), main.to(params[index].dtype))

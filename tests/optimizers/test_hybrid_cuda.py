@@ -72,7 +72,7 @@ def test_no_race_between_copies_and_compute(
     width, depth = 4096, 4  # 67M params: 34 MB of bf16 per layer and direction
     model = _model(width, depth)
     params = list(model.parameters())
-    policy = OffloadPolicy(fraction=fraction, chunk_numel=width * width)
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=width * width, d2h_during_backward=True)
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
     shadow = [p.detach().float().cpu().clone() for p in params]
     for tensor in shadow:
