@@ -103,8 +103,9 @@ class DevicePart:
         return flats + state
 
     @torch.no_grad()
-    def step(self, grads: dict[int, torch.Tensor]) -> None:
-        """Steps every piece whose param has a grad in ``grads`` (1-D, by record index).
+    def step(self, grads: dict[int, torch.Tensor], grad_scale: float | None = None) -> None:
+        """Steps every piece whose param has a grad in ``grads`` (1-D, by record index), the
+        grads multiplied by ``grad_scale`` in fp32 if given.
 
         Runs on the current stream, so it is ordered after backward and before the next forward
         with no synchronization.
@@ -112,7 +113,7 @@ class DevicePart:
         if self.optimizer is None:
             return
         with record_function("zero_shard::device_step"):
-            cast_dst, cast_src, written_params, written_mains = [], [], [], []
+            cast_dst, cast_src, written_params, written_mains, in_place = [], [], [], [], []
             for record, piece in self.pieces:
                 grad = grads.get(record.index)
                 if grad is None:
@@ -121,6 +122,7 @@ class DevicePart:
                 source = grad[piece.spec.start : piece.spec.start + piece.spec.numel]
                 if piece.grad is None:
                     piece.main.grad = source
+                    in_place.append(source)
                     continue
                 piece.main.grad = piece.grad
                 cast_dst.append(piece.grad)
@@ -130,6 +132,8 @@ class DevicePart:
                 written_mains.append(piece.main)
             if cast_dst:
                 torch._foreach_copy_(cast_dst, cast_src)
+            if grad_scale is not None and (cast_dst or in_place):
+                torch._foreach_mul_(cast_dst + in_place, grad_scale)
             self.optimizer.step()
             if written_params:
                 torch._foreach_copy_(written_params, written_mains)

@@ -12,6 +12,7 @@ __all__ = [
     "IMPL_KEYS",
     "StateLayout",
     "check_elementwise",
+    "constructor_defaults",
     "implementation_kwargs",
     "probe_state_layout",
 ]
@@ -68,6 +69,12 @@ def check_elementwise(cls: Any) -> None:
         f"optimizers that look at whole tensors (norms, factored or matrix state). Supported: "
         f"{names}. If your class really is elementwise, set `_zero_shard_elementwise = True` on it."
     )
+
+
+def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its class's constructor accepts (lr, betas, ...)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
 
 
 def implementation_kwargs(cls: type[torch.optim.Optimizer], device_type: str) -> dict[str, Any]:

@@ -263,8 +263,11 @@ class HostPart:
                 record.sent = None
 
     @torch.no_grad()
-    def start(self, grads: dict[int, torch.Tensor]) -> list[_ChunkJob]:
-        """Queues the D2H copies and CPU steps of every chunk with grads; see [Note: host pipeline]."""
+    def start(
+        self, grads: dict[int, torch.Tensor], grad_scale: float | None = None
+    ) -> list[_ChunkJob]:
+        """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied by
+        ``grad_scale`` on the host if given; see [Note: host pipeline]."""
         if not self.chunks:
             return []
         for chunk in self.chunks:  # refuse before any chunk is handed to the worker
@@ -298,7 +301,7 @@ class HostPart:
                 ]
                 if pairs:
                     events.append(self.engine.d2h(pairs, after=[self._start_event]))
-            future = self._executor.submit(_step_chunk, chunk, active, events)
+            future = self._executor.submit(_step_chunk, chunk, active, events, grad_scale)
             jobs.append(_ChunkJob(chunk, active, future))
         return jobs
 
@@ -366,7 +369,10 @@ class HostPart:
 
 
 def _step_chunk(
-    chunk: HostChunk, active: list[tuple[ParamRecord, Piece]], d2h_events: list[Any]
+    chunk: HostChunk,
+    active: list[tuple[ParamRecord, Piece]],
+    d2h_events: list[Any],
+    grad_scale: float | None,
 ) -> None:
     """Worker thread: grads in staging -> fp32 -> CPU step -> weights back into staging."""
     for event in d2h_events:
@@ -375,6 +381,8 @@ def _step_chunk(
         if chunk.kernel is not None:
             group = chunk.optimizer.param_groups[0]
             for _, piece in active:
+                if grad_scale is not None:  # bf16 or fp32 grads: a power-of-two scale is exact
+                    piece.staging.mul_(grad_scale)
                 chunk.kernel.step_piece(piece.main, piece.staging, piece.state, group)
             return
         whole = len(active) == len(chunk.pieces)
@@ -384,6 +392,9 @@ def _step_chunk(
             else:
                 for _, piece in active:
                     piece.grad.copy_(piece.staging)
+        if grad_scale is not None:
+            for _, piece in active:
+                piece.grad.mul_(grad_scale)
         chunk.optimizer.step()
         if whole:
             chunk.staging.copy_(chunk.main)

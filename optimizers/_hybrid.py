@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -15,7 +15,13 @@ from offload import ThreadBudget, resolve_thread_budget
 
 from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies, load_cpu_adam
 from ._device_part import DevicePart
-from ._elementwise import IMPL_KEYS, StateLayout, check_elementwise, probe_state_layout
+from ._elementwise import (
+    IMPL_KEYS,
+    StateLayout,
+    check_elementwise,
+    constructor_defaults,
+    probe_state_layout,
+)
 from ._host_part import HostPart
 from ._layout import ChunkSpec, ParamInfo, plan_layout
 from ._policy import OffloadPolicy
@@ -164,14 +170,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         groups = [dict(group) for group in optimizer.param_groups]
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         hybrid = cls(
             groups,
             type(optimizer),
             offload_fraction=offload_fraction,
             policy=policy,
-            **defaults,
+            **constructor_defaults(optimizer),
         )
         if optimizer.state:
             hybrid.load_state_dict(optimizer.state_dict())
@@ -324,23 +328,33 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return grads
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None, *, grad_scale: float | None = None
+    ) -> float | None:
         """Steps every param that has a grad; returns the closure's loss if one is given.
 
         On return the model params hold the new weights as seen by the current stream: later
         work on it waits for the copies, the host does not.
+
+        Args:
+            closure: recomputes the loss, as for any torch optimizer.
+            grad_scale: multiplies the grads by this factor in fp32, after they are cast to the
+                fp32 main grads (unscaling fp16 loss-scaled grads without underflow). Grads
+                that are fp32 already are multiplied in place. Default: none.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if grad_scale is not None and not math.isfinite(grad_scale):
+            raise ValueError(f"grad_scale must be a finite number, got {grad_scale}")
         self._sync_hyperparams()
         # A non-contiguous grad is copied to a temporary here; it outlives every copy that reads
         # it, since finish() returns only after the worker waited for all D2H copies.
         grads = self._collect_grads()
-        jobs = self._host.start(grads)
+        jobs = self._host.start(grads, grad_scale)
         try:
-            self._device.step(grads)
+            self._device.step(grads, grad_scale)
         finally:
             # Even if the accelerator's step failed: the worker must not outlive this call, and
             # the chunks it stepped must reach the model.
@@ -378,20 +392,34 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         state: dict[int, dict[str, Any]] = {}
         for record in self._records:
-            if record.ignored:
-                continue
-            param_state = gather_state(record)
-            if param_state is None:
-                continue
-            if record.param.dtype != torch.float32:
-                param_state["main_param"] = gather_main(record)
-            state[record.index] = param_state
+            param_state = self._record_state(record)
+            if param_state:
+                state[record.index] = param_state
         param_groups = []
         for group_index, group in enumerate(self.param_groups):
             packed = {key: value for key, value in group.items() if key != "params"}
             packed["params"] = [r.index for r in self._records if r.group_index == group_index]
             param_groups.append(packed)
         return {"state": state, "param_groups": param_groups}
+
+    def _record_state(self, record: ParamRecord) -> dict[str, Any]:
+        if record.ignored:
+            return {}
+        param_state = gather_state(record)
+        if param_state is None:
+            return {}
+        if record.param.dtype != torch.float32:
+            param_state["main_param"] = gather_main(record)
+        return param_state
+
+    def param_state(self, param: torch.Tensor) -> dict[str, Any]:
+        """One param's state as ``state_dict()`` shows it (``{}`` before it has any): tensors in
+        the param's shape (views of the live state where the param is in one piece, else CPU
+        copies), scalars such as ``step``, and ``main_param`` (fp32) for low-precision params."""
+        for record in self._records:
+            if record.param is param:
+                return self._record_state(record)
+        raise KeyError(f"a param of shape {tuple(param.shape)} is not in this optimizer")
 
     def _match_saved(self, state_dict: dict[str, Any]) -> list[tuple[ParamRecord, Any]]:
         """Pairs each record with its saved param id, checking the groups line up."""

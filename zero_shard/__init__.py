@@ -1,11 +1,23 @@
 """zero-shard: ZeRO-style optimizer sharding for PyTorch with exact, overlapped CPU offload.
 
-The data-parallel front (``zero_shard.wrap``) is being built; today the package re-exports the
-single-rank building block, :class:`optimizers.HybridDeviceOptimizer`, and its policy.
+``zero_shard.wrap(optimizer, model, offload=zero_shard.OffloadPolicy(fraction=...))`` shards an
+elementwise torch optimizer over the data-parallel ranks; the single-rank building block,
+:class:`optimizers.HybridDeviceOptimizer`, is re-exported for one-process use.
 """
 
 from optimizers import HybridDeviceOptimizer, MemoryReport, OffloadPolicy
 
+from ._optimizer import ZeroShardOptimizer, wrap
+from ._scaler import GradScaler
+
 __version__ = "0.1.0"
 
-__all__ = ["HybridDeviceOptimizer", "MemoryReport", "OffloadPolicy", "__version__"]
+__all__ = [
+    "GradScaler",
+    "HybridDeviceOptimizer",
+    "MemoryReport",
+    "OffloadPolicy",
+    "ZeroShardOptimizer",
+    "__version__",
+    "wrap",
+]

@@ -1,0 +1,57 @@
+"""Side streams that vanish on a CPU-only device, so the same ordering code runs in CI.
+
+``None`` stands for "no stream": work runs at once on the calling thread, and an event of
+``None`` is complete (as in ``_copy_engine.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["current_stream", "record_event", "side_stream", "use_stream", "wait_stream"]
+
+Stream = Any
+Event = Any
+
+
+def side_stream(device: torch.device) -> Stream | None:
+    """A new stream on ``device``, or ``None`` on the CPU."""
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device).Stream(device=device)
+
+
+def current_stream(device: torch.device) -> Stream | None:
+    """The device's current stream, or ``None`` on the CPU."""
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device).current_stream(device)
+
+
+@contextlib.contextmanager
+def use_stream(stream: Stream | None) -> Iterator[None]:
+    """Makes ``stream`` current inside the block (nothing for ``None``)."""
+    if stream is None:
+        yield
+        return
+    with torch.get_device_module(stream.device).stream(stream):
+        yield
+
+
+def wait_stream(waiter: Stream | None, waited: Stream | None) -> None:
+    """Orders later work on ``waiter`` after the work already queued on ``waited``."""
+    if waiter is not None and waited is not None and waiter != waited:
+        waiter.wait_stream(waited)
+
+
+def record_event(stream: Stream | None) -> Event | None:
+    """An event after the work queued on ``stream`` so far (``None`` on the CPU)."""
+    if stream is None:
+        return None
+    event = torch.get_device_module(stream.device).Event()
+    event.record(stream)
+    return event

@@ -1,0 +1,76 @@
+"""Runs named test cases in ``world_size`` CPU processes (gloo), all cases in one spawn.
+
+A spawn costs seconds on the 2-core CI machines, so each test module registers its cases with
+``@case`` and a module-scoped fixture runs them all at once per world size; each pytest test
+then reports its case's outcome. A case fails if it raised on any rank; every rank runs every
+case in the same order. A case that fails on some ranks only can leave the others waiting in a
+collective: the gloo timeout (``TIMEOUT``) then fails them, and later cases may fail in turn:
+the first failure is the one to read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT = datetime.timedelta(seconds=90)
+
+Case = Callable[[int, int], None]  # (rank, world_size) -> None; raises on failure
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    rank: int, world_size: int, port: int, cases: list[tuple[str, Case]], out_dir: str
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
+    results: dict[str, str | None] = {}
+    try:
+        for name, function in cases:
+            try:
+                function(rank, world_size)
+                results[name] = None
+            except BaseException:  # a case's failure is recorded, the next case runs
+                results[name] = traceback.format_exc()
+            Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(cases: dict[str, Case], world_size: int) -> dict[str, str | None]:
+    """Runs every case on ``world_size`` ranks; returns case -> None, or the failure's text."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        items = list(cases.items())
+        mp.start_processes(
+            _worker,
+            args=(world_size, _free_port(), items, out_dir),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        merged: dict[str, str | None] = dict.fromkeys(cases)
+        for rank in range(world_size):
+            path = Path(out_dir, f"rank{rank}.json")
+            ranks = json.loads(path.read_text()) if path.exists() else {}
+            for name in cases:
+                failure = ranks.get(name, f"rank {rank} did not reach this case")
+                if failure and merged[name] is None:
+                    merged[name] = f"rank {rank}:\n{failure}"
+        return merged

@@ -1,0 +1,89 @@
+"""Shard specs, bucket plans and the packing around collectives, in one process."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from zero_shard._collectives import choose_reduce_scaling, pack_grads, unpack_params
+from zero_shard._layout import plan_buckets, shard_spec
+
+SHAPES = [(7, 15), (3,), (2, 5), (0, 4), (1,), (16, 16), (5,)]
+
+
+@pytest.mark.parametrize(("shape", "world"), list(itertools.product(SHAPES, [1, 2, 3, 4])))
+def test_shards_follow_torch_chunk(shape: tuple[int, ...], world: int) -> None:
+    full = torch.arange(torch.Size(shape).numel()).view(shape)
+    chunks = list(torch.chunk(full, world, dim=0)) if shape[0] else []
+    for rank in range(world):
+        spec = shard_spec(shape, rank, world)
+        expected = chunks[rank] if rank < len(chunks) else full[:0]
+        rows = full.reshape(-1)[spec.start : spec.start + spec.numel].view(spec.local_shape(shape))
+        assert torch.equal(rows, expected), (shape, world, rank)
+        assert spec.numel <= spec.padded_numel
+    # Empty shards exist where chunk gives fewer pieces: (2, 5) on 3 ranks -> 1, 1, 0 rows.
+    if shape == (2, 5) and world == 3:
+        assert shard_spec(shape, 2, 3).num_rows == 0
+
+
+def test_zero_dim_params_are_refused_by_the_planner() -> None:
+    with pytest.raises(AssertionError, match="0-dim"):
+        shard_spec((), 0, 2)
+
+
+def test_buckets_keep_order_split_by_size_and_dtype() -> None:
+    world = 2
+    specs = [shard_spec(shape, 0, world) for shape in [(8, 8), (8, 8), (4,), (64, 64), (8,)]]
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.float32, torch.bfloat16]
+    buckets = plan_buckets(specs, dtypes, world, bucket_bytes=600)
+    assert [b.param_indices for b in buckets] == [(0, 1), (2,), (3,), (4,)]
+    # Each shard starts aligned to 128 bytes inside a segment.
+    assert buckets[0].offsets == (0, 32)
+    assert all(b.dtype == torch.bfloat16 for b in buckets[-1:])
+    assert buckets[0].segment_numel == buckets[0].shard_numel + 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pack_and_unpack_round_trip(world: int) -> None:
+    shapes = [(7, 15), (3,), (2, 5), (0, 4)]
+    params = [torch.randn(shape) for shape in shapes]
+    specs_by_rank = [[shard_spec(s, r, world) for s in shapes] for r in range(world)]
+    layout = plan_buckets(specs_by_rank[0], [torch.float32] * len(shapes), world, 1 << 20)[0]
+    # Packing grads lays out, for each destination rank, that rank's rows of every param.
+    packed = torch.zeros(world * layout.segment_numel)
+    grads = [p.clone() for p in params[:-1]] + [None]
+    pack_grads(packed, layout, specs_by_rank[0], grads, world)
+    segments = packed.view(world, layout.segment_numel)
+    for rank in range(world):
+        for position, param in enumerate(params[:-1]):
+            spec = specs_by_rank[rank][position]
+            got = segments[rank, layout.offsets[position] : layout.offsets[position] + spec.numel]
+            assert torch.equal(got, param.reshape(-1)[spec.start : spec.start + spec.numel])
+        flags = segments[rank, layout.shard_numel :]
+        assert flags.tolist() == [1.0, 1.0, 1.0, 0.0]
+    # An all-gather output (every rank's shard segment) unpacks into the full params.
+    gathered = torch.zeros(world * layout.shard_numel)
+    for rank in range(world):
+        segment = gathered[rank * layout.shard_numel : (rank + 1) * layout.shard_numel]
+        for position, param in enumerate(params):
+            spec = specs_by_rank[rank][position]
+            offset = layout.offsets[position]
+            segment[offset : offset + spec.numel] = param.reshape(-1)[
+                spec.start : spec.start + spec.numel
+            ]
+    targets = [torch.zeros_like(p) for p in params]
+    unpack_params(gathered, layout, specs_by_rank[0], targets, world)
+    for target, param in zip(targets, params, strict=True):
+        assert torch.equal(target, param)
+
+
+def test_reduce_scaling_is_a_mean() -> None:
+    cpu = torch.device("cpu")
+    assert choose_reduce_scaling(1, cpu, torch.float32).post_divide is None
+    assert choose_reduce_scaling(3, cpu, torch.float32).post_divide == 3.0
+    fp16 = choose_reduce_scaling(8, cpu, torch.float16)
+    assert fp16.pre_divide * fp16.post_divide == 8  # split around the sum against overflow
+    cuda = choose_reduce_scaling(2, torch.device("cuda"), torch.bfloat16)
+    assert cuda.pre_divide is None and cuda.post_divide is None  # NCCL's AVG

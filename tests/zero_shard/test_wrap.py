@@ -1,0 +1,382 @@
+"""zero_shard.wrap on 2 and 3 CPU processes (gloo): parity with single-process torch AdamW on the
+same global batch, every step; accumulation, clipping, non-finite grads, DDP and FSDP2 models."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import run_cases
+from _models import (
+    LOSS_TOL,
+    PARAM_TOL,
+    adamw,
+    assert_params_close,
+    global_batch,
+    local_slice,
+    make_model,
+    mean_over_ranks,
+    mse,
+)
+from torch.distributed.tensor import DTensor
+
+import zero_shard
+from zero_shard import OffloadPolicy
+
+CASES = {}
+STEPS = 10
+TINY_BUCKETS = 0.0008  # MiB: about 800 bytes, so the 6 params of the test model fill 4 buckets
+
+
+def case(function):  # type: ignore[no-untyped-def]
+    CASES[function.__name__] = function
+    return function
+
+
+def offload(fraction: float) -> OffloadPolicy | None:
+    if fraction == 0:
+        return None
+    return OffloadPolicy(fraction=fraction, num_threads=1, chunk_numel=16)
+
+
+def train_in_parity(rank: int, world: int, *, fraction: float, stage: int, overlap: bool) -> None:
+    model, ref = make_model(), make_model()
+    opt = zero_shard.wrap(
+        adamw(model),
+        model,
+        offload=offload(fraction),
+        stage=stage,
+        overlap_param_gather=overlap,
+        bucket_mb=TINY_BUCKETS,
+    )
+    ref_opt = adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        output = model(local_slice(x, rank, world))
+        # The forward made every param current (the pre-hooks waited for the gathers).
+        assert not opt._gatherer.pending
+        assert_params_close(model, ref, f"before step {step}")
+        loss = mse(output, local_slice(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = mse(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(mean_over_ranks(loss), ref_loss.detach(), **LOSS_TOL)
+        assert opt._gatherer.pending == overlap  # with overlap, the gathers wait for forward
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "after the last step")
+    # Every state tensor is a DTensor with the param's global shape, equal to the reference's.
+    for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
+        state = opt.state[param]
+        assert int(state["step"]) == STEPS
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(state[key], DTensor) and state[key].shape == param.shape
+            torch.testing.assert_close(
+                state[key].full_tensor(), ref_opt.state[ref_param][key], **PARAM_TOL
+            )
+        assert "main_param" not in state  # fp32 params are their own main weights
+
+
+@case
+def parity_stage2_all_on_accelerator(rank: int, world: int) -> None:
+    train_in_parity(rank, world, fraction=0.0, stage=2, overlap=True)
+
+
+@case
+def parity_stage2_half_offloaded(rank: int, world: int) -> None:
+    train_in_parity(rank, world, fraction=0.5, stage=2, overlap=True)
+
+
+@case
+def parity_stage2_all_offloaded(rank: int, world: int) -> None:
+    train_in_parity(rank, world, fraction=1.0, stage=2, overlap=False)
+
+
+@case
+def parity_stage1(rank: int, world: int) -> None:
+    for fraction in (0.0, 0.5, 1.0):
+        train_in_parity(rank, world, fraction=fraction, stage=1, overlap=fraction != 0.5)
+
+
+@case
+def overlap_on_and_off_give_identical_params(rank: int, world: int) -> None:
+    runs = []
+    for overlap in (True, False):
+        model = make_model()
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=offload(0.5), overlap_param_gather=overlap,
+            bucket_mb=TINY_BUCKETS,
+        )  # fmt: skip
+        for step in range(5):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish_param_sync()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for with_overlap, without in zip(*runs, strict=True):
+        assert torch.equal(with_overlap, without)
+
+
+@case
+def accumulation_with_and_without_no_sync(rank: int, world: int) -> None:
+    # no_sync on the first micro-batch (as with DDP), on none (each is reduced and the shards
+    # accumulate), on both (the grads left on the params are reduced at the step).
+    for no_sync_on in ({0}, set(), {0, 1}):
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        ref_opt = adamw(ref)
+        for step in range(4):
+            x, y = global_batch(step)
+            xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+            half = xs.shape[0] // 2
+            # Two equal micro-batches: the mean of their mean losses is the local mean loss.
+            for index, micro in enumerate((slice(0, half), slice(half, None))):
+                with opt.no_sync() if index in no_sync_on else contextlib.nullcontext():
+                    (mse(model(xs[micro]), ys[micro]) / 2).backward()
+                unreduced = all(p.grad is not None for p in model.parameters())
+                assert unreduced == (index in no_sync_on)  # reduced grads leave the params
+            opt.step()
+            opt.zero_grad()
+            mse(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"no_sync on micro-batches {no_sync_on}")
+
+
+@case
+def clip_grad_norm_equals_torch_on_the_whole_model(rank: int, world: int) -> None:
+    for norm_type in (2.0, float("inf"), 1.0):
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        ref_opt = adamw(ref)
+        for step in range(3):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            norm = opt.clip_grad_norm_(0.05, norm_type=norm_type)
+            mse(ref(x), y).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=norm_type)
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0.0)
+            assert float(ref_norm) > 0.05  # the clip really scales the grads down
+            opt.step()
+            opt.zero_grad()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"clipped, norm {norm_type}")
+
+
+def snapshot(opt: zero_shard.ZeroShardOptimizer, model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every local tensor the optimizer and the model hold: shards, main weights, states."""
+    tensors = [p.detach().clone() for p in model.parameters()]
+    for state in opt._hybrid.state_dict()["state"].values():
+        tensors += [v.detach().clone() for v in state.values() if torch.is_tensor(v)]
+    return tensors
+
+
+def assert_unchanged(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+    assert len(before) == len(after)
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(old, new)  # bit for bit, NaN-free
+
+
+@case
+def nonfinite_grad_on_one_rank_skips_the_step_everywhere(rank: int, world: int) -> None:
+    for policy in ("skip", "raise"):
+        model = make_model()
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS, nonfinite=policy
+        )
+        x, y = global_batch(0)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        opt.finish_param_sync()
+        before = snapshot(opt, model)
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.clone()
+            grad[0, 0] = float("nan")  # row 0: its shard is rank 0's
+            return grad
+
+        handle = model.inp.weight.register_hook(poison) if rank == 0 else None
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        if handle is not None:
+            handle.remove()
+        shard = opt.main_grad(model.inp.weight).to_local()
+        assert shard.isnan().any() == (rank == 0)  # only rank 0's shard holds the NaN
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if policy == "raise":
+                with pytest.raises(RuntimeError, match="inf or a NaN"):
+                    opt.step()
+            else:
+                opt.step()
+        if policy == "skip":
+            assert opt.num_skipped_steps == 1
+            assert any("skipped a step" in str(w.message) for w in caught)
+        opt.finish_param_sync()
+        assert_unchanged(before, snapshot(opt, model))
+        # Training goes on: the next, finite step changes the params.
+        opt.zero_grad()
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.finish_param_sync()
+        assert not torch.equal(before[0], model.inp.weight.detach())
+
+
+@case
+def fp16_overflow_skips_on_every_rank_and_backs_off(rank: int, world: int) -> None:
+    model = make_model().half()
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    scaler = zero_shard.GradScaler("cpu", init_scale=2.0**10)
+
+    def backward(step: int, poison: bool) -> None:
+        x, y = global_batch(step, torch.float16)
+        loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+        if poison:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+
+    backward(0, poison=False)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    opt.finish_param_sync()
+    assert scaler.get_scale() == 2.0**10
+    before = snapshot(opt, model)
+    backward(1, poison=rank == world - 1)  # an overflow on the last rank only
+    scaler.unscale_(opt)
+    opt.clip_grad_norm_(1.0)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    opt.finish_param_sync()
+    assert scaler.get_scale() == 2.0**9  # every rank backed off
+    assert_unchanged(before, snapshot(opt, model))
+    backward(2, poison=False)
+    scaler.step(opt)
+    scaler.update()
+    opt.finish_param_sync()
+    assert not torch.equal(before[0], model.inp.weight.detach())
+    # The fp16 params are their fp32 main weights rounded, on every rank: the gather is whole.
+    for param in model.parameters():
+        main = opt.state[param]["main_param"].full_tensor()
+        assert torch.equal(param.detach(), main.half())
+
+
+@case
+def params_without_grads_are_stepped_only_if_some_rank_has_one(rank: int, world: int) -> None:
+    model, ref = make_model(with_side=True), make_model(with_side=True)
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    never_before = model.never.weight.detach().clone()
+    for step in range(4):
+        x, y = global_batch(step)
+        # `side` sees the first two rows of the global batch: only rank 0 has them.
+        first_rows = 2 if rank == 0 else 0
+        local = model(local_slice(x, rank, world), first_rows=first_rows)
+        mse(local, local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x, first_rows=2), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "with a branch on rank 0 and an unused layer")
+    assert torch.equal(model.never.weight.detach(), never_before)  # no rank had its grad
+    assert int(opt.state[model.never.weight]["step"]) == 0
+    assert int(opt.state[model.side.weight]["step"]) == 4
+
+
+@case
+def ddp_model_uses_its_reduced_grads(rank: int, world: int) -> None:
+    model, ref = make_model(), make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = zero_shard.wrap(adamw(model), ddp, offload=offload(0.5), stage=1, bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "DDP")
+
+
+@case
+def fsdp2_model_matches_fsdp2_with_torch_adamw(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def sharded_model() -> torch.nn.Module:
+        model = make_model()
+        for layer in (model.inp, model.mid, model.out):
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    for fraction in (0.0, 1.0):
+        model, ref = sharded_model(), sharded_model()
+        opt = zero_shard.wrap(adamw(model), model, offload=offload(fraction))
+        ref_opt = adamw(ref)
+        assert opt.kind.value == "fsdp" and opt._gatherer is None  # FSDP2 communicates
+        for step in range(5):
+            x, y = global_batch(step)
+            for net, net_opt in ((model, opt), (ref, ref_opt)):
+                mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                net_opt.step()
+                net_opt.zero_grad()
+            assert_params_close(model, ref, f"FSDP2, fraction {fraction}, step {step}")
+        for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                ours, theirs = opt.state[param][key], ref_opt.state[ref_param][key]
+                assert ours.placements == theirs.placements
+                torch.testing.assert_close(ours.full_tensor(), theirs.full_tensor(), **PARAM_TOL)
+
+
+@case
+def bf16_params_are_their_main_weights_rounded(rank: int, world: int) -> None:
+    model = make_model().bfloat16()
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    first = None
+    for step in range(5):
+        x, y = global_batch(step, torch.bfloat16)
+        loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+        first = first if first is not None else float(mean_over_ranks(loss))
+        loss.backward()
+        grad = opt.main_grad(model.inp.weight)
+        assert isinstance(grad, DTensor) and grad.shape == model.inp.weight.shape
+        opt.step()
+        opt.zero_grad()
+        opt.finish_param_sync()
+        for param in model.parameters():
+            main = opt.state[param]["main_param"]
+            assert main.dtype == torch.float32 and main.shape == param.shape
+            assert torch.equal(param.detach(), main.full_tensor().bfloat16())
+    memory = opt.memory_report()
+    assert memory.num_host_elements > 0 and memory.num_device_elements > 0
+    dist.barrier()
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
+def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
+    return run_cases(CASES, request.param)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed(outcomes: dict[str, str | None], name: str) -> None:
+    failure = outcomes[name]
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)

@@ -1,0 +1,121 @@
+"""One record per sharded parameter, and the buckets that hold their shards and reduced grads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
+
+__all__ = ["Bucket", "ShardedParam", "build_buckets", "local_shard_of"]
+
+
+@dataclass
+class ShardedParam:
+    """A model parameter and this rank's shard of it."""
+
+    param: torch.Tensor  # the model's parameter: full (replicated models) or an FSDP2 DTensor
+    fqn: str
+    group_index: int  # the param group it belongs to
+    shard: torch.Tensor  # leaf in the model dtype holding the rows this rank owns: what the
+    #                      HybridDeviceOptimizer steps (a view of the bucket's shard buffer, or of
+    #                      the FSDP2 param's local tensor)
+    spec: ShardSpec | None = None  # None under FSDP2 (the DTensor knows its own layout)
+    bucket: int = -1  # index of its bucket; -1 under FSDP2
+    position: int = -1  # its place inside the bucket
+    grad_slot: torch.Tensor | None = None  # the shard's slot in the bucket's grad buffer
+
+
+@dataclass
+class Bucket:
+    """Parameters whose grads are reduced and whose shards are gathered together."""
+
+    layout: BucketLayout
+    params: list[ShardedParam]
+    shard_buffer: torch.Tensor  # 1-D, model dtype, layout.shard_numel: the all-gather input; the
+    #                             shards are views of it
+    grad_buffer: torch.Tensor | None  # 1-D, layout.segment_numel: this rank's reduced grads, then
+    #                                   one flag per param; None when grads arrive reduced (DDP)
+    ready: set[int] = field(default_factory=set)  # positions whose grad hook fired this backward
+    has_grads: bool = False  # grad_buffer holds a reduction since zero_grad: the next one adds
+    missing: bool = False  # since zero_grad, this rank lacked the grad of some param here
+
+    @property
+    def specs(self) -> list[ShardSpec]:
+        return [sharded.spec for sharded in self.params]
+
+
+def _leaf_view(buffer: torch.Tensor, start: int, shape: Sequence[int]) -> torch.Tensor:
+    numel = 1
+    for size in shape:
+        numel *= size
+    view = buffer[start : start + numel].view(tuple(shape))
+    # A leaf that requires grad, sharing the buffer's memory: the sub-optimizer steps it.
+    return view.detach().requires_grad_(True)
+
+
+def build_buckets(
+    params: Sequence[torch.Tensor],
+    fqns: Sequence[str],
+    group_indices: Sequence[int],
+    *,
+    rank: int,
+    world_size: int,
+    bucket_bytes: int,
+    with_grad_buffers: bool,
+) -> tuple[list[ShardedParam], list[Bucket]]:
+    """Shards ``params`` (full, replicated on every rank) by rows and packs them into buckets.
+
+    Each shard is filled with this rank's rows of its parameter; grad buffers, if asked for, are
+    zero.
+    """
+    specs = [shard_spec(p.shape, rank, world_size) for p in params]
+    layouts = plan_buckets(specs, [p.dtype for p in params], world_size, bucket_bytes)
+    sharded: list[ShardedParam] = [None] * len(params)  # type: ignore[list-item]
+    buckets = []
+    for bucket_index, layout in enumerate(layouts):
+        device = params[layout.param_indices[0]].device
+        shard_buffer = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=device)
+        grad_buffer = None
+        if with_grad_buffers:
+            grad_buffer = torch.zeros(layout.segment_numel, dtype=layout.dtype, device=device)
+        members = []
+        for position, (index, offset) in enumerate(
+            zip(layout.param_indices, layout.offsets, strict=True)
+        ):
+            param, spec = params[index], specs[index]
+            shard = _leaf_view(shard_buffer, offset, spec.local_shape(param.shape))
+            with torch.no_grad():
+                shard.view(-1).copy_(
+                    param.detach().reshape(-1)[spec.start : spec.start + spec.numel]
+                )
+            slot = None
+            if grad_buffer is not None:
+                slot = grad_buffer[offset : offset + spec.numel].view(shard.shape)
+            record = ShardedParam(
+                param=param,
+                fqn=fqns[index],
+                group_index=group_indices[index],
+                shard=shard,
+                spec=spec,
+                bucket=bucket_index,
+                position=position,
+                grad_slot=slot,
+            )
+            sharded[index] = record
+            members.append(record)
+        buckets.append(Bucket(layout, members, shard_buffer, grad_buffer))
+    return sharded, buckets
+
+
+def local_shard_of(param: torch.Tensor) -> torch.Tensor:
+    """A leaf sharing the memory of an FSDP2 (DTensor) param's local shard."""
+    local = param._local_tensor  # the sharded storage FSDP2 all-gathers from; never a copy
+    if not local.is_contiguous():
+        raise ValueError(
+            f"an FSDP2 param's local shard of shape {tuple(local.shape)} is not contiguous; "
+            "zero-shard steps local shards in place and needs them contiguous (dim-0 sharding)"
+        )
+    return local.detach().requires_grad_(True)

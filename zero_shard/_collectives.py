@@ -1,0 +1,171 @@
+"""The collectives and the copies around them, as free functions over explicit tensors and groups.
+
+Copies between a parameter (or its grad) and a bucket's padded, rank-major layout are in
+[Note: bucket layout] (``_layout.py``). Each function here does one thing and returns what the
+caller needs to order later work (a ``Work`` handle, or nothing for stream-ordered copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ._layout import BucketLayout, ShardSpec
+
+__all__ = [
+    "ReduceScaling",
+    "choose_reduce_scaling",
+    "launch_all_gather",
+    "launch_reduction",
+    "pack_grads",
+    "padded_rows",
+    "unpack_params",
+]
+
+Work = Any  # torch.distributed's Work handle
+
+# all_gather_single / reduce_scatter_single replace the *_into_tensor / *_tensor names in newer
+# torch (the old ones warn there); the signatures are the same.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ReduceScaling(NamedTuple):
+    """How a sum over ranks becomes a mean: the op, and divisions before and after it."""
+
+    op: Any  # dist.ReduceOp
+    pre_divide: float | None  # applied to the packed grads before the collective
+    post_divide: float | None  # applied to the result
+
+
+def choose_reduce_scaling(
+    world_size: int, device: torch.device, dtype: torch.dtype
+) -> ReduceScaling:
+    """The mean over ``world_size`` ranks: NCCL's AVG for fp32 and bf16 on CUDA; a sum and one
+    division elsewhere (gloo); for fp16, divisions split around the sum so that neither the
+    scaled grads nor their sum overflow (as FSDP2 does)."""
+    if world_size == 1:
+        return ReduceScaling(dist.ReduceOp.SUM, None, None)
+    if device.type == "cuda" and dtype in (torch.float32, torch.bfloat16):
+        return ReduceScaling(dist.ReduceOp.AVG, None, None)
+    if dtype == torch.float16:
+        pre = 1
+        while world_size % (pre * 2) == 0 and world_size / (pre * 2) >= pre * 2:
+            pre *= 2
+        return ReduceScaling(dist.ReduceOp.SUM, float(pre), world_size / pre)
+    return ReduceScaling(dist.ReduceOp.SUM, None, float(world_size))
+
+
+def padded_rows(
+    buffer: torch.Tensor,
+    layout: BucketLayout,
+    position: int,
+    spec: ShardSpec,
+    *,
+    world_size: int,
+    segment_numel: int,
+) -> torch.Tensor:
+    """The padded shards of the bucket's ``position``-th parameter in ``buffer`` (``world_size``
+    segments of ``segment_numel``), as a (world_size, rows_per_rank, row_numel) view."""
+    offset = layout.offsets[position]
+    segments = buffer.view(world_size, segment_numel)
+    return segments[:, offset : offset + spec.padded_numel].view(
+        world_size, spec.rows_per_rank, spec.row_numel
+    )
+
+
+def _full_ranks(spec: ShardSpec) -> tuple[int, int]:
+    """(ranks whose shard has all ``rows_per_rank`` rows, rows of the next rank's shard)."""
+    if spec.rows_per_rank == 0:
+        return 0, 0
+    full = spec.dim0 // spec.rows_per_rank
+    return full, spec.dim0 - full * spec.rows_per_rank
+
+
+def _copy_rows(
+    padded: torch.Tensor, rows: torch.Tensor, spec: ShardSpec, *, into_padded: bool
+) -> None:
+    """Copies between a parameter's rows (dim0, row_numel) and its padded shards (world, r, n)."""
+    full, rest = _full_ranks(spec)
+    per = spec.rows_per_rank
+    pairs = []
+    if full:
+        pairs.append((padded[:full], rows[: full * per].view(full, per, spec.row_numel)))
+    if rest:
+        pairs.append((padded[full, :rest], rows[full * per :]))
+    for in_padded, in_rows in pairs:
+        if into_padded:
+            in_padded.copy_(in_rows)
+        else:
+            in_rows.copy_(in_padded)
+
+
+def pack_grads(
+    out: torch.Tensor,
+    layout: BucketLayout,
+    specs: Sequence[ShardSpec],
+    grads: Sequence[torch.Tensor | None],
+    world_size: int,
+) -> None:
+    """Writes ``grads`` (full-size, one per bucket parameter; ``None``: no grad on this rank)
+    into ``out``, zero-filled, ``world_size`` segments of ``layout.segment_numel``; sets each
+    parameter's flag in every segment to 1 where this rank has its grad."""
+    segment = layout.segment_numel
+    for position, (spec, grad) in enumerate(zip(specs, grads, strict=True)):
+        if grad is None:
+            continue
+        padded = padded_rows(
+            out, layout, position, spec, world_size=world_size, segment_numel=segment
+        )
+        _copy_rows(padded, grad.reshape(spec.dim0, spec.row_numel), spec, into_padded=True)
+    flags = out.view(world_size, segment)[:, layout.shard_numel :]
+    if all(grad is not None for grad in grads):
+        flags.fill_(1)
+    else:
+        for position, grad in enumerate(grads):
+            if grad is not None:
+                flags[:, position].fill_(1)
+
+
+def unpack_params(
+    gathered: torch.Tensor,
+    layout: BucketLayout,
+    specs: Sequence[ShardSpec],
+    params: Sequence[torch.Tensor],
+    world_size: int,
+) -> None:
+    """Copies every rank's shards from an all-gather output into the full parameters."""
+    for position, (spec, param) in enumerate(zip(specs, params, strict=True)):
+        padded = padded_rows(
+            gathered,
+            layout,
+            position,
+            spec,
+            world_size=world_size,
+            segment_numel=layout.shard_numel,
+        )
+        rows = param.detach().view(spec.dim0, spec.row_numel)
+        _copy_rows(padded, rows, spec, into_padded=False)
+
+
+def launch_reduction(
+    packed: torch.Tensor,
+    out: torch.Tensor | None,
+    group: dist.ProcessGroup,
+    scaling: ReduceScaling,
+) -> Work:
+    """Starts the reduction of ``packed``: a reduce-scatter into ``out`` (one segment), or, with
+    ``out=None``, an all-reduce of ``packed`` in place. Applies ``scaling.pre_divide`` first."""
+    if scaling.pre_divide is not None:
+        packed.div_(scaling.pre_divide)
+    if out is None:
+        return dist.all_reduce(packed, op=scaling.op, group=group, async_op=True)
+    return _reduce_scatter(out, packed, op=scaling.op, group=group, async_op=True)
+
+
+def launch_all_gather(shard: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> Work:
+    """Starts gathering every rank's ``shard`` (equal sizes) into ``out``, rank-major."""
+    return _all_gather(out, shard, group=group, async_op=True)

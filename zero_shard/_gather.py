@@ -1,0 +1,146 @@
+"""Updated shards back into the model's params: one all-gather per bucket, driven by the optimizer.
+
+[Note: param gather]
+After a step every bucket is *stale*: its shard buffer holds new weights that the model's params
+do not. Without overlap, ``after_step`` gathers every bucket and copies the result into the
+params, all ordered on the current stream. With overlap, it launches the first buckets' gathers
+asynchronously and returns; a forward pre-hook on each module that owns params of a stale bucket
+waits for that bucket (a stream wait on an accelerator), copies it into the params, and launches
+the gathers of the buckets after it (prefetch), so each gather runs while the layers before it
+compute. Gathers are launched strictly in bucket order, on every rank alike: collectives on one
+group must be issued in the same order everywhere. The collective's stream waits for the current
+stream when it is launched, so it reads the shards only after the step (or the H2D copies the
+current stream waited for) wrote them, and writes its output only after earlier copies out of a
+reused block were queued. ``finish`` launches and completes whatever is left (before the next
+step, ``state_dict``, or code that reads params outside forward).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._buckets import Bucket
+from ._collectives import launch_all_gather, unpack_params
+
+__all__ = ["ParamGatherer"]
+
+_PREFETCH = 2  # buckets gathered ahead of the one the forward is waiting for
+
+
+class _Gather(NamedTuple):
+    work: Any  # the collective's Work
+    out: torch.Tensor  # 1-D, world_size * shard_numel
+
+
+class ParamGatherer:
+    """All-gathers updated shards into the model's params; see [Note: param gather]."""
+
+    buckets: list[Bucket]
+    overlap: bool
+    _group: dist.ProcessGroup
+    _world_size: int
+    _stale: list[bool]  # per bucket: the params do not hold its shards' latest values yet
+    _in_flight: dict[int, _Gather]  # bucket index -> launched, not yet copied into the params
+    _next_launch: int  # the next bucket to launch; len(buckets) once all are launched
+
+    def __init__(
+        self, buckets: Sequence[Bucket], group: dist.ProcessGroup, *, overlap: bool
+    ) -> None:
+        self.buckets = list(buckets)
+        self.overlap = overlap
+        self._group = group
+        self._world_size = dist.get_world_size(group)
+        self._stale = [False] * len(self.buckets)
+        self._in_flight = {}
+        self._next_launch = len(self.buckets)
+
+    @property
+    def pending(self) -> bool:
+        """Whether some params do not hold the latest step's weights yet."""
+        return any(self._stale)
+
+    def after_step(self) -> None:
+        """Every bucket's shards changed: gather them now, or start to (overlap)."""
+        self.finish()  # nothing is left from an earlier step, normally
+        self._stale = [True] * len(self.buckets)
+        self._next_launch = 0
+        if self.overlap:
+            self._launch_through(_PREFETCH - 1)
+        else:
+            self.finish()
+
+    def wait_for(self, index: int) -> None:
+        """Makes bucket ``index``'s params current, launching the next gathers (prefetch)."""
+        if not self._stale[index]:
+            return
+        self._launch_through(index + _PREFETCH)
+        self._complete(index)
+
+    def launch_all(self) -> None:
+        """Launches every gather not yet launched (keeps collective order across ranks)."""
+        self._launch_through(len(self.buckets) - 1)
+
+    def finish(self) -> None:
+        """Completes every pending gather: the params hold the latest weights afterwards."""
+        self.launch_all()
+        for index in sorted(self._in_flight):
+            self._complete(index)
+
+    def _launch_through(self, last: int) -> None:
+        last = min(last, len(self.buckets) - 1)
+        while self._next_launch <= last:
+            index = self._next_launch
+            self._next_launch += 1
+            if not self._stale[index]:
+                continue
+            shard = self.buckets[index].shard_buffer
+            out = shard.new_empty(self._world_size * shard.numel())
+            self._in_flight[index] = _Gather(launch_all_gather(shard, out, self._group), out)
+
+    @torch.no_grad()
+    def _complete(self, index: int) -> None:
+        gather = self._in_flight.pop(index)
+        gather.work.wait()  # on an accelerator: the current stream waits, the host goes on
+        bucket = self.buckets[index]
+        params = [sharded.param for sharded in bucket.params]
+        unpack_params(gather.out, bucket.layout, bucket.specs, params, self._world_size)
+        self._stale[index] = False
+
+    def register_hooks(self, model: nn.Module) -> list[Any]:
+        """Forward pre-hooks waiting for the buckets of each module's own params, and a
+        state-dict pre-hook on ``model`` that finishes every gather."""
+        bucket_of = {
+            id(sharded.param): index
+            for index, bucket in enumerate(self.buckets)
+            for sharded in bucket.params
+        }
+        this = weakref.ref(self)
+        handles = []
+        for module in model.modules():
+            indices = sorted(
+                {bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of}
+            )
+            if not indices:
+                continue
+
+            def before_forward(module: nn.Module, args: Any, indices: list[int] = indices) -> None:
+                gatherer = this()
+                if gatherer is not None:
+                    for index in indices:
+                        gatherer.wait_for(index)
+
+            handles.append(module.register_forward_pre_hook(before_forward))
+
+        def before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            gatherer = this()
+            if gatherer is not None:
+                gatherer.finish()
+
+        handles.append(model.register_state_dict_pre_hook(before_state_dict))
+        return handles

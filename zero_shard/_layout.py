@@ -1,0 +1,136 @@
+"""Which rows of each parameter a rank owns, and how parameters are packed into buckets.
+
+Pure bookkeeping over shapes and numbers; no tensors are touched here.
+
+[Note: bucket layout]
+Every parameter is sharded along dim 0 with ``torch.chunk`` semantics (as DTensor's ``Shard(0)``
+and FSDP2 do): with ``rows_per_rank = ceil(dim0 / world)``, rank ``r`` owns rows
+``[r * rows_per_rank, (r + 1) * rows_per_rank)`` clipped to ``dim0``; trailing ranks may own none.
+For communication each rank's share is padded to ``rows_per_rank`` rows. A bucket packs several
+parameters; one rank's *segment* holds the padded shards of the bucket's parameters one after
+the other (``offsets``), each aligned, so that a collective over ``world`` equal segments moves
+whole shards:
+
+    segment of rank r:  [shard of p0 | pad | shard of p1 | pad | ... ]  (``shard_numel`` elements)
+    all-gather output:  [segment 0 | segment 1 | ... | segment world-1]
+
+Reductions use segments of ``segment_numel = shard_numel + num_params``: the extra elements carry
+one flag per parameter ("this rank had a grad for it"), so that after the reduction every rank
+knows whether *any* rank had one, at no extra collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["BucketLayout", "ShardSpec", "plan_buckets", "shard_spec"]
+
+_ALIGN_BYTES = 128  # each shard starts on this boundary inside a segment (vector loads, NCCL)
+
+
+class ShardSpec(NamedTuple):
+    """The rows of one parameter that one rank owns."""
+
+    dim0: int  # the parameter's rows (its size along dim 0)
+    row_numel: int  # elements per row (the product of the other dims)
+    rows_per_rank: int  # every rank's padded share: ceil(dim0 / world)
+    start_row: int  # first row this rank owns
+    num_rows: int  # rows this rank owns: rows_per_rank, fewer on the last, 0 past the end
+
+    @property
+    def numel(self) -> int:
+        """Elements of this rank's shard."""
+        return self.num_rows * self.row_numel
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of every rank's shard padded for communication."""
+        return self.rows_per_rank * self.row_numel
+
+    @property
+    def start(self) -> int:
+        """Offset of this rank's first element in the flattened parameter."""
+        return self.start_row * self.row_numel
+
+    def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        return (self.num_rows, *shape[1:])
+
+
+def shard_spec(shape: Sequence[int], rank: int, world_size: int) -> ShardSpec:
+    """The dim-0 shard of a parameter of ``shape`` that ``rank`` of ``world_size`` owns."""
+    if len(shape) == 0:
+        raise AssertionError("expected a parameter with at least one dim, got a 0-dim one")
+    if not 0 <= rank < world_size:
+        raise AssertionError(f"expected rank in [0, {world_size}), got {rank}")
+    dim0 = shape[0]
+    rows_per_rank = math.ceil(dim0 / world_size)
+    start_row = min(rank * rows_per_rank, dim0)
+    end_row = min(start_row + rows_per_rank, dim0)
+    return ShardSpec(dim0, math.prod(shape[1:]), rows_per_rank, start_row, end_row - start_row)
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Parameters reduced and gathered together; see [Note: bucket layout]."""
+
+    param_indices: tuple[int, ...]  # positions in the list of sharded parameters
+    offsets: tuple[int, ...]  # start of each parameter's padded shard inside a segment
+    shard_numel: int  # elements of one rank's segment for the all-gather (no flags)
+    dtype: torch.dtype
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_indices)
+
+    @property
+    def segment_numel(self) -> int:
+        """Elements of one rank's segment for a reduction: the shards, then one flag each."""
+        return self.shard_numel + self.num_params
+
+
+def _align(numel: int, dtype: torch.dtype) -> int:
+    step = max(_ALIGN_BYTES // dtype.itemsize, 1)
+    return (numel + step - 1) // step * step
+
+
+def plan_buckets(
+    specs: Sequence[ShardSpec],
+    dtypes: Sequence[torch.dtype],
+    world_size: int,
+    bucket_bytes: int,
+) -> list[BucketLayout]:
+    """Packs parameters, in order, into buckets of at most ``bucket_bytes`` (unsharded, padded).
+
+    A parameter larger than a bucket gets a bucket of its own; a bucket never mixes dtypes.
+    Parameter order is kept, so buckets follow the model's registration order (about the order
+    of forward).
+    """
+    if bucket_bytes < 1:
+        raise AssertionError(f"expected a positive bucket size, got {bucket_bytes}")
+    buckets: list[BucketLayout] = []
+    indices: list[int] = []
+    offsets: list[int] = []
+    used = 0  # aligned elements of one segment so far
+    dtype: torch.dtype | None = None
+
+    def close() -> None:
+        if indices:
+            buckets.append(BucketLayout(tuple(indices), tuple(offsets), used, dtype))
+
+    for index, (spec, param_dtype) in enumerate(zip(specs, dtypes, strict=True)):
+        size = _align(spec.padded_numel, param_dtype)
+        full_bytes = (used + size) * world_size * param_dtype.itemsize
+        if indices and (param_dtype != dtype or full_bytes > bucket_bytes):
+            close()
+            indices, offsets, used = [], [], 0
+        dtype = param_dtype
+        indices.append(index)
+        offsets.append(used)
+        used += size
+    close()
+    return buckets

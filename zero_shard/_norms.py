@@ -1,0 +1,65 @@
+"""Grad norms and non-finite checks over shards held by many ranks, on the accelerator.
+
+Each rank holds disjoint shards of the grads (before any copy to the host), so a global norm is
+a local partial result reduced over the groups across which the grads are sharded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["clip_coefficient", "global_norm", "nonfinite_flag"]
+
+
+def _local_term(
+    grads: Sequence[torch.Tensor], norm_type: float, device: torch.device
+) -> torch.Tensor:
+    """max |g| for the inf-norm, else sum |g|^p, over this rank's grads, in fp32."""
+    grads = [grad for grad in grads if grad.numel()]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+    if math.isinf(norm_type):
+        return norms.amax()
+    return norms.pow(norm_type).sum()
+
+
+def global_norm(
+    grads: Sequence[torch.Tensor],
+    norm_type: float,
+    groups: Sequence[dist.ProcessGroup],
+    device: torch.device,
+) -> torch.Tensor:
+    """The ``norm_type``-norm of all ranks' ``grads`` together, as a 0-dim fp32 tensor on
+    ``device`` (the same value on every rank); ``groups`` are those the grads are sharded over."""
+    term = _local_term(grads, norm_type, device)
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    for group in groups:
+        dist.all_reduce(term, op=op, group=group)
+    if math.isinf(norm_type):
+        return term
+    return term.pow(1.0 / norm_type)
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s factor: max_norm / (norm + 1e-6), at most 1."""
+    return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+
+
+def nonfinite_flag(
+    grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup], device: torch.device
+) -> torch.Tensor:
+    """1.0 on every rank if any rank's ``grads`` hold an inf or a NaN, else 0.0 (0-dim fp32)."""
+    grads = [grad for grad in grads if grad.numel()]
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:
+        # The inf-norm is inf for an inf and NaN for a NaN, and reads each grad once.
+        largest = torch.stack(torch._foreach_norm(grads, math.inf, dtype=torch.float32)).amax()
+        flag = (~torch.isfinite(largest)).float()
+    for group in groups:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag

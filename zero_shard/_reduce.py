@@ -1,0 +1,215 @@
+"""Grads of a replicated model: reduced bucket by bucket while backward runs, kept as shards.
+
+[Note: grad reduction]
+A post-accumulate-grad hook on every sharded model param marks it ready. Buckets are reduced
+strictly from the last to the first: the order in which backward produces them, and one order
+on every rank, which collectives on one group need. When the next bucket in that order has all
+its params ready, it is reduced on a side stream that first waits for the current stream (the
+grads are complete there): the grads are packed (zeros and a 0 flag for a param without a grad
+on this rank), the model's ``.grad`` is released (``record_stream`` keeps its memory from reuse
+until the side stream has read it), the collective is launched and waited for on the side stream
+(a stream wait: the host goes on), and the result is divided and written, or added, into the
+bucket's grad buffer. The packed buffer is allocated on the side stream and used only there and
+by the collective the side stream waited for, so dropping it is safe. At the end of backward (an
+autograd callback queued by the first hook), the buckets not yet reduced are reduced in the same
+order, so every rank reduces every bucket once per backward. Before the step reads the grad
+buffers, the current stream waits for the side stream's last event.
+
+Stage 2 reduce-scatters (each rank receives only its own segment); stage 1 all-reduces the whole
+packed buffer and keeps this rank's segment.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from offload import current_stream, record_event, side_stream, use_stream, wait_stream
+
+from ._buckets import Bucket, ShardedParam
+from ._collectives import choose_reduce_scaling, launch_reduction, pack_grads
+
+__all__ = ["GradReducer"]
+
+
+class GradReducer:
+    """Reduces the grads of a replicated model into per-bucket shards; see [Note: grad reduction]."""
+
+    buckets: list[Bucket]
+    enabled: bool  # False inside no_sync(): grads accumulate unreduced in the model's .grad
+    _group: dist.ProcessGroup
+    _rank: int
+    _world_size: int
+    _scatter: bool  # stage 2: reduce-scatter; stage 1: all-reduce
+    _device: torch.device
+    _stream: Any  # the side stream reductions run on; None on the CPU
+    _event: Any  # on _stream after the last reduction; None when none is in flight (or CPU)
+    _next: int  # the next bucket to reduce in this backward (they go from last to first)
+    _in_backward: bool  # an end-of-backward callback is queued
+    _reduced_since_reset: bool  # some reduction ran since zero_grad
+    _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
+    _warned_late_grads: bool
+    _before_first: Callable[[], None]  # runs before the first reduction of a backward
+
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        group: dist.ProcessGroup,
+        *,
+        stage: int,
+        device: torch.device,
+        before_first: Callable[[], None],
+    ) -> None:
+        self.buckets = list(buckets)
+        self.enabled = True
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+        self._scatter = stage == 2
+        self._device = device
+        self._stream = side_stream(device)
+        self._event = None
+        self._next = len(self.buckets) - 1
+        self._in_backward = False
+        self._reduced_since_reset = False
+        self._unreduced_backward = False
+        self._warned_late_grads = False
+        self._before_first = before_first
+
+    def register_hooks(self) -> list[Any]:
+        """A post-accumulate-grad hook on each param; the hooks hold no reference to ``self``."""
+        this = weakref.ref(self)
+        handles = []
+        for bucket in self.buckets:
+            for sharded in bucket.params:
+
+                def ready(param: torch.Tensor, sharded: ShardedParam = sharded) -> None:
+                    reducer = this()
+                    if reducer is not None:
+                        reducer.on_grad_ready(sharded)
+
+                handles.append(sharded.param.register_post_accumulate_grad_hook(ready))
+        return handles
+
+    def on_grad_ready(self, sharded: ShardedParam) -> None:
+        """Hook: the param's grad is complete for this backward; reduce what is ready."""
+        if not self.enabled:
+            self._unreduced_backward = True
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            self._before_first()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.buckets[sharded.bucket].ready.add(sharded.position)
+        while self._next >= 0:
+            bucket = self.buckets[self._next]
+            if len(bucket.ready) < bucket.layout.num_params:
+                break
+            self._reduce(bucket)
+            self._next -= 1
+
+    def _end_backward(self) -> None:
+        """Autograd callback: reduce the buckets this backward left, in order."""
+        try:
+            self._reduce_rest()
+        finally:
+            self._in_backward = False
+
+    def _reduce_rest(self) -> None:
+        while self._next >= 0:
+            self._reduce(self.buckets[self._next])
+            self._next -= 1
+        self._next = len(self.buckets) - 1
+        for bucket in self.buckets:
+            bucket.ready.clear()
+
+    @torch.no_grad()
+    def _reduce(self, bucket: Bucket) -> None:
+        grads = [sharded.param.grad for sharded in bucket.params]
+        for sharded, grad in zip(bucket.params, grads, strict=True):
+            if grad is not None and (grad.is_sparse or grad.device != self._device):
+                raise TypeError(
+                    f"the grad of {sharded.fqn} is {'sparse' if grad.is_sparse else 'on '}"
+                    f"{'' if grad.is_sparse else grad.device}; zero-shard reduces dense grads on "
+                    f"{self._device}"
+                )
+        layout, world = bucket.layout, self._world_size
+        scaling = choose_reduce_scaling(world, self._device, layout.dtype)
+        with use_stream(self._stream):
+            wait_stream(self._stream, current_stream(self._device))
+            packed = torch.zeros(
+                world * layout.segment_numel, dtype=layout.dtype, device=self._device
+            )
+            pack_grads(packed, layout, bucket.specs, grads, world)
+            for sharded, grad in zip(bucket.params, grads, strict=True):
+                if grad is not None:
+                    if self._stream is not None:
+                        grad.record_stream(self._stream)
+                    sharded.param.grad = None  # released: the shard holds it from now on
+            direct = self._scatter and not bucket.has_grads
+            out = None
+            if self._scatter:
+                out = bucket.grad_buffer if direct else torch.empty_like(bucket.grad_buffer)
+            work = launch_reduction(packed, out, self._group, scaling)
+            work.wait()
+            result = out if self._scatter else packed.view(world, -1)[self._rank]
+            if scaling.post_divide is not None:
+                result.div_(scaling.post_divide)
+            if bucket.has_grads:
+                bucket.grad_buffer.add_(result)
+            elif not direct:
+                bucket.grad_buffer.copy_(result)
+            self._event = record_event(self._stream)
+        bucket.has_grads = True
+        bucket.missing = bucket.missing or any(grad is None for grad in grads)
+        self._reduced_since_reset = True
+        self._unreduced_backward = False
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Makes every shard's ``.grad`` this window's reduced grad (or ``None``), visible on the
+        current stream. Grads no backward hook reduced (no backward since ``zero_grad``: grads
+        set by hand; or a last backward inside ``no_sync()``) are reduced now, every bucket."""
+        if not self._reduced_since_reset or self._unreduced_backward:
+            self._reduce_rest()
+        self._warn_late_grads()
+        if self._event is not None:
+            current_stream(self._device).wait_event(self._event)
+            self._event = None
+        for bucket in self.buckets:
+            present = [True] * bucket.layout.num_params
+            if bucket.missing:
+                # Some rank may have lacked a grad: a param is stepped iff any rank had one. Ranks
+                # that had every grad skip this read; their answer is "all", the same as here.
+                flags = bucket.grad_buffer[bucket.layout.shard_numel :].cpu()
+                present = (flags > 0).tolist()
+            for sharded, has_grad in zip(bucket.params, present, strict=True):
+                sharded.shard.grad = sharded.grad_slot if has_grad else None
+
+    def _warn_late_grads(self) -> None:
+        if self._warned_late_grads:
+            return
+        late = [s.fqn for b in self.buckets for s in b.params if s.param.grad is not None]
+        if late:
+            self._warned_late_grads = True
+            warnings.warn(
+                f"params {late[:3]}{' ...' if len(late) > 3 else ''} got a .grad after backward "
+                "had reduced the grads; zero-shard steps the reduced grads and ignores these. "
+                "Change grads through the optimizer (clip_grad_norm_) or before backward ends.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def reset(self) -> None:
+        """``zero_grad``: the next reduction writes its grad buffer instead of adding to it."""
+        for bucket in self.buckets:
+            bucket.has_grads = False
+            bucket.missing = False
+            for sharded in bucket.params:
+                sharded.shard.grad = None
+        self._reduced_since_reset = False
