@@ -9,7 +9,7 @@ import torch
 
 from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 
-__all__ = ["Bucket", "ShardedParam", "build_buckets", "local_shard_of"]
+__all__ = ["Bucket", "ShardedParam", "build_buckets", "fsdp_sharded_param"]
 
 
 @dataclass
@@ -22,7 +22,7 @@ class ShardedParam:
     shard: torch.Tensor  # leaf in the model dtype holding the rows this rank owns: what the
     #                      HybridDeviceOptimizer steps (a view of the bucket's shard buffer, or of
     #                      the FSDP2 param's local tensor)
-    spec: ShardSpec | None = None  # None under FSDP2 (the DTensor knows its own layout)
+    spec: ShardSpec  # the rows it owns (under FSDP2: along the mesh dim FSDP2 shards over)
     bucket: int = -1  # index of its bucket; -1 under FSDP2
     position: int = -1  # its place inside the bucket
     grad_slot: torch.Tensor | None = None  # the shard's slot in the bucket's grad buffer
@@ -110,12 +110,26 @@ def build_buckets(
     return sharded, buckets
 
 
-def local_shard_of(param: torch.Tensor) -> torch.Tensor:
-    """A leaf sharing the memory of an FSDP2 (DTensor) param's local shard."""
-    local = param._local_tensor  # the sharded storage FSDP2 all-gathers from; never a copy
-    if not local.is_contiguous():
-        raise ValueError(
-            f"an FSDP2 param's local shard of shape {tuple(local.shape)} is not contiguous; "
-            "zero-shard steps local shards in place and needs them contiguous (dim-0 sharding)"
+def fsdp_sharded_param(param: torch.Tensor, fqn: str, group_index: int) -> ShardedParam:
+    """The record of an FSDP2 (DTensor) param, whose shard is a leaf sharing the memory of the
+    param's local tensor: the sharded storage FSDP2 all-gathers from, never a copy."""
+    shard_dims = [
+        (dim, placement) for dim, placement in enumerate(param.placements) if placement.is_shard()
+    ]
+    if len(shard_dims) != 1 or shard_dims[0][1].dim != 0:
+        raise NotImplementedError(
+            f"param {fqn!r} has placements {param.placements}; zero-shard supports FSDP2 params "
+            "sharded along dim 0 over one mesh dim (FSDP2's default; HSDP's replicate dim is fine)"
         )
-    return local.detach().requires_grad_(True)
+    mesh_dim = shard_dims[0][0]
+    mesh = param.device_mesh
+    spec = shard_spec(param.shape, mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim))
+    local = param._local_tensor
+    if tuple(local.shape) != spec.local_shape(param.shape) or not local.is_contiguous():
+        raise ValueError(
+            f"param {fqn!r}'s local shard has shape {tuple(local.shape)} (contiguous: "
+            f"{local.is_contiguous()}); expected a contiguous {spec.local_shape(param.shape)}, "
+            "the torch.chunk rows FSDP2 gives by default"
+        )
+    shard = local.detach().requires_grad_(True)
+    return ShardedParam(param=param, fqn=fqn, group_index=group_index, shard=shard, spec=spec)

@@ -92,6 +92,14 @@ class ParamGatherer:
         for index in sorted(self._in_flight):
             self._complete(index)
 
+    def discard(self) -> None:
+        """Completes every pending gather without copying it into the params (whose values are
+        newer: loaded by the user). Collective: every rank must call it."""
+        self.launch_all()
+        for index in sorted(self._in_flight):
+            self._in_flight.pop(index).work.wait()
+        self._stale = [False] * len(self.buckets)
+
     def _launch_through(self, last: int) -> None:
         last = min(last, len(self.buckets) - 1)
         while self._next_launch <= last:

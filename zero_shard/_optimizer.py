@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
-import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -14,136 +12,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from optimizers import (
     HybridDeviceOptimizer,
     MemoryReport,
     OffloadPolicy,
-    check_elementwise,
     constructor_defaults,
 )
 
-from ._buckets import Bucket, ShardedParam, build_buckets, local_shard_of
+from ._buckets import Bucket, ShardedParam, build_buckets, fsdp_sharded_param
 from ._gather import ParamGatherer
 from ._norms import clip_coefficient, global_norm, nonfinite_flag
 from ._reduce import GradReducer
+from ._setup import (
+    NONFINITE_POLICIES,
+    ModelKind,
+    check_mesh,
+    check_options,
+    default_mesh,
+    trainable_params,
+    unwrap_model,
+)
+from ._state_dict import ShardedStateView, local_state_dict, sharded_state, to_dtensor
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
 
 logger = logging.getLogger("zero_shard")
 
-NONFINITE_POLICIES = ("skip", "raise")
 DEFAULT_BUCKET_MB = 64.0
-
-
-class ModelKind(enum.Enum):
-    """Who reduces the grads and who gathers the params."""
-
-    REPLICATED = "replicated"  # a plain module: zero-shard reduces grads and gathers params
-    DDP = "ddp"  # DistributedDataParallel reduces the grads; zero-shard gathers the params
-    FSDP = "fsdp"  # FSDP2 (fully_shard): params are sharded DTensors; nothing to communicate
 
 
 def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
-
-
-def _unwrap(model: nn.Module) -> tuple[nn.Module, ModelKind]:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.module, ModelKind.DDP
-    dtensors = [isinstance(p, DTensor) for p in model.parameters() if p.requires_grad]
-    if dtensors and all(dtensors):
-        return model, ModelKind.FSDP
-    if any(dtensors):
-        raise ValueError(
-            "some trainable params of the model are DTensors and some are not; under FSDP2 call "
-            "fully_shard on the root module too, so that every param is sharded"
-        )
-    return model, ModelKind.REPLICATED
-
-
-def _check_options(
-    optimizer: Any, offload: Any, stage: Any, bucket_mb: Any, nonfinite: Any
-) -> OffloadPolicy:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, (ZeroShardOptimizer, HybridDeviceOptimizer)):
-        raise TypeError(
-            f"the optimizer is already a {type(optimizer).__name__}; wrap the plain torch "
-            "optimizer (torch.optim.AdamW(...)) instead"
-        )
-    check_elementwise(type(optimizer))
-    if offload is None:
-        offload = OffloadPolicy(fraction=0.0)
-    elif not isinstance(offload, OffloadPolicy):
-        raise TypeError(
-            f"offload must be a zero_shard.OffloadPolicy or None, got {type(offload).__name__}"
-        )
-    if stage not in (1, 2) or isinstance(stage, bool):
-        raise ValueError(
-            f"stage must be 1 (all-reduce grads, keep the local shard) or 2 (reduce-scatter "
-            f"grads), got {stage!r}"
-        )
-    if (
-        isinstance(bucket_mb, bool)
-        or not isinstance(bucket_mb, (int, float))
-        or not math.isfinite(bucket_mb)
-        or bucket_mb <= 0
-    ):
-        raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
-    return offload
-
-
-def _default_mesh(device: torch.device) -> DeviceMesh:
-    return init_device_mesh(device.type, (dist.get_world_size(),))
-
-
-def _check_mesh(mesh: Any, device: torch.device) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"mesh must be the 1-D data-parallel mesh, got {mesh.ndim} dims "
-            f"{mesh.mesh_dim_names or ''}; pass its data-parallel dim (mesh['dp'])"
-        )
-    if mesh.device_type != device.type:
-        raise ValueError(
-            f"mesh is a {mesh.device_type!r} mesh but the params are on {device}; build the mesh "
-            f"with init_device_mesh({device.type!r}, ...)"
-        )
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"this rank ({dist.get_rank()}) is not in the mesh {mesh}")
-    return mesh
-
-
-class _ShardedStateView(Mapping):
-    """``optimizer.state``: model param -> its state as DTensors, built on access."""
-
-    def __init__(self, optimizer: ZeroShardOptimizer) -> None:
-        self._optimizer = weakref.ref(optimizer)
-
-    def _records(self) -> list[ShardedParam]:
-        return self._optimizer()._sharded
-
-    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
-        for sharded in self._records():
-            if sharded.param is param:
-                return self._optimizer()._sharded_state(sharded)
-        raise KeyError(f"a param of shape {tuple(param.shape)} is not optimized here")
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        optimizer = self._optimizer()
-        return iter([s.param for s in self._records() if optimizer._hybrid.param_state(s.shard)])
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
 
 
 class ZeroShardOptimizer(torch.optim.Optimizer):
@@ -170,6 +73,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _reducer: GradReducer | None  # replicated models only
     _gatherer: ParamGatherer | None  # replicated and DDP models
     _groups: list[dist.ProcessGroup]  # the groups the grads are sharded over (norms, inf checks)
+    _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
     _building: bool
     _window_norm: torch.Tensor | None  # the clip norm of the grads since the last step
     _grad_scale: float | None  # fp16: the loss scale's inverse, applied in fp32 at the step
@@ -187,14 +91,14 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         bucket_mb: float = DEFAULT_BUCKET_MB,
         nonfinite: str = "skip",
     ) -> None:
-        policy = _check_options(optimizer, offload, stage, bucket_mb, nonfinite)
+        policy = check_options(optimizer, offload, stage, bucket_mb, nonfinite)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zero_shard.wrap needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets up the "
                 "environment); for one process without it, use optimizers.HybridDeviceOptimizer"
             )
-        self._module, self.kind = _unwrap(model)
+        self._module, self.kind = unwrap_model(model)
         self._ddp = model if self.kind is ModelKind.DDP else None
         self.nonfinite = nonfinite
         self.num_skipped_steps = 0
@@ -204,7 +108,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._building = True
         super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
         self._building = False
-        trainable = self._trainable_params(fqns)
+        trainable = trainable_params(self.param_groups, fqns, self.kind)
+        self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
         self._device = trainable[0][0].device
         self._build_shards(trainable, mesh, stage, bucket_mb)
         shard_groups = [
@@ -217,41 +122,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._hybrid = HybridDeviceOptimizer(
             shard_groups, type(optimizer), policy=policy, **constructor_defaults(optimizer)
         )
-        if optimizer.state:
-            self._hybrid.load_state_dict(self._local_state_of(optimizer))
+        if optimizer.state:  # the wrapped optimizer stepped before: take its state over
+            saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
+            self._hybrid.load_state_dict(self._local_state_dict(saved))
         self._install(stage, overlap_param_gather)
-        self.state = _ShardedStateView(self)  # type: ignore[assignment]
+        self.state = ShardedStateView(self._sharded, self._hybrid, self.mesh)  # type: ignore[assignment]
 
     # -- construction -----------------------------------------------------------------------
-
-    def _trainable_params(self, fqns: dict[int, str]) -> list[tuple[torch.Tensor, str, int]]:
-        """(param, fqn, group index) of each trainable param, checked against the model."""
-        trainable = []
-        for group_index, group in enumerate(self.param_groups):
-            for param in group["params"]:
-                fqn = fqns.get(id(param))
-                if fqn is None:
-                    raise ValueError(
-                        f"the optimizer holds a param of shape {tuple(param.shape)} that is not a "
-                        f"param of the model; wrap the optimizer with the model it optimizes"
-                    )
-                if not param.requires_grad:
-                    continue
-                if param.dim() == 0 and self.kind is not ModelKind.FSDP:
-                    raise ValueError(
-                        f"param {fqn!r} is 0-dim; zero-shard shards params along dim 0 (as FSDP2, "
-                        "which refuses them too): make it shape (1,)"
-                    )
-                trainable.append((param, fqn, group_index))
-        if not trainable:
-            raise ValueError("the optimizer has no param that requires grad: nothing to shard")
-        devices = {param.device for param, _, _ in trainable}
-        if len(devices) > 1:
-            raise ValueError(
-                f"the params are on different devices {sorted(map(str, devices))}; move the "
-                "model to one device first"
-            )
-        return trainable
 
     def _build_shards(
         self,
@@ -282,10 +159,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 for dim, placement in enumerate(placements)
                 if placement.is_shard()
             ]
-            self._sharded = [
-                ShardedParam(param=p, fqn=fqn, group_index=g, shard=local_shard_of(p))
-                for p, fqn, g in trainable
-            ]
+            self._sharded = [fsdp_sharded_param(p, fqn, g) for p, fqn, g in trainable]
             self._buckets = []
             if stage == 1:
                 warnings.warn(
@@ -293,7 +167,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                     stacklevel=3,
                 )
             return
-        self.mesh = _default_mesh(self._device) if mesh is None else _check_mesh(mesh, self._device)
+        self.mesh = default_mesh(self._device) if mesh is None else check_mesh(mesh, self._device)
         group = self.mesh.get_group()
         self._groups = [group]
         self._sharded, self._buckets = build_buckets(
@@ -331,31 +205,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _hyperparams(self, group_index: int) -> dict[str, Any]:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
-
-    def _local_state_of(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The wrapped optimizer's state cut to this rank's rows, as the hybrid's state dict."""
-        state: dict[int, dict[str, Any]] = {}
-        for index, sharded in enumerate(self._sharded):
-            saved = optimizer.state.get(sharded.param)
-            if saved:
-                state[index] = {k: self._local_rows(sharded, v) for k, v in saved.items()}
-        groups, index = [], 0
-        for group_index in range(len(self.param_groups)):
-            count = sum(1 for s in self._sharded if s.group_index == group_index)
-            groups.append(
-                {**self._hyperparams(group_index), "params": list(range(index, index + count))}
-            )
-            index += count
-        return {"state": state, "param_groups": groups}
-
-    @staticmethod
-    def _local_rows(sharded: ShardedParam, value: Any) -> Any:
-        if isinstance(value, DTensor):
-            return value.to_local()
-        if not torch.is_tensor(value) or value.shape != sharded.param.shape or value.dim() == 0:
-            return value
-        spec = sharded.spec
-        return value[spec.start_row : spec.start_row + spec.num_rows]
 
     # -- the public API ---------------------------------------------------------------------
 
@@ -460,14 +309,88 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refreshes every fp32 main weight (accelerator and CPU) from the model's params: call
-        it on every rank after loading model weights (fine-tuning from a model-only checkpoint)."""
-        self.finish_param_sync()
+        it on every rank after loading model weights (fine-tuning from a model-only checkpoint).
+
+        Gathers of the last step still pending are dropped: the loaded weights win.
+        """
+        if self._gatherer is not None:
+            self._gatherer.discard()
+        self._refresh_shards()
+        self._hybrid.reload_model_params()
+
+    def _refresh_shards(self) -> None:
+        """Copies this rank's rows of every model param into its shard."""
         for sharded in self._sharded:
-            if sharded.spec is not None:
+            if self.kind is not ModelKind.FSDP:  # FSDP2 shards are the model's own memory
                 rows = sharded.param.detach().reshape(-1)
                 spec = sharded.spec
                 sharded.shard.view(-1).copy_(rows[spec.start : spec.start + spec.numel])
-        self._hybrid.reload_model_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state keyed by param FQN, shaped as DCP's ``get_optimizer_state_dict`` shapes a
+        torch optimizer's over FSDP2: ``{"state": {fqn: {"step", "exp_avg", ...}},
+        "param_groups": [{..., "params": [fqn, ...]}]}``. Param-shaped tensors are DTensors of
+        the param's global shape holding this rank's rows (live views where a shard is in one
+        piece, copies where it straddles devices or chunks), plus ``main_param`` (fp32) for
+        low-precision params. Save it with ``torch.distributed.checkpoint`` on every rank.
+        """
+        self.finish_param_sync()
+        state = {}
+        for sharded in self._sharded:
+            param_state = sharded_state(sharded, self._hybrid, self.mesh)
+            if param_state:
+                state[sharded.fqn] = param_state
+        param_groups = [
+            {**self._hyperparams(index), "params": list(fqns)}
+            for index, fqns in enumerate(self._group_fqns)
+        ]
+        return {"state": state, "param_groups": param_groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads a state dict keyed by FQN: from ``state_dict()`` (DTensors, filled in place by
+        ``dcp.load``, or of another world size or offload fraction) or with full tensors (a
+        consolidated checkpoint). Main weights come from ``main_param`` where present, else from
+        the model's params; the model's params are then refreshed from the main weights.
+        Everything is checked before anything changes. Collective: call it on every rank.
+        """
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError("expected an optimizer state dict with 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the state dict has {len(saved_groups)} param groups, this optimizer has "
+                f"{len(self.param_groups)}"
+            )
+        for index, (saved, fqns) in enumerate(zip(saved_groups, self._group_fqns, strict=True)):
+            if list(saved["params"]) != fqns:
+                missing = sorted(set(fqns) - set(saved["params"]))
+                extra = sorted(set(saved["params"]) - set(fqns))
+                raise ValueError(
+                    f"param group {index} of the state dict does not hold this optimizer's "
+                    f"params: missing {missing[:5]}, unknown {extra[:5]} (another model, or the "
+                    "params in another order)"
+                )
+        known = {fqn for fqns in self._group_fqns for fqn in fqns}
+        unknown = sorted(set(state_dict["state"]) - known)
+        if unknown:
+            raise ValueError(f"the state dict has state for params this model lacks: {unknown[:5]}")
+        local = self._local_state_dict(state_dict["state"])
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        if self._gatherer is not None:
+            self._gatherer.discard()
+        self._refresh_shards()
+        self._hybrid.load_state_dict(local)
+        if self._gatherer is not None:  # the params become the loaded main weights, rounded
+            self._gatherer.after_step()
+            self._gatherer.finish()
+
+    def _local_state_dict(self, saved: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        num_groups = len(self.param_groups)
+        sizes = [sum(1 for s in self._sharded if s.group_index == g) for g in range(num_groups)]
+        hyperparams = [self._hyperparams(g) for g in range(num_groups)]
+        return local_state_dict(saved, self._sharded, sizes, hyperparams, self.mesh)
 
     def main_grad(self, param: torch.Tensor) -> DTensor | None:
         """The param's reduced grad as a DTensor (``Shard(0)`` over the mesh, the param's
@@ -477,7 +400,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             if sharded.param is param:
                 self._finalize_grads()
                 grad = sharded.shard.grad
-                return None if grad is None else self._as_dtensor(sharded, grad)
+                return None if grad is None else to_dtensor(sharded, grad, self.mesh)
         raise KeyError(f"a param of shape {tuple(param.shape)} is not optimized here")
 
     def memory_report(self) -> MemoryReport:
@@ -566,26 +489,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         found_inf.copy_(local_found)
         self._checked_by_scaler = True
         return {found_inf.device: found_inf}
-
-    def _as_dtensor(self, sharded: ShardedParam, local: torch.Tensor) -> DTensor:
-        param = sharded.param
-        if isinstance(param, DTensor):
-            mesh, placements = param.device_mesh, param.placements
-        else:
-            mesh, placements = self.mesh, (Shard(0),)
-        return DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
-
-    def _sharded_state(self, sharded: ShardedParam) -> dict[str, Any]:
-        """The param's state, each param-shaped tensor as a DTensor over the mesh."""
-        local = self._hybrid.param_state(sharded.shard)
-        return {
-            key: self._as_dtensor(sharded, value)
-            if torch.is_tensor(value) and value.shape == sharded.shard.shape and value.dim() > 0
-            else value
-            for key, value in local.items()
-        }
 
 
 def wrap(

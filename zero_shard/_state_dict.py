@@ -1,0 +1,127 @@
+"""The optimizer state as DTensors keyed by parameter FQN, and back to one rank's shards.
+
+The state dict has the shape of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
+for FSDP2 + a torch optimizer: ``{"state": {fqn: {"step", "exp_avg", ...}}, "param_groups":
+[{..., "params": [fqn, ...]}]}``; every param-shaped tensor is a DTensor with the param's global
+shape and this rank's rows (``Shard(0)``, or the FSDP2 param's own placements), plus
+``main_param`` (fp32) where the model dtype is lower. DCP can then save and reshard it with no
+metadata of ours. Scalars (``step``) are plain tensors, as torch keeps them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from optimizers import HybridDeviceOptimizer
+
+from ._buckets import ShardedParam
+
+__all__ = ["ShardedStateView", "local_rows", "local_state_dict", "sharded_state", "to_dtensor"]
+
+
+def _placement(sharded: ShardedParam, mesh: DeviceMesh) -> tuple[DeviceMesh, tuple[Any, ...]]:
+    param = sharded.param
+    if isinstance(param, DTensor):
+        return param.device_mesh, tuple(param.placements)
+    return mesh, (Shard(0),)
+
+
+def to_dtensor(sharded: ShardedParam, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``local`` (this rank's rows of a param-shaped tensor) as a DTensor of the param's shape."""
+    param = sharded.param
+    layout_mesh, placements = _placement(sharded, mesh)
+    return DTensor.from_local(
+        local, layout_mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def local_rows(sharded: ShardedParam, value: Any, mesh: DeviceMesh) -> Any:
+    """This rank's rows of a param-shaped ``value`` (a full tensor, or a DTensor of any layout);
+    anything else is returned as it is."""
+    param = sharded.param
+    if isinstance(value, DTensor):
+        if value.shape != param.shape:
+            return value
+        layout_mesh, placements = _placement(sharded, mesh)
+        if value.device_mesh == layout_mesh and tuple(value.placements) == placements:
+            return value.to_local()
+        value = value.full_tensor()
+    if not torch.is_tensor(value) or value.dim() == 0 or value.shape != param.shape:
+        return value
+    spec = sharded.spec
+    return value[spec.start_row : spec.start_row + spec.num_rows]
+
+
+def sharded_state(
+    sharded: ShardedParam, hybrid: HybridDeviceOptimizer, mesh: DeviceMesh
+) -> dict[str, Any]:
+    """The param's state from ``hybrid``, each param-shaped tensor as a DTensor."""
+    local = hybrid.param_state(sharded.shard)
+    shape = sharded.shard.shape
+    return {
+        key: to_dtensor(sharded, value, mesh)
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
+        else value
+        for key, value in local.items()
+    }
+
+
+def local_state_dict(
+    saved_state: Mapping[str, dict[str, Any]],
+    sharded: Sequence[ShardedParam],
+    group_sizes: Sequence[int],
+    hyperparams: Sequence[dict[str, Any]],
+    mesh: DeviceMesh,
+) -> dict[str, Any]:
+    """A state dict for the rank's HybridDeviceOptimizer (params numbered in ``sharded`` order)
+    from ``saved_state`` keyed by FQN, each tensor cut to this rank's rows."""
+    state: dict[int, dict[str, Any]] = {}
+    for index, record in enumerate(sharded):
+        saved = saved_state.get(record.fqn)
+        if not saved:
+            continue
+        for key, value in saved.items():
+            shape = getattr(value, "shape", None)
+            if torch.is_tensor(value) and value.dim() > 0 and shape != record.param.shape:
+                raise ValueError(
+                    f"saved state {key!r} of {record.fqn!r} has shape {tuple(shape)}, but the "
+                    f"param has shape {tuple(record.param.shape)}: the checkpoint is of another "
+                    "model"
+                )
+        state[index] = {key: local_rows(record, value, mesh) for key, value in saved.items()}
+    groups, start = [], 0
+    for size, hyper in zip(group_sizes, hyperparams, strict=True):
+        groups.append({**hyper, "params": list(range(start, start + size))})
+        start += size
+    return {"state": state, "param_groups": groups}
+
+
+class ShardedStateView(Mapping):
+    """``optimizer.state`` of a ZeroShardOptimizer: model param -> its state as DTensors, built
+    on access (views of the live state where a shard is in one piece, else copies)."""
+
+    def __init__(
+        self, sharded: Sequence[ShardedParam], hybrid: HybridDeviceOptimizer, mesh: DeviceMesh
+    ) -> None:
+        self._sharded = list(sharded)
+        self._hybrid = weakref.ref(hybrid)
+        self._mesh = mesh
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        for record in self._sharded:
+            if record.param is param:
+                return sharded_state(record, self._hybrid(), self._mesh)
+        raise KeyError(f"a param of shape {tuple(param.shape)} is not optimized here")
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        hybrid = self._hybrid()
+        return iter([r.param for r in self._sharded if hybrid.param_state(r.shard)])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
