@@ -38,6 +38,12 @@ class _Gather(NamedTuple):
     out: torch.Tensor  # 1-D, world_size * shard_numel
 
 
+def _wait_all(in_flight: dict[int, _Gather]) -> None:
+    for gather in in_flight.values():
+        gather.work.wait()
+    in_flight.clear()
+
+
 class ParamGatherer:
     """All-gathers updated shards into the model's params; see [Note: param gather]."""
 
@@ -59,6 +65,9 @@ class ParamGatherer:
         self._stale = [False] * len(self.buckets)
         self._in_flight = {}
         self._next_launch = len(self.buckets)
+        # Launched gathers must end before the process group does (gloo aborts the process
+        # otherwise): if the optimizer goes away, or the program ends, with some in flight.
+        weakref.finalize(self, _wait_all, self._in_flight)
 
     @property
     def pending(self) -> bool:

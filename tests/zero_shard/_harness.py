@@ -1,4 +1,4 @@
-"""Runs named test cases in ``world_size`` CPU processes (gloo), all cases in one spawn.
+"""Runs named test cases in ``world_size`` processes (gloo on CPU, or NCCL), all in one spawn.
 
 A spawn costs seconds on the 2-core CI machines, so each test module registers its cases with
 ``@case`` and a module-scoped fixture runs them all at once per world size; each pytest test
@@ -35,12 +35,22 @@ def _free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, cases: list[tuple[str, Case]], out_dir: str
+    rank: int,
+    world_size: int,
+    port: int,
+    cases: list[tuple[str, Case]],
+    out_dir: str,
+    backend: str,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
+        torch.cuda.set_device(rank)
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=TIMEOUT)
     results: dict[str, str | None] = {}
     try:
         for name, function in cases:
@@ -54,13 +64,16 @@ def _worker(
         dist.destroy_process_group()
 
 
-def run_cases(cases: dict[str, Case], world_size: int) -> dict[str, str | None]:
-    """Runs every case on ``world_size`` ranks; returns case -> None, or the failure's text."""
+def run_cases(
+    cases: dict[str, Case], world_size: int, backend: str = "gloo"
+) -> dict[str, str | None]:
+    """Runs every case on ``world_size`` ranks (``"nccl"``: one GPU each); returns case ->
+    None, or the failure's text."""
     with tempfile.TemporaryDirectory() as out_dir:
         items = list(cases.items())
         mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), items, out_dir),
+            args=(world_size, _free_port(), items, out_dir, backend),
             nprocs=world_size,
             join=True,
             start_method="spawn",

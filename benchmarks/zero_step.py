@@ -1,0 +1,316 @@
+"""Data-parallel zero-shard on several GPUs: collectives, one step, and a transformer iteration.
+
+Run with one process per GPU (NCCL), from the repository root::
+
+    NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD torchrun --nproc-per-node 2 benchmarks/zero_step.py \\
+        --out $OUT/zero_step
+
+Three parts, each timed with CUDA events after a barrier; medians over ``--iters`` after
+warm-ups. Rank 0 prints tables and writes ``results.json`` to ``--out``.
+
+- ``collectives``: ``reduce_scatter`` and ``all_gather`` of bf16 buffers from 4 MiB to 1 GiB
+  (the full, unsharded size), as NCCL bus bandwidth: ``size * (world - 1) / world / time``.
+  DESIGN.md's figures for 2 x H200 (1 GiB: 2.0 ms each) are 268 GB/s.
+- ``step``: ``--num-tensors`` fp32 params of 4096 x 4096 (64: 1.07B) with given grads; one timed
+  step is everything from the grads on each rank to the updated params on every rank:
+  ``ddp_fused_adamw`` (all-reduce the grads in 64 MiB chunks, as DDP's buckets, then
+  ``torch.optim.AdamW(fused=True)`` on every param on every rank), ``torch_zero1``
+  (the same all-reduce, then ``torch.distributed.optim.ZeroRedundancyOptimizer`` with fused AdamW:
+  each rank steps its whole params, then broadcasts them), and ``zero_shard`` stage 2 (the
+  reduce-scatter of the grads, the step of this rank's rows, the all-gather; grads assigned before
+  each step, so the reduce-scatter runs inside ``step()`` instead of during a backward) and stage
+  1. fp32 everywhere so that every system does the same arithmetic.
+- ``iteration``: the GPT of ``examples/train_gpt.py`` (``--layers`` x ``--width``, bf16, 1024
+  tokens a sequence, ``--batch`` sequences per rank) trained with zero-shard stage 2 and AdamW,
+  with ``overlap_param_gather`` on and off: forward, backward and step times and the whole
+  iteration. With overlap, the all-gathers run during the next forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zero_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+DESIGN_BUS_GBPS = (1 << 30) / 2 / 2.0e-3 / 1e9  # 1 GiB in 2.0 ms on 2 ranks: 268 GB/s
+
+
+DEVICE = "cuda"  # --smoke: "cpu" (gloo, tiny sizes), to check the script without a GPU
+
+
+class Stopwatch:
+    """Marks on the device's timeline: CUDA events, or host time on the CPU."""
+
+    def __init__(self, num_marks: int) -> None:
+        if DEVICE == "cuda":
+            self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(num_marks)]
+        else:
+            self._marks = [0.0] * num_marks
+
+    def mark(self, index: int) -> None:
+        if DEVICE == "cuda":
+            self._marks[index].record()
+        else:
+            self._marks[index] = time.perf_counter()
+
+    def ms(self, start: int, end: int) -> float:
+        if DEVICE == "cuda":
+            return self._marks[start].elapsed_time(self._marks[end])
+        return (self._marks[end] - self._marks[start]) * 1e3
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(
+    function: Callable[[], None],
+    iters: int,
+    warmup: int = 3,
+    setup: Callable[[], None] | None = None,
+) -> float:
+    """Median milliseconds of ``function`` (after a barrier each time)."""
+    times = []
+    for index in range(warmup + iters):
+        if setup is not None:
+            setup()
+        dist.barrier()
+        synchronize()
+        watch = Stopwatch(2)
+        watch.mark(0)
+        function()
+        watch.mark(1)
+        synchronize()
+        if index >= warmup:
+            times.append(watch.ms(0, 1))
+    return statistics.median(times)
+
+
+def memory_allocated() -> int:
+    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+
+
+def peak_memory_since_reset() -> int:
+    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+
+
+def reset_memory() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def bench_collectives(iters: int, sizes_mib: list[int]) -> list[dict[str, Any]]:
+    world, rows = dist.get_world_size(), []
+    for size_mib in sizes_mib:
+        numel = (size_mib << 20) // 2
+        full = torch.randn(numel, device=DEVICE, dtype=torch.bfloat16)
+        shard = torch.empty(numel // world, device=DEVICE, dtype=torch.bfloat16)
+        row = {"size_mib": size_mib}
+        for name, run in (
+            ("reduce_scatter", lambda s=shard, f=full: dist.reduce_scatter_tensor(s, f)),
+            ("all_gather", lambda s=shard, f=full: dist.all_gather_into_tensor(f, s)),
+        ):
+            ms = timed(run, iters)
+            bus = (size_mib << 20) * (world - 1) / world / (ms * 1e-3) / 1e9
+            row[f"{name}_ms"] = ms
+            row[f"{name}_bus_gbps"] = bus
+            row[f"{name}_vs_design"] = bus / DESIGN_BUS_GBPS
+        rows.append(row)
+    return rows
+
+
+def _all_reduce_chunks(flat: torch.Tensor, chunk_numel: int) -> None:
+    for start in range(0, flat.numel(), chunk_numel):
+        dist.all_reduce(flat[start : start + chunk_numel], op=dist.ReduceOp.AVG)
+
+
+def bench_step(num_tensors: int, dim: int, iters: int) -> list[dict[str, Any]]:
+    rows = []
+    numel = num_tensors * dim * dim
+    gen = torch.Generator(DEVICE).manual_seed(dist.get_rank())
+    grad_flat = torch.randn(numel, device=DEVICE, generator=gen) * 1e-3
+    grads = list(grad_flat.view(num_tensors, dim, dim).unbind())
+
+    def params() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return [
+            torch.nn.Parameter(torch.randn(dim, dim, device=DEVICE)) for _ in range(num_tensors)
+        ]
+
+    def measure(
+        name: str, build: Callable[[], tuple[Callable[[], None], Callable[[], None]]]
+    ) -> None:
+        reset_memory()
+        base = memory_allocated()
+        run, setup = build()
+        ms = timed(run, iters, setup=setup)
+        peak = peak_memory_since_reset() - base
+        rows.append({"system": name, "step_ms": ms, "peak_gib": peak / 2**30})
+        if dist.get_rank() == 0:
+            print(f"  {name}: {ms:.1f} ms, peak {peak / 2**30:.2f} GiB", flush=True)
+
+    def ddp() -> tuple[Callable[[], None], Callable[[], None]]:
+        ps = params()
+        flat = grad_flat.clone()
+        for p, g in zip(ps, flat.view(num_tensors, dim, dim).unbind(), strict=True):
+            p.grad = g
+        opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=DEVICE == "cuda")
+
+        def run() -> None:
+            _all_reduce_chunks(flat, 32 << 20)
+            opt.step()
+
+        return run, lambda: flat.copy_(grad_flat)
+
+    def zero1() -> tuple[Callable[[], None], Callable[[], None]]:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ps = params()
+        flat = grad_flat.clone()
+        for p, g in zip(ps, flat.view(num_tensors, dim, dim).unbind(), strict=True):
+            p.grad = g
+        opt = ZeroRedundancyOptimizer(
+            ps, optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=DEVICE == "cuda"
+        )
+
+        def run() -> None:
+            _all_reduce_chunks(flat, 32 << 20)
+            opt.step()
+
+        return run, lambda: flat.copy_(grad_flat)
+
+    def ours(stage: int) -> Callable[[], tuple[Callable[[], None], Callable[[], None]]]:
+        def build() -> tuple[Callable[[], None], Callable[[], None]]:
+            model = torch.nn.ParameterList(params())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+            opt = zero_shard.wrap(opt, model, stage=stage, overlap_param_gather=False)
+
+            def setup() -> None:
+                opt.zero_grad()
+                for p, g in zip(model.parameters(), grads, strict=True):
+                    p.grad = g
+
+            return opt.step, setup
+
+        return build
+
+    measure("ddp_fused_adamw", ddp)
+    measure("torch_zero1", zero1)
+    measure("zero_shard_stage2", ours(2))
+    measure("zero_shard_stage1", ours(1))
+    return rows
+
+
+def bench_iteration(
+    layers: int, width: int, batch: int, seq_len: int, iters: int
+) -> list[dict[str, Any]]:
+    from train_gpt import GPT, GPTConfig
+
+    rows = []
+    config = GPTConfig(layers, num_heads=max(width // 128, 1), d_model=width, seq_len=seq_len)
+    gen = torch.Generator(DEVICE).manual_seed(dist.get_rank())
+    tokens = torch.randint(0, 256, (batch, seq_len + 1), device=DEVICE, generator=gen)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    for overlap in (True, False):
+        reset_memory()
+        torch.manual_seed(0)
+        model = GPT(config).to(DEVICE, torch.bfloat16)
+        num_params = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        opt = zero_shard.wrap(opt, model, overlap_param_gather=overlap)
+        phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "iter": []}
+        for index in range(3 + iters):
+            dist.barrier()
+            synchronize()
+            watch = Stopwatch(4)
+            watch.mark(0)
+            logits = model(inputs)
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().view(-1, 256), targets.reshape(-1)
+            )
+            watch.mark(1)
+            loss.backward()
+            watch.mark(2)
+            opt.step()
+            opt.zero_grad()
+            watch.mark(3)
+            synchronize()
+            if index >= 3:
+                for name, (a, b) in zip(phases, ((0, 1), (1, 2), (2, 3), (0, 3)), strict=True):
+                    phases[name].append(watch.ms(a, b))
+        row = {"overlap_param_gather": overlap, "num_params": num_params}
+        row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
+        row["peak_gib"] = peak_memory_since_reset() / 2**30
+        row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
+        rows.append(row)
+        if dist.get_rank() == 0:
+            print(f"  overlap={overlap}: {row}", flush=True)
+        opt.finish_param_sync()
+        del model, opt, logits, loss
+    return rows
+
+
+def main() -> None:
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-tensors", type=int, default=64, help="4096x4096 fp32 params")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4, help="sequences of 1024 per rank")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--parts", default="collectives,step,iteration")
+    parser.add_argument("--smoke", action="store_true", help="CPU + gloo, tiny sizes")
+    parser.add_argument("--out", type=Path, default=Path("runs/zero_step"))
+    args = parser.parse_args()
+    sizes_mib, dim, seq_len = [4, 25, 64, 256, 1024], 4096, 1024
+    if args.smoke:
+        DEVICE = "cpu"
+        sizes_mib, dim, seq_len = [1], 64, 32
+        args.layers, args.width, args.batch, args.iters = 2, 128, 2, 2
+    else:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.backends.cuda.matmul.allow_tf32 = True
+    dist.init_process_group("gloo" if args.smoke else "nccl")
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": "cpu" if args.smoke else torch.cuda.get_device_name(),
+        "world_size": dist.get_world_size(),
+        "torch": torch.__version__,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    parts = args.parts.split(",")
+    if "collectives" in parts:
+        results["collectives"] = bench_collectives(args.iters, sizes_mib)
+    if "step" in parts:
+        results["step"] = bench_step(args.num_tensors, dim, args.iters)
+    if "iteration" in parts:
+        results["iteration"] = bench_iteration(
+            args.layers, args.width, args.batch, seq_len, args.iters
+        )
+    if dist.get_rank() == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""zero_shard.wrap on 2 GPUs with NCCL: parity with single-process torch AdamW, bf16 and fp16
+runs, and a race test of the overlapped reduce-scatter and all-gather. Run on the lent
+nvidia-h200-x2 machine (docs/gpu-tests.md); skipped with fewer than 2 GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import run_cases
+from _models import (
+    adamw,
+    global_batch,
+    local_slice,
+    make_model,
+    mean_over_ranks,
+    mse,
+)
+
+import zero_shard
+from zero_shard import OffloadPolicy
+
+pytestmark = pytest.mark.cuda
+
+CASES = {}
+WORLD = 2
+# The reference runs the same math on one GPU over the whole batch; cuBLAS may pick other
+# kernels for a 6-row and a 12-row batch (another summation order), so grads differ by ~1e-6
+# relative rather than a few ulps; AdamW turns that into O(lr * 1e-6) per step.
+CUDA_TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def case(function):  # type: ignore[no-untyped-def]
+    CASES[function.__name__] = function
+    return function
+
+
+def policy(fraction: float) -> OffloadPolicy | None:
+    return None if fraction == 0 else OffloadPolicy(fraction=fraction, chunk_numel=64)
+
+
+@case
+def parity_on_nccl(rank: int, world: int) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda", rank)
+    for fraction, stage in ((0.0, 2), (0.5, 2), (1.0, 2), (0.5, 1)):
+        model, ref = make_model().to(device), make_model().to(device)
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=policy(fraction), stage=stage, bucket_mb=0.0008
+        )
+        ref_opt = torch.optim.AdamW(
+            [{**g, "params": list(g["params"])} for g in adamw(ref).param_groups], fused=True
+        )
+        for step in range(10):
+            x, y = (t.to(device) for t in global_batch(step))
+            output = model(local_slice(x, rank, world))
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref.parameters(), strict=True
+            ):
+                torch.testing.assert_close(
+                    param, ref_param, **CUDA_TOL, msg=f"{fraction}/{stage} step {step}: {name}"
+                )
+            loss = mse(output, local_slice(y, rank, world))
+            loss.backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            ref_loss = mse(ref(x), y)
+            ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(mean_over_ranks(loss), ref_loss.detach(), **CUDA_TOL)
+        if fraction > 0:
+            assert opt.memory_report().pinned
+
+
+@case
+def bf16_and_fp16_runs_keep_params_equal_to_main_weights(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    for dtype in (torch.bfloat16, torch.float16):
+        model = make_model().to(device, dtype)
+        opt = zero_shard.wrap(adamw(model), model, offload=policy(0.5), bucket_mb=0.0008)
+        scaler = zero_shard.GradScaler("cuda", enabled=dtype == torch.float16)
+        losses = []
+        for step in range(20):
+            x, y = (t.to(device, dtype) for t in global_batch(step % 4))
+            loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            opt.clip_grad_norm_(1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(float(mean_over_ranks(loss)))
+            opt.finish_param_sync()
+            for param in model.parameters():
+                main = opt.state[param]["main_param"].full_tensor()
+                assert torch.equal(param.detach(), main.to(dtype)), (dtype, step)
+        assert losses[-1] < losses[0], (dtype, losses)
+        assert opt.num_skipped_steps == 0
+
+
+def race_case(rank: int, world: int, *, fraction: float, steps: int = 12) -> str | None:
+    """Big layers and a batch of 2 rows: the collectives and copies take far longer than the
+    compute, so a missing wait lets forward read params before their gather landed, or the step
+    read grads before their reduction did. The overlapped run goes first, all its steps with no
+    host synchronization; then a reference run with overlap off and the device synchronized
+    after every phase. They must agree bit for bit. Returns the first difference, or None."""
+    device = torch.device("cuda", rank)
+    gen = torch.Generator(device).manual_seed(rank)
+    inputs = [
+        torch.randn(2, 4096, device=device, dtype=torch.bfloat16, generator=gen)
+        for _ in range(steps)
+    ]
+
+    def run(overlap: bool, synchronize: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(4096, 4096, bias=False) for _ in range(4)]
+        model = torch.nn.Sequential(*layers).to(device, torch.bfloat16)
+        opt = zero_shard.wrap(
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            model,
+            offload=policy(fraction),
+            overlap_param_gather=overlap,
+            bucket_mb=32,  # one layer per bucket
+        )
+        sync = torch.cuda.synchronize if synchronize else (lambda: None)
+        outputs = []
+        for x in inputs:
+            out = model(x)
+            outputs.append(out.detach().clone())
+            sync()
+            out.float().square().sum().backward()
+            sync()
+            opt.step()
+            sync()
+            opt.zero_grad()
+        opt.finish_param_sync()
+        torch.cuda.synchronize()
+        return outputs, [p.detach().clone() for p in model.parameters()]
+
+    tested = run(overlap=True, synchronize=False)
+    reference = run(overlap=False, synchronize=True)
+    for step, (a, b) in enumerate(zip(tested[0], reference[0], strict=True)):
+        if not torch.equal(a, b):
+            return f"step {step}: the forward outputs differ"
+    for a, b in zip(tested[1], reference[1], strict=True):
+        if not torch.equal(a, b):
+            return "params differ after the last step"
+    return None
+
+
+@case
+def race_overlapped_collectives(rank: int, world: int) -> None:
+    for fraction in (0.0, 0.5, 1.0):
+        failure = race_case(rank, world, fraction=fraction)
+        assert failure is None, f"fraction {fraction}: {failure}"
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, str | None]:
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs; runs on the lent nvidia-h200-x2")
+    return run_cases(CASES, WORLD, backend="nccl")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_gpus(outcomes: dict[str, str | None], name: str) -> None:
+    failure = outcomes[name]
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
