@@ -19,11 +19,14 @@ warm-ups. Rank 0 prints tables and writes ``results.json`` to ``--out``.
   each rank steps its whole params, then broadcasts them), and ``zero_shard`` stage 2 (the
   reduce-scatter of the grads, the step of this rank's rows, the all-gather; grads assigned before
   each step, so the reduce-scatter runs inside ``step()`` instead of during a backward) and stage
-  1. fp32 everywhere so that every system does the same arithmetic.
+  1, for each of ``--buckets-mb``. fp32 everywhere so that every system does the same arithmetic.
 - ``iteration``: the GPT of ``examples/train_gpt.py`` (``--layers`` x ``--width``, bf16, 1024
   tokens a sequence, ``--batch`` sequences per rank) trained with zero-shard stage 2 and AdamW,
-  with ``overlap_param_gather`` on and off: forward, backward and step times and the whole
-  iteration. With overlap, the all-gathers run during the next forward.
+  with ``overlap_param_gather`` on and off, for each of ``--buckets-mb``: ``--iters`` iterations
+  back to back with no host synchronization between them (as in training), each split into
+  forward, backward and step by events on the current stream (and by host clock, ``host_*``).
+  With overlap, the all-gathers run during the next forward. ``--profile`` writes the top ops
+  of 3 profiled iterations (overlap on, the last bucket size) to ``profile.txt``.
 """
 
 from __future__ import annotations
@@ -141,7 +144,9 @@ def _all_reduce_chunks(flat: torch.Tensor, chunk_numel: int) -> None:
         dist.all_reduce(flat[start : start + chunk_numel], op=dist.ReduceOp.AVG)
 
 
-def bench_step(num_tensors: int, dim: int, iters: int) -> list[dict[str, Any]]:
+def bench_step(
+    num_tensors: int, dim: int, iters: int, buckets_mb: list[float]
+) -> list[dict[str, Any]]:
     rows = []
     numel = num_tensors * dim * dim
     gen = torch.Generator(DEVICE).manual_seed(dist.get_rank())
@@ -196,11 +201,15 @@ def bench_step(num_tensors: int, dim: int, iters: int) -> list[dict[str, Any]]:
 
         return run, lambda: flat.copy_(grad_flat)
 
-    def ours(stage: int) -> Callable[[], tuple[Callable[[], None], Callable[[], None]]]:
+    def ours(
+        stage: int, bucket_mb: float
+    ) -> Callable[[], tuple[Callable[[], None], Callable[[], None]]]:
         def build() -> tuple[Callable[[], None], Callable[[], None]]:
             model = torch.nn.ParameterList(params())
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-            opt = zero_shard.wrap(opt, model, stage=stage, overlap_param_gather=False)
+            opt = zero_shard.wrap(
+                opt, model, stage=stage, overlap_param_gather=False, bucket_mb=bucket_mb
+            )
 
             def setup() -> None:
                 opt.zero_grad()
@@ -213,13 +222,43 @@ def bench_step(num_tensors: int, dim: int, iters: int) -> list[dict[str, Any]]:
 
     measure("ddp_fused_adamw", ddp)
     measure("torch_zero1", zero1)
-    measure("zero_shard_stage2", ours(2))
-    measure("zero_shard_stage1", ours(1))
+    for bucket_mb in buckets_mb:
+        measure(f"zero_shard_stage2_bucket{bucket_mb:g}", ours(2, bucket_mb))
+    measure(f"zero_shard_stage1_bucket{buckets_mb[-1]:g}", ours(1, buckets_mb[-1]))
     return rows
 
 
+def _train_iterations(model, opt, inputs, targets, count: int) -> tuple[Stopwatch, list]:  # type: ignore[no-untyped-def]
+    """``count`` iterations back to back, no host synchronization between them; marks at each
+    forward's start, forward's end, backward's end and step's end (device and host time)."""
+    watch, host = Stopwatch(4 * count + 1), []
+    for index in range(count):
+        marks = [time.perf_counter()]
+        watch.mark(4 * index)
+        logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, 256), targets.reshape(-1))
+        watch.mark(4 * index + 1)
+        marks.append(time.perf_counter())
+        loss.backward()
+        watch.mark(4 * index + 2)
+        marks.append(time.perf_counter())
+        opt.step()
+        opt.zero_grad()
+        watch.mark(4 * index + 3)
+        marks.append(time.perf_counter())
+        host.append(marks)
+    watch.mark(4 * count)
+    return watch, host
+
+
 def bench_iteration(
-    layers: int, width: int, batch: int, seq_len: int, iters: int
+    layers: int,
+    width: int,
+    batch: int,
+    seq_len: int,
+    iters: int,
+    buckets_mb: list[float],
+    profile_dir: Path | None,
 ) -> list[dict[str, Any]]:
     from train_gpt import GPT, GPTConfig
 
@@ -228,43 +267,64 @@ def bench_iteration(
     gen = torch.Generator(DEVICE).manual_seed(dist.get_rank())
     tokens = torch.randint(0, 256, (batch, seq_len + 1), device=DEVICE, generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    for overlap in (True, False):
-        reset_memory()
-        torch.manual_seed(0)
-        model = GPT(config).to(DEVICE, torch.bfloat16)
-        num_params = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-        opt = zero_shard.wrap(opt, model, overlap_param_gather=overlap)
-        phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": [], "iter": []}
-        for index in range(3 + iters):
+    for bucket_mb in buckets_mb:
+        for overlap in (True, False):
+            reset_memory()
+            torch.manual_seed(0)
+            model = GPT(config).to(DEVICE, torch.bfloat16)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+            opt = zero_shard.wrap(opt, model, overlap_param_gather=overlap, bucket_mb=bucket_mb)
+            _train_iterations(model, opt, inputs, targets, 3)  # warm-up
             dist.barrier()
             synchronize()
-            watch = Stopwatch(4)
-            watch.mark(0)
-            logits = model(inputs)
-            loss = torch.nn.functional.cross_entropy(
-                logits.float().view(-1, 256), targets.reshape(-1)
-            )
-            watch.mark(1)
-            loss.backward()
-            watch.mark(2)
-            opt.step()
-            opt.zero_grad()
-            watch.mark(3)
+            watch, host = _train_iterations(model, opt, inputs, targets, iters)
             synchronize()
-            if index >= 3:
-                for name, (a, b) in zip(phases, ((0, 1), (1, 2), (2, 3), (0, 3)), strict=True):
-                    phases[name].append(watch.ms(a, b))
-        row = {"overlap_param_gather": overlap, "num_params": num_params}
-        row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
-        row["peak_gib"] = peak_memory_since_reset() / 2**30
-        row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
-        rows.append(row)
-        if dist.get_rank() == 0:
-            print(f"  overlap={overlap}: {row}", flush=True)
-        opt.finish_param_sync()
-        del model, opt, logits, loss
+            phases = {
+                "forward": [watch.ms(4 * i, 4 * i + 1) for i in range(iters)],
+                "backward": [watch.ms(4 * i + 1, 4 * i + 2) for i in range(iters)],
+                "step": [watch.ms(4 * i + 2, 4 * i + 3) for i in range(iters)],
+                "iter": [watch.ms(4 * i, 4 * i + 4) for i in range(iters)],
+            }
+            row = {
+                "bucket_mb": bucket_mb,
+                "overlap_param_gather": overlap,
+                "num_params": sum(p.numel() for p in model.parameters()),
+                "num_buckets": len(opt._buckets),
+            }
+            row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
+            for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):
+                row[f"host_{name}_ms"] = statistics.median((m[b] - m[a]) * 1e3 for m in host)
+            row["peak_gib"] = peak_memory_since_reset() / 2**30
+            row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
+            rows.append(row)
+            if dist.get_rank() == 0:
+                print(f"  {row}", flush=True)
+            if profile_dir is not None and overlap and bucket_mb == buckets_mb[-1]:
+                _profile(model, opt, inputs, targets, profile_dir)
+            opt.finish_param_sync()
+            del model, opt
     return rows
+
+
+def _profile(model, opt, inputs, targets, out: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0's profile of 3 iterations: the top ops by device and by host time, as text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=activities) as prof:
+        _train_iterations(model, opt, inputs, targets, 3)
+        synchronize()
+    if dist.get_rank() == 0:
+        averages = prof.key_averages()
+        device_key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+        text = "\n\n".join(
+            [
+                averages.table(sort_by=device_key, row_limit=30),
+                averages.table(sort_by="cpu_time_total", row_limit=30),
+            ]
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile.txt").write_text(text)
 
 
 def main() -> None:
@@ -276,6 +336,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences of 1024 per rank")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--parts", default="collectives,step,iteration")
+    parser.add_argument("--buckets-mb", default="64,256", help="zero-shard bucket sizes to run")
+    parser.add_argument("--profile", action="store_true", help="write profile.txt to --out")
     parser.add_argument("--smoke", action="store_true", help="CPU + gloo, tiny sizes")
     parser.add_argument("--out", type=Path, default=Path("runs/zero_step"))
     args = parser.parse_args()
@@ -297,13 +359,20 @@ def main() -> None:
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     parts = args.parts.split(",")
+    buckets_mb = [float(b) for b in args.buckets_mb.split(",")]
     if "collectives" in parts:
         results["collectives"] = bench_collectives(args.iters, sizes_mib)
     if "step" in parts:
-        results["step"] = bench_step(args.num_tensors, dim, args.iters)
+        results["step"] = bench_step(args.num_tensors, dim, args.iters, buckets_mb)
     if "iteration" in parts:
         results["iteration"] = bench_iteration(
-            args.layers, args.width, args.batch, seq_len, args.iters
+            args.layers,
+            args.width,
+            args.batch,
+            seq_len,
+            args.iters,
+            buckets_mb,
+            args.out if args.profile else None,
         )
     if dist.get_rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)

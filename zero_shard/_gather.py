@@ -96,18 +96,19 @@ class ParamGatherer:
         self._launch_through(len(self.buckets) - 1)
 
     def finish(self) -> None:
-        """Completes every pending gather: the params hold the latest weights afterwards."""
-        self.launch_all()
-        for index in sorted(self._in_flight):
-            self._complete(index)
+        """Completes every pending gather: the params hold the latest weights afterwards. At
+        most ``_PREFETCH + 1`` gathers are in flight at a time (each holds a full-size buffer)."""
+        for index in range(len(self.buckets)):
+            self.wait_for(index)
 
     def discard(self) -> None:
         """Completes every pending gather without copying it into the params (whose values are
         newer: loaded by the user). Collective: every rank must call it."""
-        self.launch_all()
-        for index in sorted(self._in_flight):
-            self._in_flight.pop(index).work.wait()
-        self._stale = [False] * len(self.buckets)
+        for index in range(len(self.buckets)):
+            if self._stale[index]:
+                self._launch_through(index + _PREFETCH)
+                self._in_flight.pop(index).work.wait()
+                self._stale[index] = False
 
     def _launch_through(self, last: int) -> None:
         last = min(last, len(self.buckets) - 1)

@@ -35,8 +35,9 @@ def case(function):  # type: ignore[no-untyped-def]
     return function
 
 
-def policy(fraction: float) -> OffloadPolicy | None:
-    return None if fraction == 0 else OffloadPolicy(fraction=fraction, chunk_numel=64)
+def policy(fraction: float, chunk_numel: int = 64) -> OffloadPolicy | None:
+    """Small chunks for the small test model (several per param); 4M for big layers."""
+    return None if fraction == 0 else OffloadPolicy(fraction=fraction, chunk_numel=chunk_numel)
 
 
 @case
@@ -121,7 +122,7 @@ def race_case(rank: int, world: int, *, fraction: float, steps: int = 12) -> str
         opt = zero_shard.wrap(
             torch.optim.AdamW(model.parameters(), lr=1e-3),
             model,
-            offload=policy(fraction),
+            offload=policy(fraction, chunk_numel=1 << 22),
             overlap_param_gather=overlap,
             bucket_mb=32,  # one layer per bucket
         )
