@@ -294,6 +294,8 @@ def bench_iteration(
             row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
             for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):
                 row[f"host_{name}_ms"] = statistics.median((m[b] - m[a]) * 1e3 for m in host)
+            if opt.num_skipped_steps:
+                raise RuntimeError(f"{opt.num_skipped_steps} steps skipped as non-finite")
             row["peak_gib"] = peak_memory_since_reset() / 2**30
             row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
             rows.append(row)

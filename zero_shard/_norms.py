@@ -22,9 +22,11 @@ def _local_term(
     grads = [grad for grad in grads if grad.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
     if math.isinf(norm_type):
-        return norms.amax()
+        # max |g| is exact in the grad's own dtype; no accumulation to widen.
+        return torch.stack([n.float() for n in torch._foreach_norm(grads, math.inf)]).amax()
+    # Sums of powers accumulate in fp32 whatever the grads' dtype (fp16 ones would overflow).
+    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
     return norms.pow(norm_type).sum()
 
 
@@ -54,12 +56,16 @@ def nonfinite_flag(
     grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup], device: torch.device
 ) -> torch.Tensor:
     """1.0 on every rank if any rank's ``grads`` hold an inf or a NaN, else 0.0 (0-dim fp32)."""
-    grads = [grad for grad in grads if grad.numel()]
     flag = torch.zeros((), dtype=torch.float32, device=device)
-    if grads:
-        # The inf-norm is inf for an inf and NaN for a NaN, and reads each grad once.
-        largest = torch.stack(torch._foreach_norm(grads, math.inf, dtype=torch.float32)).amax()
-        flag = (~torch.isfinite(largest)).float()
+    one = torch.ones((), dtype=torch.float32, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad.numel():
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same_dtype in by_dtype.values():
+        # GradScaler's own check (multiplying by 1 leaves every value as it is): sets the flag
+        # for any inf or NaN, exactly, in any grad dtype.
+        torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, flag, one)
     for group in groups:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag

@@ -1,0 +1,48 @@
+"""Norms and non-finite checks over grads of every dtype, on the CPU and (marked) on CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zero_shard._norms import global_norm, nonfinite_flag
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def grads_of(dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4096, 1024), (3,), (0,), (1000, 7), (2048,)]
+    return [(torch.randn(s, generator=gen) * 1e-2).to(device, dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nonfinite_flag_is_exact_and_leaves_grads_alone(device: str, dtype: torch.dtype) -> None:
+    grads = grads_of(dtype, device)
+    before = [g.clone() for g in grads]
+    assert float(nonfinite_flag(grads, [], torch.device(device))) == 0.0
+    for old, new in zip(before, grads, strict=True):
+        assert torch.equal(old, new)
+    for bad in (math.inf, -math.inf, math.nan):
+        poisoned = [g.clone() for g in grads]
+        poisoned[3][999, 6] = bad  # the very last element of a middle tensor
+        assert float(nonfinite_flag(poisoned, [], torch.device(device))) == 1.0, bad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_global_norm_on_one_rank_is_torchs(
+    device: str, dtype: torch.dtype, norm_type: float
+) -> None:
+    grads = grads_of(dtype, device)
+    expected = torch.linalg.vector_norm(
+        torch.cat([g.float().reshape(-1) for g in grads]), norm_type
+    )
+    norm = global_norm(grads, norm_type, [], torch.device(device))
+    assert norm.dtype == torch.float32
+    torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0.0)
