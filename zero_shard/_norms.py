@@ -53,19 +53,18 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 def nonfinite_flag(
-    grads: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup], device: torch.device
+    tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup], device: torch.device
 ) -> torch.Tensor:
-    """1.0 on every rank if any rank's ``grads`` hold an inf or a NaN, else 0.0 (0-dim fp32)."""
+    """1.0 on every rank if any rank's ``tensors`` hold an inf or a NaN, else 0.0 (0-dim fp32).
+
+    Pass few large tensors where possible (a bucket's whole grad buffer rather than its views):
+    each costs two small kernels.
+    """
+    tensors = [t for t in tensors if t.numel()]
     flag = torch.zeros((), dtype=torch.float32, device=device)
-    one = torch.ones((), dtype=torch.float32, device=device)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        if grad.numel():
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-    for same_dtype in by_dtype.values():
-        # GradScaler's own check (multiplying by 1 leaves every value as it is): sets the flag
-        # for any inf or NaN, exactly, in any grad dtype.
-        torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, flag, one)
+    if tensors:
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        flag = (~finite).float()
     for group in groups:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag

@@ -437,6 +437,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 spec = sharded.spec
                 sharded.shard.grad = grad.detach()[spec.start_row : spec.start_row + spec.num_rows]
 
+    def _checked_grads(self) -> list[torch.Tensor]:
+        """What the non-finite check reads: each bucket's reduced grads in one piece (their gaps
+        and padding hold zeros), or each shard's grad where grads are not in buckets."""
+        if self._reducer is None:
+            return self._shard_grads()
+        return [b.grad_buffer[: b.layout.shard_numel] for b in self._buckets]
+
     def _shard_grads(self) -> list[torch.Tensor]:
         return [s.shard.grad for s in self._sharded if s.shard.grad is not None]
 
@@ -447,7 +454,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if self._window_norm is not None:
             bad = not bool(torch.isfinite(self._window_norm))
         else:
-            bad = bool(nonfinite_flag(self._shard_grads(), self._groups, self._device))
+            bad = bool(nonfinite_flag(self._checked_grads(), self._groups, self._device))
         if not bad:
             return False
         if self.nonfinite == "raise":
