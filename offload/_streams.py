@@ -45,10 +45,8 @@ def use_stream(stream: Stream | None) -> Iterator[None]:
 def wait_stream(waiter: Stream | None, waited: Stream | None) -> None:
     """Orders later work on ``waiter`` after the work already queued on ``waited``.
 
-    Never compare streams with ``!=``: ``torch.cuda.Stream`` defines ``__eq__`` in Python but
-    inherits ``__ne__`` from its C base, and two different streams compared unequal as False on
-    torch 2.11 (a skipped wait that let a side stream read grads before they were computed).
-    Waiting on itself is harmless.
+    Take ``waited`` before entering ``use_stream(waiter)``: inside it, the current stream is
+    ``waiter`` itself, and a stream waiting on itself orders nothing.
     """
     if waiter is not None and waited is not None:
         waiter.wait_stream(waited)

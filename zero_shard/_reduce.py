@@ -140,8 +140,11 @@ class GradReducer:
                 )
         layout, world = bucket.layout, self._world_size
         scaling = choose_reduce_scaling(world, self._device, layout.dtype)
+        # The grads are complete on the stream current here (backward's); read it before
+        # switching, or the side stream would wait on itself.
+        compute = current_stream(self._device)
         with use_stream(self._stream):
-            wait_stream(self._stream, current_stream(self._device))
+            wait_stream(self._stream, compute)
             packed = torch.zeros(
                 world * layout.segment_numel, dtype=layout.dtype, device=self._device
             )
