@@ -107,9 +107,9 @@ def bf16_and_fp16_runs_keep_params_equal_to_main_weights(rank: int, world: int) 
 
 
 def race_case(rank: int, world: int, *, fraction: float, steps: int = 12) -> str | None:
-    """Big layers and a batch of 2 rows: the collectives and copies take far longer than the
-    compute, so a missing wait lets forward read params before their gather landed, or the step
-    read grads before their reduction did. The overlapped run goes first, all its steps with no
+    """Big layers and a batch of 2 rows, two micro-batches a step: the collectives and copies take
+    far longer than the compute, so a missing wait lets forward read params before their gather
+    landed, or the step read grads before their reduction was added up. The overlapped run goes first, all its steps with no
     host synchronization; then a reference run with overlap off and the device synchronized
     after every phase. They must agree bit for bit. Returns the first difference, or None."""
     device = torch.device("cuda", rank)
@@ -137,6 +137,10 @@ def race_case(rank: int, world: int, *, fraction: float, steps: int = 12) -> str
             outputs.append(out.detach().clone())
             sync()
             out.float().square().sum().backward()
+            sync()
+            # A second micro-batch: its reduction is added to the first on the reduce stream,
+            # work the step must wait for (the first one's NCCL stream order alone would not do).
+            model(x.flip(0)).float().square().sum().backward()
             sync()
             opt.step()
             sync()
