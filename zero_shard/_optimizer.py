@@ -41,7 +41,9 @@ __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
 
 logger = logging.getLogger("zero_shard")
 
-DEFAULT_BUCKET_MB = 64.0
+# 256 MiB buckets beat 64 MiB ones on 2 x H200 for the step and a GPT iteration alike
+# (docs/benchmarks/zero_step.md): NCCL reaches ~80% of its large-message bandwidth from there.
+DEFAULT_BUCKET_MB = 256.0
 
 
 def _remove_hooks(handles: list[Any]) -> None:
@@ -529,7 +531,8 @@ def wrap(
         overlap_param_gather: gather the updated params during the next forward (forward
             pre-hooks wait for each bucket), instead of at the end of ``step()``. Default True.
             Every rank must then run that forward, or call ``finish_param_sync()``.
-        bucket_mb: MiB of (unsharded) params reduced and gathered together; default 64.
+        bucket_mb: MiB of (unsharded) params reduced and gathered together; default 256
+            (docs/benchmarks/zero_step.md). Each bucket in flight holds a full-size buffer.
         nonfinite: a step whose grads hold an inf or NaN is skipped with a warning (``"skip"``,
             default) or raises (``"raise"``); either way nothing changes. fp16 loss scaling
             with :class:`zero_shard.GradScaler` skips and backs off as torch's GradScaler does.
