@@ -96,8 +96,10 @@ class ParamGatherer:
         self._launch_through(len(self.buckets) - 1)
 
     def finish(self) -> None:
-        """Completes every pending gather: the params hold the latest weights afterwards. At
-        most ``_PREFETCH + 1`` gathers are in flight at a time (each holds a full-size buffer)."""
+        """Completes every pending gather, in bucket order: the params hold the latest weights
+        afterwards. It launches at most ``_PREFETCH`` buckets ahead of the one it completes;
+        gathers launched earlier (``launch_all``) are in flight already, each holding a
+        full-size buffer."""
         for index in range(len(self.buckets)):
             self.wait_for(index)
 
@@ -131,8 +133,9 @@ class ParamGatherer:
         self._stale[index] = False
 
     def register_hooks(self, model: nn.Module) -> list[Any]:
-        """Forward pre-hooks waiting for the buckets of each module's own params, and a
-        state-dict pre-hook on ``model`` that finishes every gather."""
+        """Forward pre-hooks waiting for the buckets of each module's own params; on ``model``,
+        a forward hook launching the gathers its forward did not need and a state-dict pre-hook
+        finishing every gather."""
         bucket_of = {
             id(sharded.param): index
             for index, bucket in enumerate(self.buckets)
@@ -154,6 +157,15 @@ class ParamGatherer:
                         gatherer.wait_for(index)
 
             handles.append(module.register_forward_pre_hook(before_forward))
+
+        def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+            # Buckets of modules this forward did not run (they may differ between ranks) are
+            # launched now, before backward's collectives, so every rank issues them in order.
+            gatherer = this()
+            if gatherer is not None:
+                gatherer.launch_all()
+
+        handles.append(model.register_forward_hook(after_forward))
 
         def before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
             gatherer = this()

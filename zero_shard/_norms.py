@@ -39,6 +39,9 @@ def global_norm(
     """The ``norm_type``-norm of all ranks' ``grads`` together, as a 0-dim fp32 tensor on
     ``device`` (the same value on every rank); ``groups`` are those the grads are sharded over."""
     term = _local_term(grads, norm_type, device)
+    if math.isinf(norm_type):
+        # A MAX reduction may drop a NaN (gloo keeps the other rank's value); inf survives it.
+        term = torch.nan_to_num(term, nan=math.inf)
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
     for group in groups:
         dist.all_reduce(term, op=op, group=group)

@@ -77,6 +77,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _groups: list[dist.ProcessGroup]  # the groups the grads are sharded over (norms, inf checks)
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
     _building: bool
+    _frozen: list[torch.Tensor]  # params of the groups with requires_grad=False at wrap time
+    _warned_unfrozen: bool
     _window_norm: torch.Tensor | None  # the clip norm of the grads since the last step
     _grad_scale: float | None  # fp16: the loss scale's inverse, applied in fp32 at the step
     _checked_by_scaler: bool  # GradScaler checked these grads for infs already
@@ -112,6 +114,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._building = False
         trainable = trainable_params(self.param_groups, fqns, self.kind)
         self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
+        self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        self._warned_unfrozen = False
         self._device = trainable[0][0].device
         self._build_shards(trainable, mesh, stage, bucket_mb)
         shard_groups = [
@@ -397,7 +401,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def main_grad(self, param: torch.Tensor) -> DTensor | None:
         """The param's reduced grad as a DTensor (``Shard(0)`` over the mesh, the param's
         global shape), or ``None`` if it has none; valid between ``clip_grad_norm_``/``step``
-        and ``zero_grad``."""
+        and ``zero_grad``. Under fp16 loss scaling it still carries the scale until the step."""
         for sharded in self._sharded:
             if sharded.param is param:
                 self._finalize_grads()
@@ -425,7 +429,14 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._checked_by_scaler = False
 
     def _finalize_grads(self) -> None:
-        """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream."""
+        """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream.
+
+        Comes before any collective of ours (reductions, norms, checks): gathers not launched
+        yet are launched first, so every rank issues its collectives in one order.
+        """
+        if self._gatherer is not None:
+            self._gatherer.launch_all()
+        self._warn_unfrozen()
         if self.kind is ModelKind.REPLICATED:
             self._reducer.finish()
             return
@@ -445,6 +456,18 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if self._reducer is None:
             return self._shard_grads()
         return [b.grad_buffer[: b.layout.shard_numel] for b in self._buckets]
+
+    def _warn_unfrozen(self) -> None:
+        if self._warned_unfrozen or not any(p.grad is not None for p in self._frozen):
+            return
+        self._warned_unfrozen = True
+        warnings.warn(
+            "some params had requires_grad=False when the optimizer was wrapped and have a grad "
+            "now; zero-shard did not shard them and does not update them. Wrap the optimizer "
+            "again after unfreezing them",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _shard_grads(self) -> list[torch.Tensor]:
         return [s.shard.grad for s in self._sharded if s.shard.grad is not None]
@@ -478,21 +501,17 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     ) -> dict[torch.device, torch.Tensor]:
         """GradScaler's unscale over this rank's shards, with the verdict shared by all ranks.
 
-        bf16/fp32 grads are unscaled in place; fp16 grads are only checked here and unscaled in
-        fp32 at the step (``grad_scale``), where small values cannot underflow.
+        Without fp16 grads they are unscaled in place. With any fp16 grad, every grad keeps the
+        loss scale until the step, which unscales all of them in fp32 (``grad_scale``): fp16
+        values would underflow if unscaled in fp16, and one factor must apply to all grads.
         """
         self._finalize_grads()
         grads = self._shard_grads()
-        local_found = torch.zeros((), dtype=torch.float32, device=self._device)
-        in_place = [g for g in grads if g.dtype != torch.float16]
-        deferred = [g for g in grads if g.dtype == torch.float16]
-        if in_place:
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                in_place, local_found, inv_scale.to(self._device)
-            )
-        if deferred:
-            local_found = torch.maximum(local_found, nonfinite_flag(deferred, [], self._device))
+        local_found = nonfinite_flag(self._checked_grads(), [], self._device)
+        if any(grad.dtype == torch.float16 for grad in grads):
             self._grad_scale = float(inv_scale)
+        elif grads:
+            torch._foreach_mul_(grads, inv_scale.to(self._device))
         for group in self._groups:
             dist.all_reduce(local_found, op=dist.ReduceOp.MAX, group=group)
         found_inf.copy_(local_found)

@@ -209,10 +209,18 @@ class GradReducer:
             )
 
     def reset(self) -> None:
-        """``zero_grad``: the next reduction writes its grad buffer instead of adding to it."""
+        """``zero_grad``: the next reduction writes its grad buffer instead of adding to it.
+
+        Also forgets a backward that raised before its end-of-backward callback ran (its
+        buckets half reduced), so the next backward starts clean.
+        """
         for bucket in self.buckets:
             bucket.has_grads = False
             bucket.missing = False
+            bucket.ready.clear()
             for sharded in bucket.params:
                 sharded.shard.grad = None
+        self._next = len(self.buckets) - 1
+        self._in_backward = False
         self._reduced_since_reset = False
+        self._unreduced_backward = False

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -68,6 +70,14 @@ def check_options(
         raise TypeError(
             f"offload must be a zero_shard.OffloadPolicy or None, got {type(offload).__name__}"
         )
+    if offload.d2h_during_backward:
+        warnings.warn(
+            "OffloadPolicy(d2h_during_backward=True) is ignored by zero_shard.wrap: grads reach "
+            "the optimizer only once reduced over the ranks, and are then sent at step()",
+            UserWarning,
+            stacklevel=3,
+        )
+        offload = dataclasses.replace(offload, d2h_during_backward=False)
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(
             f"stage must be 1 (all-reduce grads, keep the local shard) or 2 (reduce-scatter "
@@ -122,6 +132,12 @@ def trainable_params(
                 )
             if not param.requires_grad:
                 continue
+            if kind is not ModelKind.FSDP and not param.is_contiguous():
+                raise ValueError(
+                    f"param {fqn!r} is not contiguous (stride {param.stride()}, e.g. "
+                    "channels_last); zero-shard shards params by rows of their memory: make it "
+                    "contiguous (param.data = param.data.contiguous()) before wrapping"
+                )
             if param.dim() == 0 and kind is not ModelKind.FSDP:
                 raise ValueError(
                     f"param {fqn!r} is 0-dim; zero-shard shards params along dim 0 (as FSDP2, "

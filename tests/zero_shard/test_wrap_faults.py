@@ -1,0 +1,208 @@
+"""zero_shard.wrap on 2 CPU processes (gloo) where things go off the common path: ranks running
+different modules, fp16 mixed with fp32, a NaN on one rank under inf-norm clipping, a backward that
+raises, and inputs that deserve a clear error."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import run_cases
+from _models import adamw, assert_params_close, global_batch, local_slice, make_model, mse
+from torch import nn
+
+import zero_shard
+from zero_shard import OffloadPolicy
+
+CASES = {}
+TINY_BUCKETS = 0.0008
+
+
+def case(function):  # type: ignore[no-untyped-def]
+    CASES[function.__name__] = function
+    return function
+
+
+class Stack(nn.Module):
+    """Twelve layers; ``depth`` says how many a forward runs (ranks may pick different depths)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(12))
+
+    def forward(self, x: torch.Tensor, depth: int = 12) -> torch.Tensor:
+        for layer in self.layers[:depth]:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def assert_replicas_agree(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        copies = [torch.empty_like(param) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, param.detach().contiguous())
+        for other in copies[1:]:
+            assert torch.equal(copies[0], other), name
+
+
+@case
+def ranks_running_different_modules_keep_collectives_in_order(rank: int, world: int) -> None:
+    # With overlap, gathers are launched from the forward pre-hooks of the modules that run: a
+    # rank that skips modules must still issue the same collectives in the same order (else
+    # gloo times out). Plain and DDP models (DDP's own all-reduces share the group).
+    for use_ddp in (False, True):
+        torch.manual_seed(0)
+        stack = Stack()
+        model = (
+            nn.parallel.DistributedDataParallel(stack, find_unused_parameters=True)
+            if use_ddp
+            else stack
+        )
+        opt = zero_shard.wrap(
+            torch.optim.AdamW(stack.parameters(), lr=1e-2), model, stage=1 if use_ddp else 2,
+            bucket_mb=0.0001,  # one param a bucket: 24 gathers, more than prefetch covers
+        )  # fmt: skip
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(4):
+            depth = 2 if (step == 1 and rank == world - 1) else 12
+            model(torch.randn(3, 8, generator=gen), depth=depth).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish_param_sync()
+        assert_replicas_agree(stack)
+
+
+class Mixed(nn.Module):
+    """An fp16 layer feeding an fp32 layer (as models that keep norms and heads in fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.half_layer = nn.Linear(15, 7).half()
+        self.full_layer = nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.full_layer(torch.tanh(self.half_layer(x.half())).float())
+
+
+@case
+def fp16_and_fp32_grads_are_unscaled_once(rank: int, world: int) -> None:
+    # The loss scale is a power of two: scaling and unscaling the fp32 layer's grads is exact,
+    # so its step must equal the step of an unscaled run bit for bit.
+    models, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Mixed()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        models.append(model)
+        opts.append(zero_shard.wrap(opt, model, offload=OffloadPolicy(fraction=0.5, num_threads=1),
+                                    bucket_mb=TINY_BUCKETS))  # fmt: skip
+    scaler = zero_shard.GradScaler("cpu", init_scale=2.0**10)
+    x, y = global_batch(0)
+    xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+    scaler.scale(mse(models[0](xs), ys)).backward()
+    scaler.unscale_(opts[0])
+    norm = opts[0].clip_grad_norm_(1e9)  # no clipping; the norm itself must be unscaled
+    scaler.step(opts[0])
+    scaler.update()
+    mse(models[1](xs), ys).backward()
+    reference_norm = opts[1].clip_grad_norm_(1e9)
+    opts[1].step()
+    for opt in opts:
+        opt.finish_param_sync()
+    torch.testing.assert_close(norm, reference_norm, rtol=1e-3, atol=0.0)  # fp16 grads round
+    for name in ("weight", "bias"):
+        scaled = getattr(models[0].full_layer, name)
+        plain = getattr(models[1].full_layer, name)
+        assert torch.equal(scaled, plain), name
+    assert opts[0].num_skipped_steps == 0 and scaler.get_scale() == 2.0**10
+
+
+@case
+def nan_on_the_last_rank_under_inf_norm_clipping_skips_everywhere(rank: int, world: int) -> None:
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[-1, 0] = float("nan")  # the last row: the last rank's shard after the reduction
+        return grad
+
+    handle = model.inp.weight.register_hook(poison) if rank == 0 else None
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    if handle is not None:
+        handle.remove()
+    norm = opt.clip_grad_norm_(1.0, norm_type=float("inf"))
+    assert not torch.isfinite(norm)  # on every rank, though only the last one holds the NaN
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    opt.finish_param_sync()
+    assert opt.num_skipped_steps == 1
+    for old, new in zip(before, model.parameters(), strict=True):
+        assert torch.equal(old, new.detach())
+
+
+@case
+def a_backward_that_raises_leaves_nothing_behind(rank: int, world: int) -> None:
+    model, ref = make_model(), make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=OffloadPolicy(fraction=0.5, num_threads=1),
+                          bucket_mb=TINY_BUCKETS)  # fmt: skip
+    ref_opt = adamw(ref)
+    for step in range(5):
+        x, y = global_batch(step)
+        handle = None
+        if step == 1:  # raises late in backward, after later buckets were reduced
+
+            def fail(grad: torch.Tensor) -> torch.Tensor:
+                raise RuntimeError("simulated out of memory")
+
+            handle = model.inp.weight.register_hook(fail)
+        try:
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        except RuntimeError as err:
+            assert "simulated" in str(err)
+            handle.remove()
+            opt.zero_grad()  # the batch is dropped, as a training loop does after an OOM
+            continue
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "after a failed backward")
+
+
+@case
+def clear_errors_and_warnings(rank: int, world: int) -> None:
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="'weight' is not contiguous"):
+        zero_shard.wrap(torch.optim.AdamW(conv.parameters()), conv)
+    model = make_model()
+    other = make_model()
+    with pytest.raises(ValueError, match="not a param of the model"):
+        zero_shard.wrap(adamw(other), model)
+    with pytest.warns(UserWarning, match="d2h_during_backward=True"):
+        zero_shard.wrap(adamw(model), model, offload=OffloadPolicy(d2h_during_backward=True))
+    model.out.weight.requires_grad_(False)
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    model.out.weight.requires_grad_(True)
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    with pytest.warns(RuntimeWarning, match="requires_grad=False when the optimizer was wrapped"):
+        opt.step()
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, str | None]:
+    return run_cases(CASES, 2)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks(outcomes: dict[str, str | None], name: str) -> None:
+    failure = outcomes[name]
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
