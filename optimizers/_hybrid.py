@@ -362,14 +362,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def reload_model_params(self) -> None:
-        """Refreshes every fp32 main weight, on the accelerator and the CPU, from the model.
+    def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Refreshes fp32 main weights, on the accelerator and the CPU, from the model: of every
+        param, or of ``params`` only.
 
         Call it after loading model weights into the params (fine-tuning from a model-only
         checkpoint); otherwise the next step would continue from the old main weights.
         """
-        self._device.reload_from_params()
-        self._host.reload_from_params()
+        indices = None
+        if params is not None:
+            wanted = {id(param) for param in params}
+            indices = {r.index for r in self._records if id(r.param) in wanted}
+        self._device.reload_from_params(indices)
+        self._host.reload_from_params(indices)
 
     def memory_report(self) -> MemoryReport:
         """Bytes of optimizer memory on each device, and whether the staging is pinned."""

@@ -7,8 +7,10 @@ elementwise torch optimizer over the data-parallel ranks; the single-rank buildi
 
 from optimizers import HybridDeviceOptimizer, MemoryReport, OffloadPolicy
 
+from . import checkpoint
 from ._optimizer import ZeroShardOptimizer, wrap
 from ._scaler import GradScaler
+from .checkpoint import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
 
@@ -19,5 +21,8 @@ __all__ = [
     "OffloadPolicy",
     "ZeroShardOptimizer",
     "__version__",
+    "checkpoint",
+    "full_state_dict",
+    "load_full_state_dict",
     "wrap",
 ]

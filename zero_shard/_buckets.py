@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 
@@ -26,6 +27,23 @@ class ShardedParam:
     bucket: int = -1  # index of its bucket; -1 under FSDP2
     position: int = -1  # its place inside the bucket
     grad_slot: torch.Tensor | None = None  # the shard's slot in the bucket's grad buffer
+    version: int = 0  # the model param's version counter when zero-shard last wrote or read it
+    changed: bool = False  # written by someone else since: its main weight must be reloaded
+
+    @property
+    def watched(self) -> torch.Tensor:
+        """The tensor whose version counter tells if the model param was written: the param, or
+        under FSDP2 its local shard (which shares the local tensor's counter)."""
+        return self.shard if isinstance(self.param, DTensor) else self.param
+
+    def record_version(self) -> None:
+        """Notes that the model param holds what zero-shard knows (its main weight, rounded)."""
+        self.version = self.watched._version
+        self.changed = False
+
+    def is_stale(self) -> bool:
+        """Whether the model param was written since zero-shard last recorded it."""
+        return self.changed or self.watched._version != self.version
 
 
 @dataclass

@@ -134,11 +134,14 @@ def unpack_params(
     gathered: torch.Tensor,
     layout: BucketLayout,
     specs: Sequence[ShardSpec],
-    params: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor | None],
     world_size: int,
 ) -> None:
-    """Copies every rank's shards from an all-gather output into the full parameters."""
+    """Copies every rank's shards from an all-gather output into the full parameters (a
+    ``None`` param is left as it is)."""
     for position, (spec, param) in enumerate(zip(specs, params, strict=True)):
+        if param is None:
+            continue
         padded = padded_rows(
             gathered,
             layout,

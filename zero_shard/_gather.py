@@ -128,8 +128,16 @@ class ParamGatherer:
         gather = self._in_flight.pop(index)
         gather.work.wait()  # on an accelerator: the current stream waits, the host goes on
         bucket = self.buckets[index]
-        params = [sharded.param for sharded in bucket.params]
-        unpack_params(gather.out, bucket.layout, bucket.specs, params, self._world_size)
+        # A param written since the last copy into it (weights loaded by the user) keeps its
+        # new value, and is marked for its main weight to be reloaded from it at the next step.
+        kept = [sharded for sharded in bucket.params if sharded.is_stale()]
+        for sharded in kept:
+            sharded.changed = True
+        targets = [None if s.changed else s.param for s in bucket.params]
+        unpack_params(gather.out, bucket.layout, bucket.specs, targets, self._world_size)
+        for sharded in bucket.params:
+            if not sharded.changed:
+                sharded.record_version()
         self._stale[index] = False
 
     def register_hooks(self, model: nn.Module) -> list[Any]:

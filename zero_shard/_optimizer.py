@@ -65,6 +65,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     kind: ModelKind
     mesh: DeviceMesh
     nonfinite: str  # "skip" or "raise": what a step with inf/NaN grads does
+    stale_params: str  # "reload" or "error": what a step does when params changed under it
     num_skipped_steps: int  # steps skipped for non-finite grads so far
     _module: nn.Module  # the model, unwrapped from DDP
     _ddp: nn.Module | None  # the DDP wrapper, if any
@@ -94,8 +95,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         overlap_param_gather: bool = True,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         nonfinite: str = "skip",
+        stale_params: str = "reload",
     ) -> None:
-        policy = check_options(optimizer, offload, stage, bucket_mb, nonfinite)
+        policy = check_options(optimizer, offload, stage, bucket_mb, nonfinite, stale_params)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zero_shard.wrap needs torch.distributed: call "
@@ -105,7 +107,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._module, self.kind = unwrap_model(model)
         self._ddp = model if self.kind is ModelKind.DDP else None
         self.nonfinite = nonfinite
+        self.stale_params = stale_params
         self.num_skipped_steps = 0
+        self._logged_stale = False
         self._reducer = self._gatherer = None
         self._end_window()
         fqns = {id(p): name for name, p in self._module.named_parameters()}
@@ -133,6 +137,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._hybrid.load_state_dict(self._local_state_dict(saved))
         self._install(stage, overlap_param_gather)
         self.state = ShardedStateView(self._sharded, self._hybrid, self.mesh)  # type: ignore[assignment]
+        for sharded in self._sharded:
+            sharded.record_version()
 
     # -- construction -----------------------------------------------------------------------
 
@@ -290,6 +296,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 loss = closure()
         # Gathers of the last step read the shards this step writes: they must be done.
         self.finish_param_sync()
+        self._check_stale()
         for group_index, group in enumerate(self._hybrid.param_groups):
             group.update(self._hyperparams(group_index))
         self._finalize_grads()
@@ -299,6 +306,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._hybrid.step(grad_scale=self._grad_scale)
             if self._gatherer is not None:
                 self._gatherer.after_step()
+            else:  # FSDP2: the step wrote the params' local shards in place
+                for sharded in self._sharded:
+                    sharded.record_version()
         finally:
             self._end_window()
         return loss
@@ -323,10 +333,43 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._gatherer.discard()
         self._refresh_shards()
         self._hybrid.reload_model_params()
-
-    def _refresh_shards(self) -> None:
-        """Copies this rank's rows of every model param into its shard."""
         for sharded in self._sharded:
+            sharded.record_version()
+
+    @torch.no_grad()
+    def _check_stale(self) -> None:
+        """Params written since zero-shard last did (a weight load, an init): their main weights
+        are reloaded from them (``stale_params="reload"``) or the call raises (``"error"``)."""
+        stale = [sharded for sharded in self._sharded if sharded.is_stale()]
+        if not stale:
+            return
+        names = [sharded.fqn for sharded in stale]
+        shown = f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+        if self.stale_params == "error":
+            raise RuntimeError(
+                f"model params {shown} ({len(names)} in all) were written since the optimizer "
+                "last set them (a weight load?); its fp32 main weights are older. Call "
+                "opt.reload_model_params() after loading weights, or wrap with "
+                "stale_params='reload'"
+            )
+        if not self._logged_stale:
+            self._logged_stale = True
+            logger.warning(
+                "zero-shard: model params %s (%d in all) were written outside the optimizer; "
+                "their fp32 main weights were reloaded from them (stale_params='error' raises "
+                "instead)",
+                shown,
+                len(names),
+            )
+        self._refresh_shards(stale)
+        self._hybrid.reload_model_params([sharded.shard for sharded in stale])
+        for sharded in stale:
+            sharded.record_version()
+
+    @torch.no_grad()
+    def _refresh_shards(self, records: list[ShardedParam] | None = None) -> None:
+        """Copies this rank's rows of every model param (or of ``records``) into its shard."""
+        for sharded in self._sharded if records is None else records:
             if self.kind is not ModelKind.FSDP:  # FSDP2 shards are the model's own memory
                 rows = sharded.param.detach().reshape(-1)
                 spec = sharded.spec
@@ -341,6 +384,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         low-precision params. Save it with ``torch.distributed.checkpoint`` on every rank.
         """
         self.finish_param_sync()
+        self._check_stale()
         state = {}
         for sharded in self._sharded:
             param_state = sharded_state(sharded, self._hybrid, self.mesh)
@@ -366,7 +410,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"the state dict has {len(saved_groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}"
+                f"{len(self.param_groups)}: it was saved from another model or another param-"
+                "group setup"
             )
         for index, (saved, fqns) in enumerate(zip(saved_groups, self._group_fqns, strict=True)):
             if list(saved["params"]) != fqns:
@@ -387,10 +432,15 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if self._gatherer is not None:
             self._gatherer.discard()
         self._refresh_shards()
+        for sharded in self._sharded:  # the loaded state wins over the params as they are
+            sharded.record_version()
         self._hybrid.load_state_dict(local)
         if self._gatherer is not None:  # the params become the loaded main weights, rounded
             self._gatherer.after_step()
             self._gatherer.finish()
+        else:
+            for sharded in self._sharded:
+                sharded.record_version()
 
     def _local_state_dict(self, saved: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         num_groups = len(self.param_groups)
@@ -529,6 +579,7 @@ def wrap(
     overlap_param_gather: bool = True,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     nonfinite: str = "skip",
+    stale_params: str = "reload",
 ) -> ZeroShardOptimizer:
     """Shards ``optimizer`` over the data-parallel ranks, optionally offloading to the CPU.
 
@@ -555,6 +606,12 @@ def wrap(
         nonfinite: a step whose grads hold an inf or NaN is skipped with a warning (``"skip"``,
             default) or raises (``"raise"``); either way nothing changes. fp16 loss scaling
             with :class:`zero_shard.GradScaler` skips and backs off as torch's GradScaler does.
+        stale_params: model params written outside the optimizer since it last set them (weights
+            loaded into the model after wrapping, as fine-tuning does) have older fp32 main
+            weights: ``"reload"`` (default) reloads those from the params at the next step or
+            ``state_dict()`` and logs once; ``"error"`` raises there instead. Detected by the
+            params' version counters, which in-place writes (``load_state_dict``, ``copy_``,
+            ``torch.nn.init``) bump; a write through ``.data`` is not seen.
 
     Example:
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
@@ -570,4 +627,5 @@ def wrap(
         overlap_param_gather=overlap_param_gather,
         bucket_mb=bucket_mb,
         nonfinite=nonfinite,
+        stale_params=stale_params,
     )

@@ -18,6 +18,7 @@ from optimizers import HybridDeviceOptimizer, OffloadPolicy, check_elementwise
 
 __all__ = [
     "NONFINITE_POLICIES",
+    "STALE_POLICIES",
     "ModelKind",
     "check_mesh",
     "check_options",
@@ -27,6 +28,7 @@ __all__ = [
 ]
 
 NONFINITE_POLICIES = ("skip", "raise")
+STALE_POLICIES = ("reload", "error")
 
 
 class ModelKind(enum.Enum):
@@ -54,7 +56,7 @@ def unwrap_model(model: nn.Module) -> tuple[nn.Module, ModelKind]:
 
 
 def check_options(
-    optimizer: Any, offload: Any, stage: Any, bucket_mb: Any, nonfinite: Any
+    optimizer: Any, offload: Any, stage: Any, bucket_mb: Any, nonfinite: Any, stale_params: Any
 ) -> OffloadPolicy:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -92,6 +94,8 @@ def check_options(
         raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+    if stale_params not in STALE_POLICIES:
+        raise ValueError(f"stale_params must be one of {STALE_POLICIES}, got {stale_params!r}")
     return offload
 
 

@@ -1,0 +1,385 @@
+"""Checkpoints on CPU processes (gloo): saved at one world size and offload fraction, loaded at
+others and compared with uninterrupted training; interchange with FSDP2 + torch AdamW; model-only
+loads; the torch.save path; async saves; a save killed mid-write.
+
+The phases share a folder through ZERO_SHARD_TEST_DIR, set before the processes are spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _harness import run_cases
+from _models import PARAM_TOL, adamw, global_batch, local_slice, make_model, mse
+from torch.distributed.tensor import DTensor
+
+import zero_shard
+from zero_shard import OffloadPolicy
+from zero_shard.checkpoint import IncompleteCheckpointError
+
+TINY_BUCKETS = 0.0008
+SAVE_AT, CONTINUE = 3, 5
+# Loaded at another world size, the grads are reduced in another order: they differ by a few
+# ulps, which AdamW carries into the params at O(lr) a step (as in _models.PARAM_TOL).
+RESHARD_TOL = PARAM_TOL
+
+
+def folder() -> Path:
+    return Path(os.environ["ZERO_SHARD_TEST_DIR"])
+
+
+def policy(fraction: float) -> OffloadPolicy | None:
+    return (
+        None if fraction == 0 else OffloadPolicy(fraction=fraction, num_threads=1, chunk_numel=16)
+    )
+
+
+def build(fraction: float, stage: int = 2, seed: int = 0):  # type: ignore[no-untyped-def]
+    model = make_model(seed=seed)
+    opt = zero_shard.wrap(adamw(model), model, offload=policy(fraction), stage=stage,
+                          bucket_mb=TINY_BUCKETS)  # fmt: skip
+    return model, opt
+
+
+def train(model, opt, rank: int, world: int, steps: range) -> None:  # type: ignore[no-untyped-def]
+    for step in steps:
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish_param_sync()
+
+
+def compare_with_reference(model, opt, where: str, exact: bool) -> None:  # type: ignore[no-untyped-def]
+    reference = torch.load(folder() / "reference.pt")
+    tol = {"rtol": 0.0, "atol": 0.0} if exact else RESHARD_TOL
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.detach(), reference["params"][name], **tol, msg=f"{where}: {name}"
+        )
+        state = opt.state[param]
+        assert int(state["step"]) == SAVE_AT + CONTINUE
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[key].full_tensor(), reference["state"][name][key], **tol,
+                                       msg=f"{where}: {name} {key}")  # fmt: skip
+
+
+def save_at_three_ranks_then_go_on(rank: int, world: int) -> None:
+    assert world == 3
+    model, opt = build(fraction=0.5)
+    train(model, opt, rank, world, range(SAVE_AT))
+    zero_shard.checkpoint.save(
+        folder() / "ckpt", model=model, optimizer=opt, extra={"step": SAVE_AT}
+    )
+    full = zero_shard.checkpoint.full_state_dict(opt)  # for the torch.save path, rank 0 only
+    if rank == 0:
+        torch.save({"optim": full, "model": model.state_dict()}, folder() / "full.pt")
+    else:
+        assert full == {}
+    train(model, opt, rank, world, range(SAVE_AT, SAVE_AT + CONTINUE))
+    reference = {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "state": {n: {k: opt.state[p][k].full_tensor() for k in ("exp_avg", "exp_avg_sq")}
+                  for n, p in model.named_parameters()},
+    }  # fmt: skip
+    if rank == 0:
+        torch.save(reference, folder() / "reference.pt")
+    dist.barrier()
+
+
+def resume_and_go_on(rank: int, world: int, *, fraction: float, stage: int, exact: bool) -> None:
+    model, opt = build(fraction, stage, seed=1)  # other weights: the checkpoint replaces them
+    extra = zero_shard.checkpoint.load(folder() / "ckpt", model=model, optimizer=opt)
+    assert extra == {"step": SAVE_AT}
+    train(model, opt, rank, world, range(SAVE_AT, SAVE_AT + CONTINUE))
+    compare_with_reference(model, opt, f"{world} ranks, fraction {fraction}, stage {stage}", exact)
+
+
+def resume_at_two_ranks_all_offloaded(rank: int, world: int) -> None:
+    resume_and_go_on(rank, world, fraction=1.0, stage=2, exact=False)
+
+
+def resume_in_one_process(rank: int, world: int) -> None:
+    resume_and_go_on(rank, world, fraction=0.0, stage=2, exact=False)
+
+
+def resume_at_three_ranks(rank: int, world: int) -> None:
+    # Stage 1 all-reduces where stage 2 reduce-scattered: another summation, a tolerance.
+    resume_and_go_on(rank, world, fraction=0.5, stage=1, exact=False)
+    # The same layout and arithmetic as the saving run: bit for bit.
+    resume_and_go_on(rank, world, fraction=0.5, stage=2, exact=True)
+    # The torch.save path: the full state dict, given on rank 0 only.
+    model, opt = build(fraction=0.5, seed=1)
+    full = torch.load(folder() / "full.pt") if rank == 0 else None
+    model.load_state_dict(torch.load(folder() / "full.pt")["model"])
+    zero_shard.checkpoint.load_full_state_dict(opt, full["optim"] if full else None)
+    train(model, opt, rank, world, range(SAVE_AT, SAVE_AT + CONTINUE))
+    compare_with_reference(model, opt, "from full_state_dict", exact=True)
+
+
+def fsdp2_model(world: int):  # type: ignore[no-untyped-def]
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model()
+    for layer in (model.inp, model.mid, model.out):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def assert_same_training(ours, ours_opt, theirs, theirs_opt, where: str) -> None:  # type: ignore[no-untyped-def]
+    for (name, param), their_param in zip(
+        ours.named_parameters(), theirs.parameters(), strict=True
+    ):
+        mine = param.full_tensor() if isinstance(param, DTensor) else param
+        other = their_param.full_tensor() if isinstance(their_param, DTensor) else their_param
+        torch.testing.assert_close(
+            mine.detach(), other.detach(), **PARAM_TOL, msg=f"{where}: {name}"
+        )
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = ours_opt.state[param][key], theirs_opt.state[their_param][key]
+            a = a.full_tensor() if isinstance(a, DTensor) else a
+            b = b.full_tensor() if isinstance(b, DTensor) else b
+            torch.testing.assert_close(a, b, **PARAM_TOL, msg=f"{where}: {name} {key}")
+
+
+def fsdp2_interchange_both_ways(rank: int, world: int) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # FSDP2 + torch AdamW writes; zero-shard (a replicated model) reads.
+    fsdp, fsdp_opt = fsdp2_model(world), None
+    fsdp_opt = adamw(fsdp)
+    train(fsdp, _Plain(fsdp_opt), rank, world, range(SAVE_AT))
+    model_sd, optim_sd = get_state_dict(fsdp, fsdp_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder() / "from_fsdp2"))
+    model, opt = build(fraction=0.5, seed=1)
+    target = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(target, checkpoint_id=str(folder() / "from_fsdp2"))
+    model.load_state_dict(target["model"])
+    opt.load_state_dict(target["optim"])
+    train(fsdp, _Plain(fsdp_opt), rank, world, range(SAVE_AT, SAVE_AT + 3))
+    train(model, opt, rank, world, range(SAVE_AT, SAVE_AT + 3))
+    assert_same_training(model, opt, fsdp, fsdp_opt, "FSDP2 -> zero-shard")
+
+    # zero-shard writes (with its helper); FSDP2 + torch AdamW reads.
+    zero_shard.checkpoint.save(folder() / "to_fsdp2", model=model, optimizer=opt)
+    fresh, fresh_opt = fsdp2_model(world), None
+    fresh_opt = adamw(fresh)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    target = {"model": model_sd, "optim": optim_sd}
+    dcp.load(target, checkpoint_id=str(folder() / "to_fsdp2"))
+    set_state_dict(
+        fresh, fresh_opt, model_state_dict=target["model"], optim_state_dict=target["optim"]
+    )
+    train(fresh, _Plain(fresh_opt), rank, world, range(SAVE_AT + 3, SAVE_AT + 6))
+    train(model, opt, rank, world, range(SAVE_AT + 3, SAVE_AT + 6))
+    assert_same_training(model, opt, fresh, fresh_opt, "zero-shard -> FSDP2")
+
+
+class _Plain:
+    """A torch optimizer with the one method `train` calls on zero-shard's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def step(self) -> None:
+        self._optimizer.step()
+
+    def zero_grad(self) -> None:
+        self._optimizer.zero_grad()
+
+    def finish_param_sync(self) -> None:
+        return None
+
+
+def model_only_load_trains_from_the_loaded_weights(rank: int, world: int) -> None:
+    pretrained = make_model(seed=7).state_dict()
+    for policy_name in ("reload", "error"):
+        model = make_model(seed=0)
+        opt = zero_shard.wrap(adamw(model), model, offload=policy(0.5), bucket_mb=TINY_BUCKETS,
+                              stale_params=policy_name)  # fmt: skip
+        model.load_state_dict(pretrained)  # after the optimizer was built (Megatron-Bridge order)
+        ref = make_model(seed=7)
+        ref_opt = adamw(ref)
+        x, y = global_batch(0)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        if policy_name == "error":
+            with pytest.raises(RuntimeError, match=r"'inp.weight'.*written since the optimizer"):
+                opt.step()
+            opt.reload_model_params()  # the fix the message names
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        train(model, opt, rank, world, range(1, 4))
+        for step in range(1, 4):
+            x, y = global_batch(step)
+            mse(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for (name, param), ref_param in zip(
+            model.named_parameters(), ref.parameters(), strict=True
+        ):
+            torch.testing.assert_close(param.detach(), ref_param.detach(), **PARAM_TOL, msg=name)
+
+
+def async_save_keeps_the_snapshot(rank: int, world: int) -> None:
+    model, opt = build(fraction=0.5)
+    train(model, opt, rank, world, range(2))
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    future = zero_shard.checkpoint.async_save(folder() / "async", model=model, optimizer=opt,
+                                              extra={"step": 2})  # fmt: skip
+    train(model, opt, rank, world, range(2, 4))  # training goes on while it writes
+    future.result()
+    dist.barrier()
+    loaded, loaded_opt = build(fraction=0.0, seed=1)
+    assert zero_shard.checkpoint.load(folder() / "async", model=loaded, optimizer=loaded_opt) == {
+        "step": 2
+    }
+    for old, new in zip(snapshot, loaded.parameters(), strict=True):
+        assert torch.equal(old, new.detach())
+
+
+def bad_checkpoints_are_refused(rank: int, world: int) -> None:
+    model, opt = build(fraction=0.0)
+    other = torch.nn.Linear(3, 3)
+    other_opt = zero_shard.wrap(torch.optim.AdamW(other.parameters()), other)
+    with pytest.raises(ValueError, match="has 2 param groups, this optimizer has 1"):
+        other_opt.load_state_dict(opt.state_dict())
+    groups = [{"params": [other.weight]}, {"params": [other.bias]}]
+    other_opt = zero_shard.wrap(torch.optim.AdamW(groups), other)
+    with pytest.raises(
+        ValueError, match=r"does not hold this optimizer's params: missing \['weight'\]"
+    ):
+        other_opt.load_state_dict(opt.state_dict())
+    state = opt.state_dict()
+    state["state"]["inp.weight"]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"'inp.weight' has shape \(3, 3\)"):
+        opt.load_state_dict(state)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        zero_shard.checkpoint.load(folder() / "nothing here", model=model, optimizer=opt)
+
+
+CASES_BY_WORLD = {
+    3: {"save_at_three_ranks_then_go_on": save_at_three_ranks_then_go_on},
+    2: {
+        "resume_at_two_ranks_all_offloaded": resume_at_two_ranks_all_offloaded,
+        "fsdp2_interchange_both_ways": fsdp2_interchange_both_ways,
+        "model_only_load_trains_from_the_loaded_weights": model_only_load_trains_from_the_loaded_weights,
+        "async_save_keeps_the_snapshot": async_save_keeps_the_snapshot,
+        "bad_checkpoints_are_refused": bad_checkpoints_are_refused,
+    },
+    1: {"resume_in_one_process": resume_in_one_process},
+}
+LATE = {"resume_at_three_ranks": resume_at_three_ranks}  # needs the files of the first phase
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    os.environ["ZERO_SHARD_TEST_DIR"] = str(tmp_path_factory.mktemp("checkpoints"))
+    results: dict[str, str | None] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for world, cases in CASES_BY_WORLD.items():
+            results.update(run_cases(cases, world))
+        results.update(run_cases(LATE, 3))
+    return results
+
+
+ALL = [name for cases in (*CASES_BY_WORLD.values(), LATE) for name in cases]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_checkpoints(outcomes: dict[str, str | None], name: str) -> None:
+    failure = outcomes[name]
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    sys.path.insert(0, {tests!r})
+    from _models import adamw, make_model
+    import zero_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model)
+    path = {path!r}
+    zero_shard.checkpoint.save(path, model=model, optimizer=opt, extra={{"step": 1}})
+    torch.save({{n: p.detach().clone() for n, p in model.named_parameters()}}, path + ".expected")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    write = dcp.FileSystemWriter.write_data
+
+    def write_then_die(self, plan, planner):
+        result = write(self, plan, planner)
+        result.wait()
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-save: data written, no metadata, no commit
+
+    dcp.FileSystemWriter.write_data = write_then_die
+    zero_shard.checkpoint.save(path, model=model, optimizer=opt, extra={{"step": 2}})
+    """
+)
+
+
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    path = str(tmp_path / "ckpt")
+    tests = str(Path(__file__).parent)
+    script = KILLED_SAVE.format(tests=tests, port=port, path=path)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -9, done.stderr[-2000:]  # it was killed, mid-save
+    assert (tmp_path / "ckpt.partial").exists()  # the unfinished save is there, unmarked
+    script = textwrap.dedent(
+        f"""
+        import os, sys, torch, torch.distributed as dist
+        sys.path.insert(0, {tests!r})
+        from _models import adamw, make_model
+        import zero_shard
+        from zero_shard.checkpoint import IncompleteCheckpointError
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        model = make_model(seed=3)
+        opt = zero_shard.wrap(adamw(model), model)
+        extra = zero_shard.checkpoint.load({path!r}, model=model, optimizer=opt)
+        assert extra == {{"step": 1}}, extra
+        expected = torch.load({path!r} + ".expected")
+        for name, param in model.named_parameters():
+            assert torch.equal(param.detach(), expected[name]), name
+        try:
+            zero_shard.checkpoint.load({path!r} + ".partial", model=model, optimizer=opt)
+        except IncompleteCheckpointError as err:
+            print("refused:", err)
+        else:
+            raise AssertionError("the partial checkpoint was loaded")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused:" in done.stdout and "did not finish" in done.stdout
+    assert IncompleteCheckpointError.__mro__[1] is RuntimeError

@@ -1,0 +1,303 @@
+"""Checkpoints of a model and its ZeroShardOptimizer through torch.distributed.checkpoint (DCP).
+
+[Note: atomic checkpoints]
+``save`` writes into ``<path>.partial`` (cleared first), and only when every rank's data and
+DCP's metadata are written does rank 0 add a completion marker and move it into place:
+``<path>`` becomes ``<path>.previous``, ``<path>.partial`` becomes ``<path>``, and
+``<path>.previous`` is removed. A crash at any point leaves the last complete checkpoint loadable:
+at ``<path>``, or at ``<path>.previous`` during the instant between the two renames (``load``
+falls back to it). A directory without the marker is refused: its save did not finish.
+
+The optimizer's state dict holds DTensors with the params' global shapes, so a checkpoint loads
+at any world size and offload fraction, and its keys are those of FSDP2 + ``torch.optim`` (an
+FSDP2 checkpoint loads here, and one written here loads into FSDP2 with
+``torch.distributed.checkpoint.state_dict.set_state_dict``). Without ``main_param`` in the
+checkpoint (one written by FSDP2), the fp32 main weights come from the loaded model.
+
+Example::
+
+    zero_shard.checkpoint.save("ckpt/latest", model=model, optimizer=opt, extra={"step": step})
+    extra = zero_shard.checkpoint.load("ckpt/latest", model=model, optimizer=opt)
+    step = extra["step"]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "IncompleteCheckpointError",
+    "async_save",
+    "full_state_dict",
+    "load",
+    "load_full_state_dict",
+    "save",
+]
+
+_MARKER = ".zero_shard_complete"
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """The checkpoint's save did not finish (no completion marker)."""
+
+
+def _paths(path: str | os.PathLike) -> tuple[Path, Path, Path]:
+    final = Path(path)
+    return (
+        final,
+        final.with_name(final.name + ".partial"),
+        final.with_name(final.name + ".previous"),
+    )
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    """This rank's random number generators, as plain bytes (a tensor here would be taken by
+    DCP as replicated and saved from rank 0 only)."""
+    state = {"torch": bytes(torch.get_rng_state().numpy()), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = bytes(torch.cuda.get_rng_state().numpy())
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
+
+
+def _state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        state["optim"] = optimizer.state_dict()
+    state["extra"] = dict(extra or {})
+    state[f"rng_rank{_rank()}"] = _rng_state()
+    return state
+
+
+def _prepare(path: str | os.PathLike) -> tuple[Path, Path, Path]:
+    final, partial, previous = _paths(path)
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a save that crashed before
+        partial.parent.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    return final, partial, previous
+
+
+def _commit(final: Path, partial: Path, previous: Path, extra: dict[str, Any] | None) -> None:
+    """Rank 0: marks ``partial`` complete and moves it into place; see [Note: atomic checkpoints]."""
+    if _rank() != 0:
+        return
+    info = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    info["extra_keys"] = sorted(extra or {})
+    (partial / _MARKER).write_text(json.dumps(info))
+    shutil.rmtree(previous, ignore_errors=True)
+    if final.exists():
+        os.replace(final, previous)
+    os.replace(partial, final)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def save(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Saves the model, the optimizer and ``extra`` (a step counter, ...) to the directory
+    ``path``, atomically. Collective: call it on every rank.
+
+    Args:
+        path: the checkpoint directory; an earlier checkpoint there is replaced only once this
+            one is complete.
+        model: the model (plain, DDP-wrapped or FSDP2).
+        optimizer: a ZeroShardOptimizer (or any optimizer whose state dict DCP can save).
+        extra: picklable values saved from rank 0 (a step counter, a data-loader position).
+            Each rank's random number generators are saved beside them and restored by ``load``.
+    """
+    final, partial, previous = _prepare(path)
+    dcp.save(_state(model, optimizer, extra), checkpoint_id=str(partial))
+    _barrier()
+    _commit(final, partial, previous, extra)
+    _barrier()
+
+
+_checkpoint_groups: dict[int, dist.ProcessGroup] = {}
+
+
+def _checkpoint_group() -> dist.ProcessGroup | None:
+    """A gloo group of all ranks for DCP's background collectives, made once (collectively):
+    sharing the training's group, they would interleave with the training's own collectives
+    from another thread; and DCP's background work needs a CPU backend, which an NCCL-only
+    group lacks."""
+    if not dist.is_initialized():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _checkpoint_groups:
+        _checkpoint_groups[key] = dist.new_group(backend="gloo")
+    return _checkpoint_groups[key]
+
+
+def async_save(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Future:
+    """``save`` in the background: the state is copied to host memory now, training goes on, and
+    the files are written and committed later. Returns a future; call ``.result()`` on every
+    rank before the next save (or at exit) to wait for it. DCP's collectives for it run on a
+    gloo group of zero-shard's own (made at the first call, on every rank), so the training's
+    process group may be NCCL only."""
+    group = _checkpoint_group()
+    final, partial, previous = _prepare(path)
+    written = dcp.async_save(
+        _state(model, optimizer, extra), checkpoint_id=str(partial), process_group=group
+    )
+    done: Future = Future()
+
+    def commit(future: Future) -> None:
+        try:
+            future.result()
+            _commit(final, partial, previous, extra)
+            done.set_result(None)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            done.set_exception(err)
+
+    written.add_done_callback(commit)
+    return done
+
+
+def _resolve(path: str | os.PathLike) -> Path:
+    final, partial, previous = _paths(path)
+    if (final / _MARKER).exists():
+        return final
+    if not final.exists() and (previous / _MARKER).exists():
+        warnings.warn(
+            f"{final} is missing but {previous} is complete (a save was interrupted between "
+            "its two renames); loading that",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return previous
+    if final.exists():
+        raise IncompleteCheckpointError(
+            f"{final} has no completion marker ({_MARKER}): its save did not finish. Load an "
+            "earlier checkpoint"
+        )
+    hint = f"; {partial} is an unfinished save" if partial.exists() else ""
+    raise FileNotFoundError(f"no checkpoint at {final}{hint}")
+
+
+def _present_keys(path: Path) -> set[str]:
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return set(metadata.state_dict_metadata)
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Loads a checkpoint written by ``save`` (at any world size or offload fraction) into
+    ``model`` and ``optimizer``, in place; returns the ``extra`` dict. Collective.
+
+    Refuses a checkpoint whose save did not finish (``IncompleteCheckpointError``). Each rank's
+    random number generators are restored when the checkpoint has this rank's (``restore_rng``).
+    """
+    resolved = _resolve(path)
+    present = _present_keys(resolved)
+    state = _state(model, optimizer, None)
+    if "optim" in state:
+        # A checkpoint without fp32 main weights (FSDP2 + torch.optim): they come from the model.
+        for fqn, param_state in state["optim"]["state"].items():
+            if f"optim.state.{fqn}.main_param" not in present:
+                param_state.pop("main_param", None)
+    rng_key = f"rng_rank{_rank()}"
+    if not any(key.startswith(rng_key + ".") or key == rng_key for key in present):
+        state.pop(rng_key)
+    state["extra"] = dict.fromkeys(json.loads((resolved / _MARKER).read_text())["extra_keys"])
+    dcp.load(state, checkpoint_id=str(resolved))
+    # The model first: the optimizer's load then takes the params as they are and sets them to
+    # its main weights (loading the model after would mark every param as changed under it).
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optim"])
+    if restore_rng and rng_key in state:
+        _set_rng_state(state[rng_key])
+    return state["extra"]
+
+
+def _full(value: Any, keep: bool) -> Any:
+    if not isinstance(value, DTensor):
+        return value.detach().cpu().clone() if torch.is_tensor(value) and keep else value
+    mesh = value.device_mesh
+    local = value.to_local().to(mesh.device_type)  # a CPU-resident shard on a GPU mesh
+    whole = DTensor.from_local(
+        local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+    ).full_tensor()
+    return whole.cpu() if keep else None
+
+
+def full_state_dict(optimizer: torch.optim.Optimizer, *, rank: int = 0) -> dict[str, Any]:
+    """The optimizer's state dict with every DTensor gathered into a full CPU tensor, on rank
+    ``rank`` (``{}`` elsewhere): for ``torch.save``. Collective.
+
+    Example::
+
+        state = zero_shard.checkpoint.full_state_dict(opt)
+        if dist.get_rank() == 0:
+            torch.save(state, "optim.pt")
+    """
+    keep = _rank() == rank
+    state = optimizer.state_dict()
+    full = {
+        fqn: {key: _full(value, keep) for key, value in param_state.items()}
+        for fqn, param_state in state["state"].items()
+    }
+    if not keep:
+        return {}
+    return {"state": full, "param_groups": state["param_groups"]}
+
+
+def load_full_state_dict(
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None, *, rank: int = 0
+) -> None:
+    """Loads a state dict from ``full_state_dict`` (or a consolidated one of the same shape),
+    given on rank ``rank`` only; it is broadcast to the others. Collective."""
+    box = [state_dict if _rank() == rank else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=rank)
+    if box[0] is None:
+        raise ValueError(f"load_full_state_dict needs the state dict on rank {rank}, got None")
+    load: Callable[[dict[str, Any]], None] = optimizer.load_state_dict
+    load(box[0])
