@@ -32,10 +32,17 @@ from ._setup import (
     check_mesh,
     check_options,
     default_mesh,
+    fsdp_layout,
     trainable_params,
     unwrap_model,
 )
-from ._state_dict import ShardedStateView, local_state_dict, sharded_state, to_dtensor
+from ._state_dict import (
+    ShardedStateView,
+    check_saved_groups,
+    local_state_dict,
+    sharded_state,
+    to_dtensor,
+)
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
 
@@ -150,27 +157,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         bucket_mb: float,
     ) -> None:
         if self.kind is ModelKind.FSDP:
-            param_mesh = trainable[0][0].device_mesh
-            if mesh is not None and mesh != param_mesh:
-                raise ValueError(
-                    "mesh differs from the mesh of the FSDP2 params; leave mesh=None under FSDP2"
-                )
-            self.mesh = param_mesh
-            for param, fqn, _ in trainable:
-                if (
-                    param.device_mesh != param_mesh
-                    or param.placements != trainable[0][0].placements
-                ):
-                    raise ValueError(
-                        f"param {fqn!r} is sharded on another mesh or with other placements "
-                        "than the first param; zero-shard expects one FSDP2 layout for all"
-                    )
-            placements = trainable[0][0].placements
-            self._groups = [
-                param_mesh.get_group(dim)
-                for dim, placement in enumerate(placements)
-                if placement.is_shard()
-            ]
+            self.mesh, self._groups = fsdp_layout(trainable, mesh)
             self._sharded = [fsdp_sharded_param(p, fqn, g) for p, fqn, g in trainable]
             self._buckets = []
             if stage == 1:
@@ -404,28 +391,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         the model's params; the model's params are then refreshed from the main weights.
         Everything is checked before anything changes. Collective: call it on every rank.
         """
-        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
-            raise ValueError("expected an optimizer state dict with 'state' and 'param_groups'")
+        check_saved_groups(state_dict, self._group_fqns)
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"the state dict has {len(saved_groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}: it was saved from another model or another param-"
-                "group setup"
-            )
-        for index, (saved, fqns) in enumerate(zip(saved_groups, self._group_fqns, strict=True)):
-            if list(saved["params"]) != fqns:
-                missing = sorted(set(fqns) - set(saved["params"]))
-                extra = sorted(set(saved["params"]) - set(fqns))
-                raise ValueError(
-                    f"param group {index} of the state dict does not hold this optimizer's "
-                    f"params: missing {missing[:5]}, unknown {extra[:5]} (another model, or the "
-                    "params in another order)"
-                )
-        known = {fqn for fqns in self._group_fqns for fqn in fqns}
-        unknown = sorted(set(state_dict["state"]) - known)
-        if unknown:
-            raise ValueError(f"the state dict has state for params this model lacks: {unknown[:5]}")
         local = self._local_state_dict(state_dict["state"])
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             group.update({key: value for key, value in saved.items() if key != "params"})

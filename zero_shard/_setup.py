@@ -23,6 +23,7 @@ __all__ = [
     "check_mesh",
     "check_options",
     "default_mesh",
+    "fsdp_layout",
     "trainable_params",
     "unwrap_model",
 ]
@@ -157,3 +158,27 @@ def trainable_params(
             "model to one device first"
         )
     return trainable
+
+
+def fsdp_layout(
+    trainable: list[tuple[torch.Tensor, str, int]], mesh: DeviceMesh | None
+) -> tuple[DeviceMesh, list[dist.ProcessGroup]]:
+    """The mesh of FSDP2 params (one for all, with one layout) and the groups they are sharded
+    over (where global norms and checks are reduced)."""
+    first = trainable[0][0]
+    if mesh is not None and mesh != first.device_mesh:
+        raise ValueError(
+            "mesh differs from the mesh of the FSDP2 params; leave mesh=None under FSDP2"
+        )
+    for param, fqn, _ in trainable:
+        if param.device_mesh != first.device_mesh or param.placements != first.placements:
+            raise ValueError(
+                f"param {fqn!r} is sharded on another mesh or with other placements than the "
+                "first param; zero-shard expects one FSDP2 layout for all"
+            )
+    groups = [
+        first.device_mesh.get_group(dim)
+        for dim, placement in enumerate(first.placements)
+        if placement.is_shard()
+    ]
+    return first.device_mesh, groups

@@ -22,7 +22,14 @@ from optimizers import HybridDeviceOptimizer
 
 from ._buckets import ShardedParam
 
-__all__ = ["ShardedStateView", "local_rows", "local_state_dict", "sharded_state", "to_dtensor"]
+__all__ = [
+    "ShardedStateView",
+    "check_saved_groups",
+    "local_rows",
+    "local_state_dict",
+    "sharded_state",
+    "to_dtensor",
+]
 
 
 def _placement(sharded: ShardedParam, mesh: DeviceMesh) -> tuple[DeviceMesh, tuple[Any, ...]]:
@@ -100,6 +107,32 @@ def local_state_dict(
         groups.append({**hyper, "params": list(range(start, start + size))})
         start += size
     return {"state": state, "param_groups": groups}
+
+
+def check_saved_groups(state_dict: Any, group_fqns: Sequence[Sequence[str]]) -> None:
+    """Raises ``ValueError`` unless ``state_dict`` has this optimizer's param groups (by FQN, in
+    order) and state for its params only."""
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        raise ValueError("expected an optimizer state dict with 'state' and 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(group_fqns):
+        raise ValueError(
+            f"the state dict has {len(saved_groups)} param groups, this optimizer has "
+            f"{len(group_fqns)}: it was saved from another model or another param-group setup"
+        )
+    for index, (saved, fqns) in enumerate(zip(saved_groups, group_fqns, strict=True)):
+        if list(saved["params"]) != list(fqns):
+            missing = sorted(set(fqns) - set(saved["params"]))
+            extra = sorted(set(saved["params"]) - set(fqns))
+            raise ValueError(
+                f"param group {index} of the state dict does not hold this optimizer's params: "
+                f"missing {missing[:5]}, unknown {extra[:5]} (another model, or the params in "
+                "another order)"
+            )
+    known = {fqn for fqns in group_fqns for fqn in fqns}
+    unknown = sorted(set(state_dict["state"]) - known)
+    if unknown:
+        raise ValueError(f"the state dict has state for params this model lacks: {unknown[:5]}")
 
 
 class ShardedStateView(Mapping):
