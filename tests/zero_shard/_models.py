@@ -78,6 +78,17 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output.float(), target.float())
 
 
+def step_reference(
+    ref: nn.Module, ref_opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
+    """One step of the single-process reference on the whole batch; returns its loss."""
+    loss = mse(ref(x, **kwargs), y)
+    loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return loss.detach()
+
+
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     value = value.detach().clone()
     dist.all_reduce(value)

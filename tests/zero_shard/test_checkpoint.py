@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _harness import run_cases
-from _models import PARAM_TOL, adamw, global_batch, local_slice, make_model, mse
+from _models import PARAM_TOL, adamw, global_batch, local_slice, make_model, mse, step_reference
 from torch.distributed.tensor import DTensor
 
 import zero_shard
@@ -219,15 +219,11 @@ def model_only_load_trains_from_the_loaded_weights(rank: int, world: int) -> Non
             opt.reload_model_params()  # the fix the message names
         opt.step()
         opt.zero_grad()
-        mse(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_reference(ref, ref_opt, x, y)
         train(model, opt, rank, world, range(1, 4))
         for step in range(1, 4):
             x, y = global_batch(step)
-            mse(ref(x), y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            step_reference(ref, ref_opt, x, y)
         for (name, param), ref_param in zip(
             model.named_parameters(), ref.parameters(), strict=True
         ):

@@ -22,6 +22,7 @@ from _models import (
     make_model,
     mean_over_ranks,
     mse,
+    step_reference,
 )
 from torch.distributed.tensor import DTensor
 
@@ -146,9 +147,7 @@ def accumulation_with_and_without_no_sync(rank: int, world: int) -> None:
                 assert unreduced == (index in no_sync_on)  # reduced grads leave the params
             opt.step()
             opt.zero_grad()
-            mse(ref(x), y).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            step_reference(ref, ref_opt, x, y)
         opt.finish_param_sync()
         assert_params_close(model, ref, f"no_sync on micro-batches {no_sync_on}")
 
@@ -288,9 +287,7 @@ def params_without_grads_are_stepped_only_if_some_rank_has_one(rank: int, world:
         mse(local, local_slice(y, rank, world)).backward()
         opt.step()
         opt.zero_grad()
-        mse(ref(x, first_rows=2), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_reference(ref, ref_opt, x, y, first_rows=2)
     opt.finish_param_sync()
     assert_params_close(model, ref, "with a branch on rank 0 and an unused layer")
     assert torch.equal(model.never.weight.detach(), never_before)  # no rank had its grad
@@ -309,9 +306,7 @@ def ddp_model_uses_its_reduced_grads(rank: int, world: int) -> None:
         mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
         opt.step()
         opt.zero_grad()
-        mse(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_reference(ref, ref_opt, x, y)
     opt.finish_param_sync()
     assert_params_close(model, ref, "DDP")
 

@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import run_cases
-from _models import adamw, assert_params_close, global_batch, local_slice, make_model, mse
+from _models import (
+    adamw,
+    assert_params_close,
+    global_batch,
+    local_slice,
+    make_model,
+    mse,
+    step_reference,
+)
 from torch import nn
 
 import zero_shard
@@ -169,9 +177,7 @@ def a_backward_that_raises_leaves_nothing_behind(rank: int, world: int) -> None:
             continue
         opt.step()
         opt.zero_grad()
-        mse(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_reference(ref, ref_opt, x, y)
     opt.finish_param_sync()
     assert_params_close(model, ref, "after a failed backward")
 
