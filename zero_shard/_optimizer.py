@@ -314,10 +314,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Refreshes every fp32 main weight (accelerator and CPU) from the model's params: call
         it on every rank after loading model weights (fine-tuning from a model-only checkpoint).
 
-        Gathers of the last step still pending are dropped: the loaded weights win.
+        Gathers of the last step still pending complete first, into the params not written
+        since (a param loaded meanwhile keeps its loaded value); the others keep the step.
         """
-        if self._gatherer is not None:
-            self._gatherer.discard()
+        self.finish_param_sync()
         self._refresh_shards()
         self._hybrid.reload_model_params()
         for sharded in self._sharded:
