@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 import weakref
@@ -104,6 +105,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         nonfinite: str = "skip",
         stale_params: str = "reload",
     ) -> None:
+        if isinstance(optimizer, (ZeroShardOptimizer, HybridDeviceOptimizer)):
+            raise TypeError(
+                f"the optimizer is already a {type(optimizer).__name__}; wrap the plain torch "
+                "optimizer (torch.optim.AdamW(...)) instead"
+            )
         policy = check_options(optimizer, offload, stage, bucket_mb, nonfinite, stale_params)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -436,7 +442,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             for t in (bucket.shard_buffer, bucket.grad_buffer)
             if t is not None
         )
-        return MemoryReport(**{**report.__dict__, "device_bytes": report.device_bytes + extra})
+        return dataclasses.replace(report, device_bytes=report.device_bytes + extra)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -524,14 +530,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """
         self._finalize_grads()
         grads = self._shard_grads()
-        local_found = nonfinite_flag(self._checked_grads(), [], self._device)
+        found_inf.copy_(nonfinite_flag(self._checked_grads(), self._groups, self._device))
         if any(grad.dtype == torch.float16 for grad in grads):
             self._grad_scale = float(inv_scale)
         elif grads:
             torch._foreach_mul_(grads, inv_scale.to(self._device))
-        for group in self._groups:
-            dist.all_reduce(local_found, op=dist.ReduceOp.MAX, group=group)
-        found_inf.copy_(local_found)
         self._checked_by_scaler = True
         return {found_inf.device: found_inf}
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from optimizers import HybridDeviceOptimizer, OffloadPolicy, check_elementwise
+from optimizers import OffloadPolicy, check_elementwise
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -61,11 +61,6 @@ def check_options(
 ) -> OffloadPolicy:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(optimizer, HybridDeviceOptimizer) or hasattr(optimizer, "_unscale_sharded_grads"):
-        raise TypeError(
-            f"the optimizer is already a {type(optimizer).__name__}; wrap the plain torch "
-            "optimizer (torch.optim.AdamW(...)) instead"
-        )
     check_elementwise(type(optimizer))
     if offload is None:
         offload = OffloadPolicy(fraction=0.0)

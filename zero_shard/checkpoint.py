@@ -28,7 +28,6 @@ import os
 import random
 import shutil
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -299,5 +298,4 @@ def load_full_state_dict(
         dist.broadcast_object_list(box, src=rank)
     if box[0] is None:
         raise ValueError(f"load_full_state_dict needs the state dict on rank {rank}, got None")
-    load: Callable[[dict[str, Any]], None] = optimizer.load_state_dict
-    load(box[0])
+    optimizer.load_state_dict(box[0])
