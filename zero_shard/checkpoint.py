@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -94,7 +95,9 @@ def _state(
     state: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
         state["optim"] = optimizer.state_dict()
-    state["extra"] = dict(extra or {})
+    # One pickled object: DCP would flatten nested dicts and lists into keys of their own, which
+    # its load then cannot match against a state dict that does not know them yet.
+    state["extra"] = pickle.dumps(dict(extra or {}))
     state[f"rng_rank{_rank()}"] = _rng_state()
     return state
 
@@ -108,12 +111,11 @@ def _prepare(path: str | os.PathLike) -> tuple[Path, Path, Path]:
     return final, partial, previous
 
 
-def _commit(final: Path, partial: Path, previous: Path, extra: dict[str, Any] | None) -> None:
+def _commit(final: Path, partial: Path, previous: Path) -> None:
     """Rank 0: marks ``partial`` complete and moves it into place; see [Note: atomic checkpoints]."""
     if _rank() != 0:
         return
     info = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    info["extra_keys"] = sorted(extra or {})
     (partial / _MARKER).write_text(json.dumps(info))
     shutil.rmtree(previous, ignore_errors=True)
     if final.exists():
@@ -137,13 +139,14 @@ def save(
             one is complete.
         model: the model (plain, DDP-wrapped or FSDP2).
         optimizer: a ZeroShardOptimizer (or any optimizer whose state dict DCP can save).
-        extra: picklable values saved from rank 0 (a step counter, a data-loader position).
+        extra: picklable values saved from rank 0 (a step counter, a scheduler's state dict,
+            a data-loader position), returned by ``load`` as they were.
             Each rank's random number generators are saved beside them and restored by ``load``.
     """
     final, partial, previous = _prepare(path)
     dcp.save(_state(model, optimizer, extra), checkpoint_id=str(partial))
     _barrier()
-    _commit(final, partial, previous, extra)
+    _commit(final, partial, previous)
     _barrier()
 
 
@@ -185,7 +188,7 @@ def async_save(
     def commit(future: Future) -> None:
         try:
             future.result()
-            _commit(final, partial, previous, extra)
+            _commit(final, partial, previous)
             done.set_result(None)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             done.set_exception(err)
@@ -244,7 +247,7 @@ def load(
     rng_key = f"rng_rank{_rank()}"
     if not any(key.startswith(rng_key + ".") or key == rng_key for key in present):
         state.pop(rng_key)
-    state["extra"] = dict.fromkeys(json.loads((resolved / _MARKER).read_text())["extra_keys"])
+    state["extra"] = b""  # filled by DCP
     dcp.load(state, checkpoint_id=str(resolved))
     # The model first: the optimizer's load then takes the params as they are and sets them to
     # its main weights (loading the model after would mark every param as changed under it).
@@ -253,7 +256,7 @@ def load(
         optimizer.load_state_dict(state["optim"])
     if restore_rng and rng_key in state:
         _set_rng_state(state[rng_key])
-    return state["extra"]
+    return pickle.loads(state["extra"])
 
 
 def _full(value: Any, keep: bool) -> Any:

@@ -73,13 +73,15 @@ def compare_with_reference(model, opt, where: str, exact: bool) -> None:  # type
                                        msg=f"{where}: {name} {key}")  # fmt: skip
 
 
+# Nested values too: a scheduler's state dict, a list of per-step records.
+EXTRA = {"step": SAVE_AT, "scheduler": {"last_epoch": SAVE_AT, "base_lrs": [0.1]}, "log": [{}]}
+
+
 def save_at_three_ranks_then_go_on(rank: int, world: int) -> None:
     assert world == 3
     model, opt = build(fraction=0.5)
     train(model, opt, rank, world, range(SAVE_AT))
-    zero_shard.checkpoint.save(
-        folder() / "ckpt", model=model, optimizer=opt, extra={"step": SAVE_AT}
-    )
+    zero_shard.checkpoint.save(folder() / "ckpt", model=model, optimizer=opt, extra=EXTRA)
     full = zero_shard.checkpoint.full_state_dict(opt)  # for the torch.save path, rank 0 only
     if rank == 0:
         torch.save({"optim": full, "model": model.state_dict()}, folder() / "full.pt")
@@ -99,7 +101,7 @@ def save_at_three_ranks_then_go_on(rank: int, world: int) -> None:
 def resume_and_go_on(rank: int, world: int, *, fraction: float, stage: int, exact: bool) -> None:
     model, opt = build(fraction, stage, seed=1)  # other weights: the checkpoint replaces them
     extra = zero_shard.checkpoint.load(folder() / "ckpt", model=model, optimizer=opt)
-    assert extra == {"step": SAVE_AT}
+    assert extra == EXTRA
     train(model, opt, rank, world, range(SAVE_AT, SAVE_AT + CONTINUE))
     compare_with_reference(model, opt, f"{world} ranks, fraction {fraction}, stage {stage}", exact)
 
