@@ -1,7 +1,7 @@
 """One rank's hybrid GPU/CPU optimizer (knows no process group)."""
 
 from ._elementwise import check_elementwise, constructor_defaults
-from ._hybrid import HybridDeviceOptimizer, MemoryReport
+from ._hybrid import HybridDeviceOptimizer, MemoryReport, check_param_kind
 from ._policy import OffloadPolicy
 
 __all__ = [
@@ -9,5 +9,6 @@ __all__ = [
     "MemoryReport",
     "OffloadPolicy",
     "check_elementwise",
+    "check_param_kind",
     "constructor_defaults",
 ]

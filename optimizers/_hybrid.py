@@ -34,7 +34,7 @@ from ._state import (
     scatter_state,
 )
 
-__all__ = ["HybridDeviceOptimizer", "MemoryReport"]
+__all__ = ["HybridDeviceOptimizer", "MemoryReport", "check_param_kind"]
 
 
 @dataclass(frozen=True)
@@ -51,29 +51,39 @@ class MemoryReport:
     num_host_elements: int
 
 
-def _check_param(param: torch.Tensor, device: torch.device) -> None:
+def check_param_kind(param: torch.Tensor, name: str) -> None:
+    """Raises unless ``param`` is a dense, real, floating-point tensor with memory (not on the meta
+    device); ``name`` says which param, for the message ("param 'fc.weight'")."""
     if param.device.type == "meta":
         raise ValueError(
-            f"a param of shape {tuple(param.shape)} is on the meta device; materialize the model "
-            "first (model.to_empty(device=...) and initialize it), then build the optimizer"
+            f"{name} is on the meta device; materialize the model first "
+            "(model.to_empty(device=...) and initialize it), then build the optimizer"
         )
-    if param.device != device:
-        raise ValueError(
-            f"params are on different devices ({device} and {param.device}); move the model to "
-            "one device before building the optimizer"
+    if param.layout != torch.strided:
+        raise TypeError(
+            f"{name} is sparse ({param.layout}); zero-shard steps dense params only: make it "
+            "dense (param.data = param.data.to_dense())"
         )
-    if param.is_sparse:
-        raise TypeError("zero-shard does not support sparse params; use dense tensors")
     if param.is_complex():
         raise TypeError(
-            f"zero-shard does not support complex params (got {param.dtype}); keep them as real "
-            "tensors (torch.view_as_real) in the model"
+            f"{name} is complex ({param.dtype}); zero-shard does not support complex params: "
+            "keep them as real tensors (torch.view_as_real) in the model"
         )
     if not param.is_floating_point():
-        raise TypeError(f"params must be floating point, got {param.dtype}")
+        raise TypeError(f"{name} has dtype {param.dtype}; params must be floating point")
+
+
+def _check_param(param: torch.Tensor, index: int, device: torch.device) -> None:
+    name = f"param {index} (shape {tuple(param.shape)})"
+    check_param_kind(param, name)
+    if param.device != device:
+        raise ValueError(
+            f"params are on different devices ({device} and {param.device} for {name}); move "
+            "the model to one device before building the optimizer"
+        )
     if not param.is_contiguous():
         raise ValueError(
-            f"a param of shape {tuple(param.shape)} is not contiguous; make it contiguous "
+            f"{name} is not contiguous; make it contiguous "
             "(param.data = param.data.contiguous()) before building the optimizer"
         )
 
@@ -189,14 +199,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             )
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        index = len(self.param_groups)
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         seen: set[int] = set()
         for param in params:
             if id(param) in seen:
                 raise ValueError(
-                    f"a param of shape {tuple(param.shape)} appears twice in one param group; "
+                    f"a param of shape {tuple(param.shape)} appears twice in param group {index}; "
                     "pass each param once"
                 )
             seen.add(id(param))
+            if id(param) in group_of:
+                raise ValueError(
+                    f"a param of shape {tuple(param.shape)} is in param groups "
+                    f"{group_of[id(param)]} and {index}; put each param in one group"
+                )
         super().add_param_group({**param_group, "params": params})
 
     def _build(self) -> None:
@@ -208,7 +225,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ]
         device = records[0].param.device
         for record in records:
-            _check_param(record.param, device)
+            _check_param(record.param, record.index, device)
         trainable = [record for record in records if record.param.requires_grad]
         layout = plan_layout(
             [ParamInfo(r.param.numel(), r.group_index, r.param.dtype) for r in trainable],

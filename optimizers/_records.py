@@ -71,5 +71,8 @@ def flat_grad(param: torch.Tensor) -> torch.Tensor | None:
     if grad is None:
         return None
     if grad.is_sparse:
-        raise TypeError("zero-shard does not support sparse gradients (use a dense embedding)")
+        raise TypeError(
+            f"the grad of a param of shape {tuple(param.shape)} is sparse ({grad.layout}); "
+            "zero-shard steps dense grads only: build the embedding with sparse=False"
+        )
     return grad.view(-1) if grad.is_contiguous() else grad.contiguous().view(-1)

@@ -114,9 +114,9 @@ def gather_main(record: ParamRecord) -> torch.Tensor:
 
 def check_saved_state(record: ParamRecord, saved: dict[str, Any]) -> None:
     """Raises ``ValueError`` if a saved tensor does not fit the parameter."""
-    numel = record.param.numel()
+    shape = record.param.shape
     for key, value in saved.items():
-        if torch.is_tensor(value) and value.dim() > 0 and value.numel() != numel:
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape != shape:
             raise ValueError(
                 f"saved state {key!r} of param {record.index} has shape {tuple(value.shape)}, "
                 f"but the param has shape {tuple(record.param.shape)}: the checkpoint is of "

@@ -30,11 +30,9 @@ from ._reduce import GradReducer
 from ._setup import (
     NONFINITE_POLICIES,
     ModelKind,
-    check_mesh,
-    check_options,
-    default_mesh,
-    fsdp_layout,
-    trainable_params,
+    check_inputs,
+    first_device,
+    resolve_mesh,
     unwrap_model,
 )
 from ._state_dict import (
@@ -44,6 +42,7 @@ from ._state_dict import (
     sharded_state,
     to_dtensor,
 )
+from ._verdict import on_every_rank
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
 
@@ -110,7 +109,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 f"the optimizer is already a {type(optimizer).__name__}; wrap the plain torch "
                 "optimizer (torch.optim.AdamW(...)) instead"
             )
-        policy = check_options(optimizer, offload, stage, bucket_mb, nonfinite, stale_params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "zero_shard.wrap needs torch.distributed: call "
@@ -118,6 +118,15 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 "environment); for one process without it, use optimizers.HybridDeviceOptimizer"
             )
         self._module, self.kind = unwrap_model(model)
+        # The mesh first: the checks below share their verdict over it (see _verdict).
+        device = first_device(optimizer)
+        self.mesh, self._groups = resolve_mesh(model, self.kind, mesh, device)
+        fqns = {id(p): name for name, p in self._module.named_parameters()}
+        options = {"offload": offload, "stage": stage, "bucket_mb": bucket_mb,
+                   "nonfinite": nonfinite, "stale_params": stale_params}  # fmt: skip
+        policy, trainable = check_inputs(
+            optimizer, self._module, self.kind, self.mesh, device, options
+        )
         self._ddp = model if self.kind is ModelKind.DDP else None
         self.nonfinite = nonfinite
         self.stale_params = stale_params
@@ -125,16 +134,14 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._logged_stale = False
         self._reducer = self._gatherer = None
         self._end_window()
-        fqns = {id(p): name for name, p in self._module.named_parameters()}
         self._building = True
         super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
         self._building = False
-        trainable = trainable_params(self.param_groups, fqns, self.kind)
         self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._warned_unfrozen = False
         self._device = trainable[0][0].device
-        self._build_shards(trainable, mesh, stage, bucket_mb)
+        self._build_shards(trainable, stage, bucket_mb)
         shard_groups = [
             {
                 **self._hyperparams(g),
@@ -142,8 +149,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             }
             for g in range(len(self.param_groups))
         ]
-        self._hybrid = HybridDeviceOptimizer(
-            shard_groups, type(optimizer), policy=policy, **constructor_defaults(optimizer)
+        # Host memory differs between hosts: a rank that cannot hold its share fails all ranks.
+        self._hybrid = on_every_rank(
+            lambda: HybridDeviceOptimizer(
+                shard_groups, type(optimizer), policy=policy, **constructor_defaults(optimizer)
+            ),
+            mesh=self.mesh,
+            device=self._device,
         )
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
@@ -156,14 +168,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     # -- construction -----------------------------------------------------------------------
 
     def _build_shards(
-        self,
-        trainable: list[tuple[torch.Tensor, str, int]],
-        mesh: DeviceMesh | None,
-        stage: int,
-        bucket_mb: float,
+        self, trainable: list[tuple[torch.Tensor, str, int]], stage: int, bucket_mb: float
     ) -> None:
         if self.kind is ModelKind.FSDP:
-            self.mesh, self._groups = fsdp_layout(trainable, mesh)
             self._sharded = [fsdp_sharded_param(p, fqn, g) for p, fqn, g in trainable]
             self._buckets = []
             if stage == 1:
@@ -172,9 +179,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                     stacklevel=3,
                 )
             return
-        self.mesh = default_mesh(self._device) if mesh is None else check_mesh(mesh, self._device)
         group = self.mesh.get_group()
-        self._groups = [group]
         self._sharded, self._buckets = build_buckets(
             [p for p, _, _ in trainable],
             [fqn for _, fqn, _ in trainable],
@@ -397,9 +402,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         the model's params; the model's params are then refreshed from the main weights.
         Everything is checked before anything changes. Collective: call it on every rank.
         """
-        check_saved_groups(state_dict, self._group_fqns)
+        # Ranks may be handed different state dicts: a refusal on one refuses on all.
+        local = on_every_rank(
+            lambda: self._checked_local_state_dict(state_dict), mesh=self.mesh, device=self._device
+        )
         saved_groups = state_dict["param_groups"]
-        local = self._local_state_dict(state_dict["state"])
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             group.update({key: value for key, value in saved.items() if key != "params"})
         if self._gatherer is not None:
@@ -414,6 +421,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         else:
             for sharded in self._sharded:
                 sharded.record_version()
+
+    def _checked_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        check_saved_groups(state_dict, self._group_fqns)
+        return self._local_state_dict(state_dict["state"])
 
     def _local_state_dict(self, saved: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         num_groups = len(self.param_groups)
@@ -563,8 +574,9 @@ def wrap(
             ``DistributedDataParallel``, or an FSDP2 (``fully_shard``) model.
         offload: how much of each rank's optimizer state moves to the CPU; ``None`` (default)
             keeps everything on the accelerator. ``OffloadPolicy(fraction=1.0)`` moves it all.
-        mesh: the 1-D data-parallel ``DeviceMesh``; default: all ranks of the default group.
-            Under FSDP2 the params' own mesh is used.
+        mesh: the 1-D data-parallel ``DeviceMesh``, over all ranks or a dim of a mesh that is
+            (``mesh["dp"]``); default: all ranks of the default group, or a DDP model's process
+            group. Under FSDP2 the params' own mesh is used.
         stage: 2 (default) reduce-scatters grads during backward so each rank keeps only its
             shard; 1 all-reduces them and keeps the local shard. A DDP model's grads, reduced by
             DDP, are used as they are.

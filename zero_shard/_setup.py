@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import math
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -14,22 +14,30 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from optimizers import OffloadPolicy, check_elementwise
+from optimizers import OffloadPolicy, check_elementwise, check_param_kind
+
+from ._verdict import Summary, on_every_rank
 
 __all__ = [
     "NONFINITE_POLICIES",
     "STALE_POLICIES",
+    "CheckedInputs",
     "ModelKind",
+    "Trainable",
+    "check_dense_grads",
+    "check_inputs",
     "check_mesh",
     "check_options",
-    "default_mesh",
-    "fsdp_layout",
+    "first_device",
+    "resolve_mesh",
     "trainable_params",
     "unwrap_model",
 ]
 
 NONFINITE_POLICIES = ("skip", "raise")
 STALE_POLICIES = ("reload", "error")
+
+Trainable = tuple[torch.Tensor, str, int]  # (param, fqn, param-group index)
 
 
 class ModelKind(enum.Enum):
@@ -57,16 +65,20 @@ def unwrap_model(model: nn.Module) -> tuple[nn.Module, ModelKind]:
 
 
 def check_options(
-    optimizer: Any, offload: Any, stage: Any, bucket_mb: Any, nonfinite: Any, stale_params: Any
+    optimizer: torch.optim.Optimizer,
+    offload: Any,
+    stage: Any,
+    bucket_mb: Any,
+    nonfinite: Any,
+    stale_params: Any,
 ) -> OffloadPolicy:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
     check_elementwise(type(optimizer))
     if offload is None:
         offload = OffloadPolicy(fraction=0.0)
     elif not isinstance(offload, OffloadPolicy):
         raise TypeError(
-            f"offload must be a zero_shard.OffloadPolicy or None, got {type(offload).__name__}"
+            f"offload must be a zero_shard.OffloadPolicy or None, got {offload!r}; pass "
+            "offload=zero_shard.OffloadPolicy(fraction=...)"
         )
     if offload.d2h_during_backward:
         warnings.warn(
@@ -95,11 +107,28 @@ def check_options(
     return offload
 
 
-def default_mesh(device: torch.device) -> DeviceMesh:
+def first_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    """The device of the optimizer's first param (the checks then find any other), or the CPU if
+    it has none (they then say so)."""
+    param = next((p for group in optimizer.param_groups for p in group["params"]), None)
+    return torch.device("cpu") if param is None else param.device
+
+
+def default_mesh(device: torch.device, ddp_group: dist.ProcessGroup | None) -> DeviceMesh:
+    if ddp_group is not None:  # the ranks DDP averages the grads over
+        return DeviceMesh.from_group(ddp_group, device.type)
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def check_mesh(mesh: Any, device: torch.device) -> DeviceMesh:
+def _ranks(mesh: DeviceMesh) -> list[int]:
+    return mesh.mesh.flatten().tolist()
+
+
+def check_mesh(mesh: Any, device: torch.device, ddp_group: dist.ProcessGroup | None) -> DeviceMesh:
+    """Refuses a mesh that is not a 1-D mesh of this rank over the params' device type, one whose
+    whole mesh leaves out ranks of the default group (``init_device_mesh("cuda", (8,))`` run on 16
+    ranks), and, for a DDP model, one over other ranks than DDP's group. The same on every rank of
+    the mesh, so that no rank waits for one that refused."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.ndim != 1:
@@ -112,16 +141,56 @@ def check_mesh(mesh: Any, device: torch.device) -> DeviceMesh:
             f"mesh is a {mesh.device_type!r} mesh but the params are on {device}; build the mesh "
             f"with init_device_mesh({device.type!r}, ...)"
         )
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"this rank ({dist.get_rank()}) is not in the mesh {mesh}")
+    world_size = dist.get_world_size()
+    root_ranks = _ranks(mesh._get_root_mesh())  # the mesh that mesh['dp'] was taken from
+    if mesh.get_coordinate() is None or len(root_ranks) != world_size:
+        raise ValueError(
+            f"mesh covers ranks {_ranks(mesh)} (of a mesh over ranks {root_ranks}), but the "
+            f"process group has {world_size} ranks (this is rank {dist.get_rank()}); build the "
+            f"mesh over every rank (init_device_mesh({device.type!r}, ({world_size},))) and pass "
+            "it, or its data-parallel dim (mesh['dp'])"
+        )
+    if ddp_group is not None:
+        ddp_ranks = dist.get_process_group_ranks(ddp_group)
+        if _ranks(mesh) != ddp_ranks:
+            raise ValueError(
+                f"mesh covers ranks {_ranks(mesh)}, but the DDP model averages its grads over "
+                f"ranks {ddp_ranks}; pass the mesh of DDP's process group, or mesh=None"
+            )
     return mesh
+
+
+def resolve_mesh(
+    model: nn.Module, kind: ModelKind, mesh: Any, device: torch.device
+) -> tuple[DeviceMesh, list[dist.ProcessGroup]]:
+    """The mesh the optimizer shards over, and the groups the grads are sharded over (where global
+    norms and checks are reduced). Depends only on what every rank of the mesh has alike."""
+    if kind is ModelKind.FSDP:
+        first = next(p for p in model.parameters() if p.requires_grad)
+        if mesh is not None and mesh != first.device_mesh:
+            raise ValueError(
+                "mesh differs from the mesh of the FSDP2 params; leave mesh=None under FSDP2"
+            )
+        groups = [
+            first.device_mesh.get_group(dim)
+            for dim, placement in enumerate(first.placements)
+            if placement.is_shard()
+        ]
+        return first.device_mesh, groups
+    ddp_group = model.process_group if kind is ModelKind.DDP else None
+    if mesh is None:
+        mesh = default_mesh(device, ddp_group)
+    else:
+        mesh = check_mesh(mesh, device, ddp_group)
+    return mesh, [mesh.get_group()]
 
 
 def trainable_params(
     param_groups: list[dict[str, Any]], fqns: dict[int, str], kind: ModelKind
-) -> list[tuple[torch.Tensor, str, int]]:
+) -> list[Trainable]:
     """(param, fqn, group index) of each trainable param, checked against the model."""
     trainable = []
+    group_of: dict[int, int] = {}
     for group_index, group in enumerate(param_groups):
         for param in group["params"]:
             fqn = fqns.get(id(param))
@@ -130,8 +199,19 @@ def trainable_params(
                     f"the optimizer holds a param of shape {tuple(param.shape)} that is not a "
                     f"param of the model; wrap the optimizer with the model it optimizes"
                 )
+            if id(param) in group_of:
+                first = group_of[id(param)]
+                where = (
+                    f"appears twice in param group {first}; pass each param once"
+                    if first == group_index
+                    else f"is in param groups {first} and {group_index}; put each param in one "
+                    "group"
+                )
+                raise ValueError(f"param {fqn!r} {where}")
+            group_of[id(param)] = group_index
             if not param.requires_grad:
                 continue
+            check_param_kind(param, f"param {fqn!r}")
             if kind is not ModelKind.FSDP and not param.is_contiguous():
                 raise ValueError(
                     f"param {fqn!r} is not contiguous (stride {param.stride()}, e.g. "
@@ -155,25 +235,65 @@ def trainable_params(
     return trainable
 
 
-def fsdp_layout(
-    trainable: list[tuple[torch.Tensor, str, int]], mesh: DeviceMesh | None
-) -> tuple[DeviceMesh, list[dist.ProcessGroup]]:
-    """The mesh of FSDP2 params (one for all, with one layout) and the groups they are sharded
-    over (where global norms and checks are reduced)."""
-    first = trainable[0][0]
-    if mesh is not None and mesh != first.device_mesh:
-        raise ValueError(
-            "mesh differs from the mesh of the FSDP2 params; leave mesh=None under FSDP2"
-        )
+def check_fsdp_layout(trainable: list[Trainable], mesh: DeviceMesh) -> None:
+    """Every FSDP2 param sharded alike, over ``mesh``."""
+    placements = trainable[0][0].placements
     for param, fqn, _ in trainable:
-        if param.device_mesh != first.device_mesh or param.placements != first.placements:
+        if param.device_mesh != mesh or param.placements != placements:
             raise ValueError(
                 f"param {fqn!r} is sharded on another mesh or with other placements than the "
                 "first param; zero-shard expects one FSDP2 layout for all"
             )
-    groups = [
-        first.device_mesh.get_group(dim)
-        for dim, placement in enumerate(first.placements)
-        if placement.is_shard()
-    ]
-    return first.device_mesh, groups
+
+
+def check_dense_grads(module: nn.Module, trainable: list[Trainable]) -> None:
+    """Refuses embeddings with ``sparse=True`` among the trained params: their grads are sparse."""
+    trained = {id(param) for param, _, _ in trainable}
+    for name, child in module.named_modules():
+        sparse = isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse
+        if sparse and id(child.weight) in trained:
+            raise TypeError(
+                f"module {name!r} ({type(child).__name__}) has sparse=True: its grads are "
+                "sparse, and zero-shard reduces and steps dense grads only; build it with "
+                "sparse=False"
+            )
+
+
+class CheckedInputs(NamedTuple):
+    policy: OffloadPolicy
+    trainable: list[Trainable]
+
+
+def check_inputs(
+    optimizer: torch.optim.Optimizer,
+    module: nn.Module,
+    kind: ModelKind,
+    mesh: DeviceMesh,
+    device: torch.device,
+    options: dict[str, Any],
+) -> CheckedInputs:
+    """Checks ``wrap``'s options (``offload``, ``stage``, ``bucket_mb``, ``nonfinite``,
+    ``stale_params``) and params with one verdict for every rank of the mesh: each rank checks the
+    params it holds, and a failure on any rank raises on all (see ``_verdict``). The ranks must
+    also hold the same trainable params (FQN, shape, dtype, group) and the options that decide
+    the collectives: the bucket layout, and thus every collective, derives from them."""
+
+    def check() -> CheckedInputs:
+        policy = check_options(optimizer, **options)
+        fqns = {id(p): name for name, p in module.named_parameters()}
+        trainable = trainable_params(optimizer.param_groups, fqns, kind)
+        check_dense_grads(module, trainable)
+        if kind is ModelKind.FSDP:
+            check_fsdp_layout(trainable, mesh)
+        return CheckedInputs(policy, trainable)
+
+    def summarize(checked: CheckedInputs) -> Summary:
+        shared = [
+            f"{key}={options[key]!r}" for key in ("stage", "bucket_mb", "nonfinite", "stale_params")
+        ]
+        return shared + [
+            f"param {fqn!r} of shape {tuple(param.shape)}, {param.dtype}, in param group {group}"
+            for param, fqn, group in checked.trainable
+        ]
+
+    return on_every_rank(check, mesh=mesh, device=device, summarize=summarize)

@@ -39,6 +39,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._verdict import on_every_rank
+
 __all__ = [
     "IncompleteCheckpointError",
     "async_save",
@@ -218,9 +220,105 @@ def _resolve(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"no checkpoint at {final}{hint}")
 
 
-def _present_keys(path: Path) -> set[str]:
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    return set(metadata.state_dict_metadata)
+def _names(keys: list[str], prefix: str) -> str:
+    names = sorted(key.removeprefix(prefix) for key in keys)
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''} ({len(names)} in all)"
+
+
+def _check_model(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) -> None:
+    """Raises ``ValueError`` naming the FQNs unless the checkpoint holds this model's entries,
+    no others, with this model's shapes."""
+    expected = {f"model.{fqn}": value for fqn, value in model_state.items()}
+    # Entries that are not tensors (a module's extra state) may be saved as several keys.
+    containers = tuple(f"{key}." for key, value in expected.items() if not torch.is_tensor(value))
+    missing = [
+        key
+        for key, value in expected.items()
+        if key not in saved
+        and (torch.is_tensor(value) or not any(k.startswith(f"{key}.") for k in saved))
+    ]
+    if missing:
+        raise ValueError(
+            f"the checkpoint at {path} has no {_names(missing, 'model.')} of this model: it is "
+            "of another model, or of this one under other names (a DDP model's names start with "
+            "'module.'). Load it into the model it was saved from"
+        )
+    unknown = [
+        key
+        for key in saved
+        if key.startswith("model.") and key not in expected and not key.startswith(containers)
+    ]
+    if unknown:
+        raise ValueError(
+            f"the checkpoint at {path} holds {_names(unknown, 'model.')} that this model lacks: "
+            "it is of another model. Load it into the model it was saved from"
+        )
+    for key, value in expected.items():
+        size = getattr(saved.get(key), "size", None)
+        if torch.is_tensor(value) and size is not None and tuple(size) != tuple(value.shape):
+            raise ValueError(
+                f"the checkpoint at {path} holds {key.removeprefix('model.')!r} of shape "
+                f"{tuple(size)}, but this model's has shape {tuple(value.shape)}: the checkpoint "
+                "is of another model"
+            )
+
+
+def _check_optimizer(path: Path, saved: dict[str, Any], optim_state: dict[str, Any]) -> None:
+    """Raises ``ValueError`` naming the FQNs unless the checkpoint holds state of the shapes this
+    optimizer has, in as many param groups."""
+    if not any(key.startswith("optim.") for key in saved):
+        raise ValueError(
+            f"the checkpoint at {path} holds no optimizer state (it was saved with "
+            "optimizer=None); load it with optimizer=None, then call opt.reload_model_params()"
+        )
+    num_groups = len({key.split(".")[2] for key in saved if key.startswith("optim.param_groups.")})
+    if num_groups != len(optim_state["param_groups"]):
+        raise ValueError(
+            f"the checkpoint at {path} has {num_groups} optimizer param groups, this optimizer "
+            f"has {len(optim_state['param_groups'])}: it was saved from another model or another "
+            "param-group setup"
+        )
+    for fqn, param_state in optim_state["state"].items():
+        for key, value in param_state.items():
+            flat = f"optim.state.{fqn}.{key}"
+            if flat not in saved:
+                raise ValueError(
+                    f"the checkpoint at {path} has no optimizer state {key!r} for param {fqn!r}: "
+                    "it is of another model, or of another optimizer class"
+                )
+            size = getattr(saved[flat], "size", None)
+            if torch.is_tensor(value) and size is not None and tuple(size) != tuple(value.shape):
+                raise ValueError(
+                    f"the checkpoint at {path} holds optimizer state {key!r} of {fqn!r} of shape "
+                    f"{tuple(size)}, but the param has shape {tuple(value.shape)}: the checkpoint "
+                    "is of another model"
+                )
+
+
+def _load_plan(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint to load and the state dict to load it into, checked against it."""
+    resolved = _resolve(path)
+    saved = dcp.FileSystemReader(str(resolved)).read_metadata().state_dict_metadata
+    state = _state(model, optimizer, None)
+    _check_model(resolved, saved, state["model"])
+    if "optim" in state:
+        # A checkpoint without fp32 main weights (FSDP2 + torch.optim): they come from the model.
+        for fqn, param_state in state["optim"]["state"].items():
+            if f"optim.state.{fqn}.main_param" not in saved:
+                param_state.pop("main_param", None)
+        _check_optimizer(resolved, saved, state["optim"])
+    # Only the generators the checkpoint has for this rank: none at a larger world size, and no
+    # CUDA one when CUDA was not yet initialized at the save (the first DCP call initializes it).
+    rng_key = f"rng_rank{_rank()}"
+    rng = {name: value for name, value in state[rng_key].items() if f"{rng_key}.{name}" in saved}
+    if rng:
+        state[rng_key] = rng
+    else:
+        state.pop(rng_key)
+    state["extra"] = b""  # filled by DCP
+    return resolved, state
 
 
 def load(
@@ -233,27 +331,22 @@ def load(
     """Loads a checkpoint written by ``save`` (at any world size or offload fraction) into
     ``model`` and ``optimizer``, in place; returns the ``extra`` dict. Collective.
 
-    Refuses a checkpoint whose save did not finish (``IncompleteCheckpointError``). Each rank's
-    random number generators are restored when the checkpoint has this rank's (``restore_rng``).
+    Refuses a checkpoint whose save did not finish (``IncompleteCheckpointError``), and one of
+    another model (``ValueError`` naming the FQNs: missing, unknown, or of other shapes) before
+    anything is loaded, on every rank. Each rank's random number generators are restored when
+    the checkpoint has this rank's (``restore_rng``).
     """
-    resolved = _resolve(path)
-    present = _present_keys(resolved)
-    state = _state(model, optimizer, None)
-    if "optim" in state:
-        # A checkpoint without fp32 main weights (FSDP2 + torch.optim): they come from the model.
-        for fqn, param_state in state["optim"]["state"].items():
-            if f"optim.state.{fqn}.main_param" not in present:
-                param_state.pop("main_param", None)
-    rng_key = f"rng_rank{_rank()}"
-    if not any(key.startswith(rng_key + ".") or key == rng_key for key in present):
-        state.pop(rng_key)
-    state["extra"] = b""  # filled by DCP
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    resolved, state = on_every_rank(
+        lambda: _load_plan(path, model, optimizer), mesh=None, device=device
+    )
     dcp.load(state, checkpoint_id=str(resolved))
     # The model first: the optimizer's load then takes the params as they are and sets them to
     # its main weights (loading the model after would mark every param as changed under it).
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optim"])
+    rng_key = f"rng_rank{_rank()}"
     if restore_rng and rng_key in state:
         _set_rng_state(state[rng_key])
     return pickle.loads(state["extra"])

@@ -67,6 +67,24 @@ def test_pin_failure_falls_back_to_pageable_with_one_warning(
     assert second.views[0].sum().item() == 20.0
 
 
+def test_refused_pin_falls_back_to_pageable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The OS refusing to pin (ulimit -l, a full host), simulated: runs with a CUDA torch too.
+    real_empty = torch.empty
+
+    def refuse_pin(*args: object, pin_memory: bool = False, **kwargs: object) -> torch.Tensor:
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (simulated cudaHostAlloc failure)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(_pinned, "_pin_failure_warned", False)
+    monkeypatch.setattr(_pinned.torch, "empty", refuse_pin)
+    with pytest.warns(RuntimeWarning, match=r"could not pin 4096 bytes .*simulated cudaHostAlloc"):
+        buffers = HostBuffers([HostBufferRequest(1000, torch.float32)], pin=True)
+    assert not buffers.pinned and not buffers.views[0].is_pinned()
+    buffers.views[0].fill_(3.0)
+    assert buffers.views[0].sum().item() == 3000.0
+
+
 @pytest.mark.cuda
 def test_pinned_blocks_on_cuda() -> None:
     buffers = HostBuffers([HostBufferRequest(1 << 20, torch.bfloat16)] * 3, pin=True)
