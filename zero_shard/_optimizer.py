@@ -385,7 +385,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._check_stale()
         state = {}
         for sharded in self._sharded:
-            param_state = sharded_state(sharded, self._hybrid, self.mesh)
+            param_state = sharded_state(sharded, self._hybrid, self.mesh, keep_device=True)
             if param_state:
                 state[sharded.fqn] = param_state
         param_groups = [

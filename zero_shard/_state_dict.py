@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from optimizers import HybridDeviceOptimizer
 
@@ -25,6 +26,7 @@ from ._buckets import ShardedParam
 __all__ = [
     "ShardedStateView",
     "check_saved_groups",
+    "dtensor_on",
     "local_rows",
     "local_state_dict",
     "sharded_state",
@@ -39,10 +41,32 @@ def _placement(sharded: ShardedParam, mesh: DeviceMesh) -> tuple[DeviceMesh, tup
     return mesh, (Shard(0),)
 
 
-def to_dtensor(sharded: ShardedParam, local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """``local`` (this rank's rows of a param-shaped tensor) as a DTensor of the param's shape."""
+def _dtensor_here(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Any, ...], like: torch.Tensor
+) -> DTensor:
+    """A DTensor of ``like``'s shape over ``local`` where ``local`` is: ``DTensor.from_local``
+    would copy a host tensor to the mesh's device, as FSDP2's CPU offload avoids the same way."""
+    meta = TensorMeta(like.shape, like.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, placements, tensor_meta=meta), requires_grad=False)
+
+
+def dtensor_on(like: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor of ``like``'s layout over ``local`` (a copy of its local tensor, anywhere)."""
+    return _dtensor_here(local, like.device_mesh, tuple(like.placements), like)
+
+
+def to_dtensor(
+    sharded: ShardedParam, local: torch.Tensor, mesh: DeviceMesh, *, keep_device: bool = False
+) -> DTensor:
+    """``local`` (this rank's rows of a param-shaped tensor) as a DTensor of the param's shape.
+
+    With ``keep_device`` a host ``local`` stays on the host (state dicts: DCP writes it with no
+    device round trip); else it is copied to the mesh's device, where DTensor ops can run.
+    """
     param = sharded.param
     layout_mesh, placements = _placement(sharded, mesh)
+    if keep_device:
+        return _dtensor_here(local, layout_mesh, placements, param)
     return DTensor.from_local(
         local, layout_mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
     )
@@ -66,13 +90,18 @@ def local_rows(sharded: ShardedParam, value: Any, mesh: DeviceMesh) -> Any:
 
 
 def sharded_state(
-    sharded: ShardedParam, hybrid: HybridDeviceOptimizer, mesh: DeviceMesh
+    sharded: ShardedParam,
+    hybrid: HybridDeviceOptimizer,
+    mesh: DeviceMesh,
+    *,
+    keep_device: bool = False,
 ) -> dict[str, Any]:
-    """The param's state from ``hybrid``, each param-shaped tensor as a DTensor."""
+    """The param's state from ``hybrid``, each param-shaped tensor as a DTensor (host state
+    kept on the host with ``keep_device``; see ``to_dtensor``)."""
     local = hybrid.param_state(sharded.shard)
     shape = sharded.shard.shape
     return {
-        key: to_dtensor(sharded, value, mesh)
+        key: to_dtensor(sharded, value, mesh, keep_device=keep_device)
         if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
         else value
         for key, value in local.items()

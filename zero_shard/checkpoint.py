@@ -29,7 +29,7 @@ import pickle
 import random
 import shutil
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._staging import Snapshotter
 from ._verdict import on_every_rank
 
 __all__ = [
@@ -70,9 +71,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -168,6 +169,11 @@ def _checkpoint_group() -> dist.ProcessGroup | None:
     return _checkpoint_groups[key]
 
 
+_snapshotter = Snapshotter()
+_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_shard_save")
+_pending: Future | None = None  # the last async save
+
+
 def async_save(
     path: str | os.PathLike,
     *,
@@ -175,28 +181,30 @@ def async_save(
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Future:
-    """``save`` in the background: the state is copied to host memory now, training goes on, and
-    the files are written and committed later. Returns a future; call ``.result()`` on every
-    rank before the next save (or at exit) to wait for it. DCP's collectives for it run on a
-    gloo group of zero-shard's own (made at the first call, on every rank), so the training's
-    process group may be NCCL only."""
+    """``save`` in the background: the state is copied to host memory now (pinned buffers, kept
+    for the next save), training goes on, and a background thread writes the files and commits
+    them. Returns a future; ``.result()`` waits for it and raises what the save raised. A new
+    ``async_save`` waits for the previous one first. Collective: call it on every rank.
+
+    The background thread's collectives run on a gloo group of zero-shard's own (made at the
+    first call, on every rank): the training's process group may be NCCL only, and its own
+    collectives are not interleaved with the save's.
+    """
+    global _pending
+    if _pending is not None:
+        wait([_pending])  # its snapshot's buffers are about to be reused
     group = _checkpoint_group()
     final, partial, previous = _prepare(path)
-    written = dcp.async_save(
-        _state(model, optimizer, extra), checkpoint_id=str(partial), process_group=group
-    )
-    done: Future = Future()
+    snapshot = _snapshotter.snapshot(_state(model, optimizer, extra))
 
-    def commit(future: Future) -> None:
-        try:
-            future.result()
-            _commit(final, partial, previous)
-            done.set_result(None)
-        except BaseException as err:  # DCP's CheckpointException is a BaseException
-            done.set_exception(err)
+    def write() -> None:
+        dcp.save(snapshot, checkpoint_id=str(partial), process_group=group)
+        _barrier(group)
+        _commit(final, partial, previous)
+        _barrier(group)
 
-    written.add_done_callback(commit)
-    return done
+    _pending = _writer.submit(write)
+    return _pending
 
 
 def _resolve(path: str | os.PathLike) -> Path:

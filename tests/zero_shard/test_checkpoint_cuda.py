@@ -312,18 +312,6 @@ def resume_on_one_gpu(rank: int, world: int) -> None:
 
 
 CASES_AT_ONE = {"resume_on_one_gpu": resume_on_one_gpu}  # after the save at two ranks
-# Library bugs found while writing these tests (not fixed here):
-# - DTensor.from_local moves a local tensor to its mesh's device type, so state_dict() copies
-#   the host share of the state to the GPU (and DCP copies it back to write it).
-# - DCP's async stager (torch's StateDictStager) copies a DTensor whose local tensor is a view at
-#   a non-zero storage offset through the wrapper's own (null) storage: "Attempted to call copy_()
-#   on an invalid python storage". The fp32 main weights of low-precision params are such views
-#   (seen on CPU with torch 2.13, where async_save of any bf16 model fails; on a GPU, those kept
-#   on the GPU, since from_local copies the host ones).
-KNOWN_FAILURES = {
-    "state_dict_keeps_host_state_on_the_host": "from_local copies host state to the GPU",
-    "async_save_of_a_bf16_model": "DCP's async stager fails on DTensor views at an offset",
-}
 
 
 @pytest.fixture(scope="module")
@@ -336,15 +324,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
     return results
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[name]))
-        if name in KNOWN_FAILURES
-        else name
-        for name in (*CASES_AT_TWO, *CASES_AT_ONE)
-    ],
-)
+@pytest.mark.parametrize("name", [*CASES_AT_TWO, *CASES_AT_ONE])
 def test_checkpoints_on_two_gpus(outcomes: dict[str, str | None], name: str) -> None:
     failure = outcomes[name]
     if failure is not None:
