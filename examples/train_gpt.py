@@ -1,228 +1,139 @@
-"""Trains a small byte-level GPT on the Python standard library's own source code.
+"""Trains a byte-level GPT on the Python standard library's source with zero-shard.
 
-The model reads the ``.py`` files of the running interpreter's standard library
-(``sysconfig.get_paths()["stdlib"]``, nothing is downloaded) as bytes and learns to predict the
-next byte. Its AdamW optimizer is wrapped in ``HybridDeviceOptimizer``, which keeps
-``--offload-fraction`` of the optimizer's elements (fp32 main weights, grads and Adam state) on
-the CPU and steps them there while the rest is stepped on the accelerator. At the end the script
-prints the first and last loss and where the optimizer's memory went.
+The model's AdamW is wrapped by ``zero_shard.wrap``: its fp32 main weights, grads and Adam state
+are split by rows over the ranks, ``--offload-fraction`` of each rank's share lives and is
+stepped on the CPU, grads are reduce-scattered during backward and the updated weights are
+all-gathered during the next forward. No DDP. Checkpoints go through DCP and resume at any world
+size. At the end it writes a JSON log and a plot (loss; step time split into forward, backward,
+optimizer step and the rest) into ``--out``.
 
-Run it from the repository root (after ``pip install -e .``, or with ``PYTHONPATH=.``)::
+Run it from the repository root (after ``pip install -e ".[examples]"``)::
 
-    python examples/train_gpt.py                      # CPU: tiny preset, fp32, about a minute
-    python examples/train_gpt.py --device cuda        # GPU (its default): small, 38M, bf16
-    python examples/train_gpt.py --preset medium --offload-fraction 1 --steps 500  # 300M
+    python examples/train_gpt.py                      # one process, CPU: tiny preset, a minute
+    torchrun --nproc-per-node 2 examples/train_gpt.py # two ranks (gloo on CPU, NCCL on GPUs)
+    torchrun --nproc-per-node 2 examples/train_gpt.py --device cuda --preset 1b --offload-fraction 1
+    python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 50 --resume
 
-``--offload-fraction 0`` keeps everything on the accelerator and ``1`` moves everything to the
-CPU; ``--json PATH`` writes the per-step losses and timings; ``--help`` lists every flag. On a
-CPU-only machine the "accelerator" is the CPU itself, so the split still runs both code paths.
+Without torchrun it runs as a single rank (a one-process group). ``--optimizer adamw`` trains the
+same model with plain ``torch.optim.AdamW`` instead (fp32 params, autocast to ``--dtype``; DDP on
+several ranks): the reference that zero-shard's loss curve is compared with. ``--help`` lists
+every flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
-import json
 import math
+import os
+import signal
 import sys
-import sysconfig
-import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
+import psutil
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+from gpt import (
+    GPT,
+    PRESETS,
+    cross_entropy,
+    global_batch,
+    read_stdlib_bytes,
+    split_train_val,
+    split_windows,
+    weight_decay_groups,
+)
+from reporting import PHASES, Log, PhaseTimer, ProgressBar, peak_memory_bytes, plot
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+import zero_shard
 from offload import format_bytes
-from optimizers import HybridDeviceOptimizer, OffloadPolicy
 
-VOCAB_SIZE = 256  # one token per byte
-VAL_FRACTION = 0.05
-NUM_VAL_BATCHES = 8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+NUM_VAL_BATCHES = 4
 LAST_LOSS_WINDOW = 10  # "last loss" is the mean training loss over this many final steps
+CHECKPOINT_NAME = "latest"
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
 
 
 @dataclass(frozen=True)
-class GPTConfig:
-    """Shape of the model."""
-
-    num_layers: int
-    num_heads: int
-    d_model: int
-    seq_len: int
+class Ranks:
+    rank: int
+    world_size: int
+    device: torch.device
 
 
-@dataclass(frozen=True)
-class Preset:
-    """A model size with the training settings that suit it."""
+@contextlib.contextmanager
+def process_group(device_type: str) -> Iterator[Ranks]:
+    """Joins torchrun's process group, or makes a one-process group when run without torchrun.
 
-    model: GPTConfig
-    batch_size: int
-    steps: int
-    lr: float
-    max_data_bytes: int  # read at most this much source: small is quick to load, big overfits less
-
-
-PRESETS = {
-    # About a minute on 2 CPU cores in fp32.
-    "tiny": Preset(
-        GPTConfig(4, 4, 128, 128), batch_size=16, steps=350, lr=3e-3, max_data_bytes=8 << 20
-    ),
-    # About 38M params: about two minutes on one H100 (1.8 min measured, offload 0.5).
-    "small": Preset(
-        GPTConfig(12, 8, 512, 512), batch_size=32, steps=2000, lr=1e-3, max_data_bytes=32 << 20
-    ),
-    # About 300M params: GPT-2 medium's shape.
-    "medium": Preset(
-        GPTConfig(24, 16, 1024, 1024), batch_size=16, steps=2000, lr=3e-4, max_data_bytes=32 << 20
-    ),
-}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-# ---------------------------------------------------------------------------------------------
-# Model
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        if config.d_model % config.num_heads:
-            raise ValueError(
-                f"d_model ({config.d_model}) must be divisible by num_heads ({config.num_heads})"
-            )
-        self.num_heads = config.num_heads
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, dim // self.num_heads)
-        # (batch, seq, head, head_dim) -> (batch, head, seq, head_dim), as SDPA expects.
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
+    GPUs get ``"cpu:gloo,cuda:nccl"``: NCCL for training, gloo for CPU tensors (checkpoints).
+    """
+    under_torchrun = "RANK" in os.environ
+    if device_type == "cpu":
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device(device_type, local_rank)
+        torch.get_device_module(device_type).set_device(device)
+        backend = f"cpu:gloo,{device_type}:{dist.Backend.default_device_backend_map[device_type]}"
+    if under_torchrun:
+        store, rank, world_size = next(dist.rendezvous("env://"))
+        # A restarted job (torchrun --max-restarts) may find the last attempt's addresses in the
+        # store, and gloo would then connect to dead ranks: each attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"train_gpt_attempt_{attempt}", store)
+    else:
+        store, rank, world_size = dist.HashStore(), 0, 1
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        device_id=device if device.type != "cpu" else None,
+    )
+    try:
+        yield Ranks(dist.get_rank(), dist.get_world_size(), device)
+    finally:
+        dist.destroy_process_group()
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.ln_attn = nn.LayerNorm(config.d_model)
-        self.attn = CausalSelfAttention(config)
-        self.ln_mlp = nn.LayerNorm(config.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(config.d_model, 4 * config.d_model),
-            nn.GELU(),
-            nn.Linear(4 * config.d_model, config.d_model),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_attn(x))
-        return x + self.mlp(self.ln_mlp(x))
+def rows_of_rank(windows: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    per_rank = len(windows) // ranks.world_size
+    return windows[ranks.rank * per_rank : (ranks.rank + 1) * per_rank]
 
 
-class GPT(nn.Module):
-    """Byte-level GPT: token + position embeddings, blocks, final norm, head tied to tokens."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.token_emb = nn.Embedding(VOCAB_SIZE, config.d_model)
-        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.ln_final = nn.LayerNorm(config.d_model)
-        self.head = nn.Linear(config.d_model, VOCAB_SIZE, bias=False)
-        self.head.weight = self.token_emb.weight
-        self.apply(_init_weights)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of shape (batch, seq, 256) for int64 ``tokens`` of shape (batch, seq)."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token_emb(tokens) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_final(x))
-
-
-def _init_weights(module: nn.Module) -> None:
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
-
-
-def compute_loss(model: GPT, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(inputs)
-    # Cross-entropy in fp32 whatever the model dtype.
-    return F.cross_entropy(logits.float().view(-1, VOCAB_SIZE), targets.reshape(-1))
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().float().clone()
+    dist.all_reduce(value)  # gloo has no AVG
+    return value.item() / dist.get_world_size()
 
 
 # ---------------------------------------------------------------------------------------------
-# Data
+# Model, optimizer, schedule
 
 
-def read_stdlib_bytes(max_bytes: int) -> torch.Tensor:
-    """The standard library's ``.py`` files, sorted by path and concatenated, as 1-D uint8."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts, num_bytes = [], 0
-    for path in sorted(root.rglob("*.py")):
-        # Installed packages can live under the stdlib folder; they are not the stdlib.
-        if {"site-packages", "dist-packages"} & set(path.relative_to(root).parts):
-            continue
-        try:
-            source = path.read_bytes()
-        except OSError:
-            continue
-        parts.append(source[: max_bytes - num_bytes])
-        num_bytes += len(parts[-1])
-        if num_bytes >= max_bytes:
-            break
-    if num_bytes == 0:
-        raise RuntimeError(f"found no readable .py files under {root}")
-    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+@dataclass
+class Trainer:
+    """The model and what steps it."""
 
+    model: nn.Module  # the GPT, or its DDP wrapper (--optimizer adamw on several ranks)
+    optimizer: torch.optim.Optimizer  # a ZeroShardOptimizer, or plain AdamW
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None  # fp16 only
+    autocast_dtype: torch.dtype | None  # --optimizer adamw with --dtype bf16/fp16
 
-def sample_batch(
-    data: torch.Tensor,
-    batch_size: int,
-    seq_len: int,
-    generator: torch.Generator,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows of ``data``: (inputs, targets), targets shifted one byte ahead."""
-    if len(data) <= seq_len + 1:
-        raise ValueError(f"{len(data)} bytes of data are too few for seq_len {seq_len}")
-    starts = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=generator)
-    windows = data[starts[:, None] + torch.arange(seq_len + 1)].long().to(device)
-    return windows[:, :-1], windows[:, 1:]
-
-
-@torch.no_grad()
-def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    model.eval()
-    losses = [compute_loss(model, inputs, targets).item() for inputs, targets in batches]
-    model.train()
-    return sum(losses) / len(losses)
-
-
-# ---------------------------------------------------------------------------------------------
-# Optimizer and schedule
-
-
-def build_optimizer(model: GPT, args: argparse.Namespace) -> HybridDeviceOptimizer:
-    """AdamW with weight decay on the matrices only, wrapped to split its state across devices."""
-    # Matrices (linear weights and the tied embedding) decay; biases and norms do not.
-    params = list(model.parameters())  # the tied weight appears once
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    adamw = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-    policy = OffloadPolicy(fraction=args.offload_fraction, num_threads=args.threads)
-    return HybridDeviceOptimizer.wrap(adamw, policy=policy)
+    @property
+    def zero_shard(self) -> bool:
+        return isinstance(self.optimizer, zero_shard.ZeroShardOptimizer)
 
 
 def lr_factor(step: int, *, num_warmup: int, num_steps: int, floor: float = 0.1) -> float:
@@ -233,69 +144,336 @@ def lr_factor(step: int, *, num_warmup: int, num_steps: int, floor: float = 0.1)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
+    """The GPT on this rank's device, its AdamW (weight decay on matrices only), wrapped by
+    zero-shard, an LR schedule and, for fp16, a loss scaler."""
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = GPT(PRESETS[args.preset].model, checkpoint_activations=args.checkpoint_activations)
+    dtype = DTYPES[args.dtype]
+    plain = args.optimizer == "adamw"
+    model = model.to(ranks.device, torch.float32 if plain else dtype)
+    groups = weight_decay_groups(model, weight_decay=0.1)
+    adamw = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=plain)
+    if plain:
+        optimizer = adamw
+        if ranks.world_size > 1:
+            model = DistributedDataParallel(model)
+        scaler_type = torch.amp.GradScaler
+    else:
+        policy = zero_shard.OffloadPolicy(fraction=args.offload_fraction, num_threads=args.threads)
+        optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
+        scaler_type = zero_shard.GradScaler
+    schedule = functools.partial(
+        lr_factor, num_warmup=max(args.steps // 20, 1), num_steps=args.steps
+    )
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        scaler=scaler_type(ranks.device.type) if dtype == torch.float16 else None,
+        autocast_dtype=dtype if plain and dtype != torch.float32 else None,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
-# Progress and reporting
+# One step
 
 
-class ProgressBar:
-    """A one-line progress bar, redrawn at most ten times a second.
+def forward_backward(
+    trainer: Trainer, micro_batch: torch.Tensor, num_micro: int, timer: PhaseTimer
+) -> torch.Tensor:
+    inputs, targets = split_windows(micro_batch)
+    timer.begin("forward")
+    autocast = (
+        torch.autocast(inputs.device.type, trainer.autocast_dtype)
+        if trainer.autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    with autocast:
+        loss = cross_entropy(trainer.model(inputs), targets) / num_micro
+    timer.end()
+    timer.begin("backward")
+    (loss if trainer.scaler is None else trainer.scaler.scale(loss)).backward()
+    timer.end()
+    return loss.detach()
 
-    When the stream is not a terminal (a log file), it writes a plain line every tenth of the run
-    instead of redrawing.
-    """
 
-    def __init__(self, total: int, *, stream: TextIO = sys.stderr, width: int = 24) -> None:
-        self.total = total
-        self.stream = stream
-        self.width = width
-        self._interactive = stream.isatty()
-        self._last_draw = 0.0
+def no_sync(trainer: Trainer) -> contextlib.AbstractContextManager:
+    """Accumulate grads locally (no communication) for all but the last micro-batch."""
+    if trainer.zero_shard:
+        return trainer.optimizer.no_sync()
+    if isinstance(trainer.model, DistributedDataParallel):
+        return trainer.model.no_sync()
+    return contextlib.nullcontext()
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if not self._due(step):
-            return
-        filled = self.width * step // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        line = (
-            f"{step:>{len(str(self.total))}}/{self.total} [{bar}] "
-            f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s"
+
+def optimizer_step(trainer: Trainer, clip: float) -> torch.Tensor:
+    """Unscales (fp16), clips by the global norm, steps; returns the norm before clipping."""
+    opt, scaler = trainer.optimizer, trainer.scaler
+    if scaler is not None:
+        scaler.unscale_(opt)
+    if trainer.zero_shard:
+        norm = opt.clip_grad_norm_(clip)  # over every rank's shards, on the accelerator
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), clip)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    trainer.scheduler.step()
+    return norm
+
+
+def train_step(
+    trainer: Trainer, windows: torch.Tensor, args: argparse.Namespace, timer: PhaseTimer
+) -> dict[str, float]:
+    """One optimizer step over this rank's rows of the global batch, in micro-batches."""
+    timer.start_step()
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    micro_batches = windows.chunk(args.micro_batches)
+    loss = torch.zeros((), device=windows.device)
+    for index, micro_batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else no_sync(trainer):
+            loss += forward_backward(trainer, micro_batch, len(micro_batches), timer)
+    timer.begin("step")
+    norm = optimizer_step(trainer, args.clip)
+    timer.end()
+    record = {"loss": mean_over_ranks(loss), "grad_norm": float(norm), "lr": lr}
+    times = timer.finish_step()
+    record.update({f"{phase}_ms": seconds * 1e3 for phase, seconds in times.items()})
+    return record
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[torch.Tensor], autocast: torch.dtype | None) -> float:
+    model.eval()
+    total = torch.zeros((), device=batches[0].device)
+    for windows in batches:
+        inputs, targets = split_windows(windows)
+        with torch.autocast(inputs.device.type, autocast, enabled=autocast is not None):
+            total += cross_entropy(model(inputs), targets)
+    model.train()
+    return mean_over_ranks(total) / len(batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(
+    trainer: Trainer, log: Log, step: int, args: argparse.Namespace, pending: Any
+) -> Any:
+    """Saves model, optimizer, schedule, scaler and the log so far (atomically); returns the
+    async save's future, if ``--async-checkpoint``. Waits for the previous one first."""
+    if pending is not None:
+        pending.result()
+    extra = {
+        "step": step,
+        "scheduler": trainer.scheduler.state_dict(),
+        "scaler": None if trainer.scaler is None else trainer.scaler.state_dict(),
+        "log": {"steps": log.steps, "val_losses": log.val_losses},
+        "run": run_identity(args),
+    }
+    path = args.checkpoint_dir / CHECKPOINT_NAME
+    save = zero_shard.checkpoint.async_save if args.async_checkpoint else zero_shard.checkpoint.save
+    return save(path, model=trainer.model, optimizer=trainer.optimizer, extra=extra)
+
+
+def load_checkpoint(trainer: Trainer, log: Log, args: argparse.Namespace) -> int:
+    """Resumes from ``--checkpoint-dir`` (written at any world size); returns the step it
+    reached, or 0 if there is no checkpoint yet."""
+    path = args.checkpoint_dir / CHECKPOINT_NAME
+    if not path.exists() and not path.with_name(path.name + ".previous").exists():
+        return 0
+    extra = zero_shard.checkpoint.load(path, model=trainer.model, optimizer=trainer.optimizer)
+    if extra["run"] != run_identity(args):
+        raise ValueError(
+            f"the checkpoint in {args.checkpoint_dir} is of another run: {extra['run']}, this "
+            f"run is {run_identity(args)}; use another --checkpoint-dir or the same flags"
         )
-        self.stream.write(f"\r{line}" if self._interactive else f"{line}\n")
-        self.stream.flush()
-
-    def write(self, text: str) -> None:
-        """Writes a line of its own under the bar."""
-        self.stream.write(f"  {text}\n" if self._interactive else f"{text}\n")
-
-    def close(self) -> None:
-        if self._interactive:
-            self.stream.write("\n")
-        self.stream.flush()
-
-    def _due(self, step: int) -> bool:
-        if step == self.total:
-            return True
-        if not self._interactive:
-            return step % max(self.total // 10, 1) == 0
-        now = time.perf_counter()
-        if now - self._last_draw < 0.1:
-            return False
-        self._last_draw = now
-        return True
+    trainer.scheduler.load_state_dict(extra["scheduler"])
+    if trainer.scaler is not None and extra["scaler"] is not None:
+        trainer.scaler.load_state_dict(extra["scaler"])
+    log.steps[:] = extra["log"]["steps"]
+    log.val_losses.update(extra["log"]["val_losses"])
+    return extra["step"]
 
 
-def describe_memory(opt: HybridDeviceOptimizer) -> str:
-    report = opt.memory_report()
-    staging = (
-        "nothing offloaded"
-        if report.pinned is None
-        else f"staging {format_bytes(report.host_staging_bytes)}, pinned: {report.pinned}"
+def run_identity(args: argparse.Namespace) -> dict[str, Any]:
+    """What a resumed run must share with the checkpoint's run (world size and offload may
+    differ)."""
+    keys = ("preset", "steps", "batch_size", "seed", "lr")
+    return {key: getattr(args, key) for key in keys}
+
+
+def maybe_crash(step: int, ranks: Ranks, args: argparse.Namespace) -> None:
+    """``--simulate-crash STEP``: the last rank kills itself at that step, in a job's first
+    attempt only (torchrun sets TORCHELASTIC_RESTART_COUNT), to test resuming."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if step == args.simulate_crash and first_attempt and ranks.rank == ranks.world_size - 1:
+        print(f"rank {ranks.rank}: simulated crash at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def measure_memory(trainer: Trainer, ranks: Ranks) -> dict[str, Any]:
+    """Peak memory (max over ranks; the accelerator's, or host RSS on the CPU) and where rank
+    0's optimizer state is, in bytes and as a line to print."""
+    peaks = torch.tensor(
+        [float(peak_memory_bytes(ranks.device)), float(psutil.Process().memory_info().rss)],
+        device=ranks.device,
     )
-    return (
-        f"optimizer memory: accelerator share ({report.device}) "
-        f"{format_bytes(report.device_bytes)}, host share {format_bytes(report.host_bytes)} "
-        f"({staging})"
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    memory = {"peak_bytes": int(peaks[0].item()), "host_rss_bytes": int(peaks[1].item())}
+    where = "host RSS" if ranks.device.type == "cpu" else "accelerator memory"
+    line = f"peak {where} (max over ranks) {format_bytes(memory['peak_bytes'])}"
+    if trainer.zero_shard:
+        report = trainer.optimizer.memory_report()
+        memory.update(
+            optimizer_device_bytes=report.device_bytes, optimizer_host_bytes=report.host_bytes
+        )
+        line += (
+            f"; rank {ranks.rank}'s optimizer state: {format_bytes(report.device_bytes)} on "
+            f"{report.device}, {format_bytes(report.host_bytes)} on the host"
+        )
+    memory["line"] = line
+    return memory
+
+
+def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
+    preset = PRESETS[args.preset]
+    config = preset.model
+    train_data, val_data = split_train_val(read_stdlib_bytes(preset.max_data_bytes))
+    trainer = build(args, ranks)
+    log = Log(config={**vars(args), "world_size": ranks.world_size, "num_params": 0})
+    log.config["num_params"] = sum(p.numel() for p in trainer.model.parameters())
+    for key in ("out", "checkpoint_dir"):
+        log.config[key] = None if log.config[key] is None else str(log.config[key])
+    say = print if ranks.rank == 0 else (lambda *_, **__: None)
+    say(
+        f"{args.preset}: {log.config['num_params'] / 1e6:.2f}M params, {args.dtype}, "
+        f"{ranks.world_size} rank(s) on {ranks.device.type}, optimizer {describe_optimizer(args)}"
+        f", {args.steps} steps of {args.batch_size}x{config.seq_len} bytes"
     )
+    val_batches = [
+        rows_of_rank(
+            global_batch(val_data, batch_size=args.batch_size, seq_len=config.seq_len,
+                         seed=args.seed + 1, step=index),
+            ranks,
+        ).to(ranks.device)
+        for index in range(NUM_VAL_BATCHES)
+    ]  # fmt: skip
+    first = load_checkpoint(trainer, log, args) if args.resume else 0
+    if first:
+        say(f"resumed from {args.checkpoint_dir / CHECKPOINT_NAME} at step {first}")
+    else:
+        log.val_losses[0] = evaluate(trainer.model, val_batches, trainer.autocast_dtype)
+    run_steps(trainer, log, train_data, val_batches, first, args, ranks)
+    log.summary = summarize(log, args)
+    log.summary["memory"] = measure_memory(trainer, ranks)
+    if ranks.rank == 0:
+        report(log, args)
+    return log.to_json()
+
+
+def run_steps(
+    trainer: Trainer,
+    log: Log,
+    train_data: torch.Tensor,
+    val_batches: list[torch.Tensor],
+    first: int,
+    args: argparse.Namespace,
+    ranks: Ranks,
+) -> None:
+    seq_len = PRESETS[args.preset].model.seq_len
+    timer = PhaseTimer(ranks.device)
+    bar = None if args.quiet or ranks.rank else ProgressBar(args.steps, first=first + 1)
+    pending = None  # the last async checkpoint's future
+    for step in range(first + 1, args.steps + 1):
+        maybe_crash(step, ranks, args)
+        windows = global_batch(
+            train_data, batch_size=args.batch_size, seq_len=seq_len, seed=args.seed, step=step
+        )
+        windows = rows_of_rank(windows, ranks).to(ranks.device, non_blocking=True)
+        record = {"step": step, **train_step(trainer, windows, args, timer)}
+        record["tokens_per_s"] = args.batch_size * seq_len / (record["wall_ms"] / 1e3)
+        log.steps.append(record)
+        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+            log.val_losses[step] = evaluate(trainer.model, val_batches, trainer.autocast_dtype)
+            if bar is not None and step < args.steps:
+                bar.write(f"step {step}: val loss {log.val_losses[step]:.3f}")
+        if bar is not None:
+            memory = format_bytes(peak_memory_bytes(ranks.device))
+            bar.update(
+                step,
+                f"loss {record['loss']:.3f} | {record['tokens_per_s']:,.0f} tok/s | mem {memory}",
+            )
+        if args.checkpoint_dir is not None and (
+            step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
+        ):
+            pending = save_checkpoint(trainer, log, step, args, pending)
+    if pending is not None:
+        pending.result()
+    if bar is not None:
+        bar.close()
+
+
+def summarize(log: Log, args: argparse.Namespace) -> dict[str, Any]:
+    losses = [record["loss"] for record in log.steps]
+    window = losses[-LAST_LOSS_WINDOW:]
+    timed = log.steps[1:] or log.steps  # the first step compiles kernels and warms caches
+    mean = {f"{key}_ms": _mean(r[f"{key}_ms"] for r in timed) for key in (*PHASES, "other")}
+    wall_s = sum(record["wall_ms"] for record in timed) / 1e3
+    seq_len = PRESETS[args.preset].model.seq_len
+    return {
+        "first_loss": losses[0],
+        "last_loss": sum(window) / len(window),
+        "last_loss_window": len(window),
+        "val_loss_start": log.val_losses.get(0),
+        "val_loss_end": log.val_losses[args.steps],
+        "tokens_per_s": len(timed) * args.batch_size * seq_len / wall_s,
+        "iteration_ms": wall_s * 1e3 / len(timed),
+        **mean,
+        "num_skipped": sum(1 for r in log.steps if not math.isfinite(r["grad_norm"])),
+    }
+
+
+def _mean(values: Iterator[float]) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def report(log: Log, args: argparse.Namespace) -> None:
+    summary = log.summary
+    print(f"first loss {summary['first_loss']:.4f}")
+    print(f"last loss  {summary['last_loss']:.4f} (mean of the last {summary['last_loss_window']})")
+    if summary["val_loss_start"] is not None:
+        print(f"val loss   {summary['val_loss_start']:.4f} at start", end=", ")
+    print(f"{summary['val_loss_end']:.4f} at end")
+    split = ", ".join(f"{phase} {summary[f'{phase}_ms']:.1f}" for phase in (*PHASES, "other"))
+    print(
+        f"throughput {summary['tokens_per_s']:,.0f} tokens/s; iteration {summary['iteration_ms']:.1f} ms "
+        f"({split} ms)"
+    )
+    print(summary["memory"]["line"])
+    if args.out is None:
+        return
+    log.write(args.out / "log.json")
+    title = f"{args.preset}, {describe_optimizer(args)}, {log.config['world_size']} rank(s)"
+    problem = plot(log, args.out / "plot.png", title)
+    print(problem or f"wrote {args.out / 'log.json'} and {args.out / 'plot.png'}")
+
+
+def describe_optimizer(args: argparse.Namespace) -> str:
+    if args.optimizer == "adamw":
+        return "plain torch AdamW"
+    return f"zero-shard stage {args.stage}, offload fraction {args.offload_fraction}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,179 +487,69 @@ def default_device() -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default=default_device(), help="default: the accelerator")
-    parser.add_argument(
-        "--preset", choices=sorted(PRESETS), help="model size; default tiny on CPU, else small"
-    )
-    parser.add_argument("--steps", type=int, help="default: the preset's")
-    parser.add_argument("--batch-size", type=int, help="default: the preset's")
-    parser.add_argument("--lr", type=float, help="peak learning rate; default: the preset's")
-    parser.add_argument(
-        "--offload-fraction", type=float, default=0.5, help="share on the CPU (default 0.5)"
-    )
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), help="param dtype; default bf16, fp32 on CPU"
-    )
-    parser.add_argument("--threads", type=int, help="CPU optimizer threads; default: cores")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--eval-every", type=int, default=0, help="steps between val evals (0: start and end)"
-    )
-    parser.add_argument("--json", type=Path, help="write per-step losses and timings here")
-    parser.add_argument("--quiet", action="store_true", help="print nothing per step")
-    args = parser.parse_args(argv)
-    return fill_defaults(parser, args)
+    add = parser.add_argument
+    add("--device", default=default_device(), help="cpu or an accelerator type; default: the "
+        "accelerator if there is one")  # fmt: skip
+    add("--preset", choices=list(PRESETS), help="model size; default tiny on CPU, else small")
+    add("--steps", type=int, help="default: the preset's")
+    add("--batch-size", type=int, help="sequences per step over all ranks; default: preset's")
+    add("--micro-batches", type=int, default=1, help="per rank and step (grad accumulation)")
+    add("--lr", type=float, help="peak learning rate; default: the preset's")
+    add("--clip", type=float, default=1.0, help="max global grad norm (default 1)")
+    add("--dtype", choices=list(DTYPES), help="param dtype; default bf16, fp32 on CPU")
+    add("--optimizer", choices=["zero-shard", "adamw"], default="zero-shard")
+    add("--offload-fraction", type=float, default=0.5, help="share on the CPU (default 0.5)")
+    add("--stage", type=int, choices=[1, 2], default=2)
+    add("--threads", type=int, help="CPU optimizer threads per rank; default: cores / ranks")
+    add("--checkpoint-activations", action="store_true", help="recompute in backward")
+    add("--seed", type=int, default=0)
+    add("--eval-every", type=int, help="steps between evals; default a tenth of the run")
+    add("--checkpoint-dir", type=Path, help="save checkpoints here (at the end at least)")
+    add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    add("--async-checkpoint", action="store_true", help="write checkpoints in the background")
+    add("--resume", action="store_true", help="go on from --checkpoint-dir's, if it has one")
+    add("--simulate-crash", type=int, metavar="STEP", help="the last rank dies at STEP (tests)")
+    add("--out", type=Path, default=Path("runs/train_gpt"), help="JSON log and plot go here")
+    add("--quiet", action="store_true", help="no progress bar")
+    return check_args(parser, parser.parse_args(argv))
 
 
-def fill_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Fills the flags whose defaults depend on the device and preset, and checks them."""
     on_cpu = torch.device(args.device).type == "cpu"
     args.preset = args.preset or ("tiny" if on_cpu else "small")
     args.dtype = args.dtype or ("fp32" if on_cpu else "bf16")
     preset = PRESETS[args.preset]
-    args.steps = preset.steps if args.steps is None else args.steps
-    args.batch_size = preset.batch_size if args.batch_size is None else args.batch_size
-    args.lr = preset.lr if args.lr is None else args.lr
-    for name in ("steps", "batch_size"):
+    for name in ("steps", "batch_size", "lr"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    if args.eval_every is None:
+        args.eval_every = max(args.steps // 10, 1)
+    for name in ("steps", "batch_size", "micro_batches"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if args.batch_size % (world_size * args.micro_batches):
+        parser.error(
+            f"--batch-size {args.batch_size} must divide evenly over {world_size} rank(s) x "
+            f"{args.micro_batches} micro-batch(es)"
+        )
     if not 0.0 <= args.offload_fraction <= 1.0:
         parser.error(f"--offload-fraction must be in [0, 1], got {args.offload_fraction}")
-    if args.eval_every < 0:
-        parser.error("--eval-every must be 0 (start and end only) or positive")
+    if (args.resume or args.checkpoint_every) and args.checkpoint_dir is None:
+        parser.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.checkpoint_dir is not None and args.optimizer != "zero-shard":
+        parser.error("checkpoints are written for --optimizer zero-shard only")
+    if args.eval_every < 0 or args.checkpoint_every < 0:
+        parser.error("--eval-every and --checkpoint-every must be 0 (off) or positive")
     return args
 
 
-# ---------------------------------------------------------------------------------------------
-# Training
-
-
-@dataclass
-class Run:
-    """What training produced, step by step."""
-
-    losses: list[float]
-    step_seconds: list[float]
-    val_losses: dict[int, float]  # step -> validation loss
-    num_tokens: int = 0
-    train_seconds: float = 0.0
-
-
-def train_step(
-    model: GPT,
-    opt: HybridDeviceOptimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-) -> float:
-    loss = compute_loss(model, inputs, targets)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    scheduler.step()
-    return loss.item()  # waits for the step, so the caller's timing is honest
-
-
-def train(
-    model: GPT,
-    opt: HybridDeviceOptimizer,
-    train_data: torch.Tensor,
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    args: argparse.Namespace,
-) -> Run:
-    seq_len, device = model.pos_emb.num_embeddings, model.pos_emb.weight.device
-    schedule = functools.partial(
-        lr_factor, num_warmup=max(args.steps // 20, 1), num_steps=args.steps
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    generator = torch.Generator().manual_seed(args.seed)
-    run = Run(losses=[], step_seconds=[], val_losses={0: evaluate(model, val_batches)})
-    bar = None if args.quiet else ProgressBar(args.steps)
-    for step in range(1, args.steps + 1):
-        start = time.perf_counter()
-        inputs, targets = sample_batch(train_data, args.batch_size, seq_len, generator, device)
-        run.losses.append(train_step(model, opt, scheduler, inputs, targets))
-        run.step_seconds.append(time.perf_counter() - start)
-        run.num_tokens += inputs.numel()
-        run.train_seconds += run.step_seconds[-1]
-        if bar is not None:
-            bar.update(step, run.losses[-1], run.num_tokens / run.train_seconds)
-        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            run.val_losses[step] = evaluate(model, val_batches)
-            if bar is not None and step < args.steps:
-                bar.write(f"step {step}: val loss {run.val_losses[step]:.3f}")
-    if bar is not None:
-        bar.close()
-    return run
-
-
-def summarize(
-    run: Run, opt: HybridDeviceOptimizer, num_params: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    window = run.losses[-LAST_LOSS_WINDOW:]
-    return {
-        "preset": args.preset,
-        "device": args.device,
-        "dtype": args.dtype,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "offload_fraction": args.offload_fraction,
-        "num_params": num_params,
-        "first_loss": run.losses[0],
-        "last_loss": sum(window) / len(window),
-        "last_loss_window": len(window),
-        "val_loss_start": run.val_losses[0],
-        "val_loss_end": run.val_losses[args.steps],
-        "tokens_per_s": run.num_tokens / run.train_seconds,
-        "train_seconds": run.train_seconds,
-        "memory": asdict(opt.memory_report()),
-    }
-
-
-def print_summary(summary: dict[str, Any], memory_line: str) -> None:
-    print(f"first loss {summary['first_loss']:.4f}")
-    print(
-        f"last loss  {summary['last_loss']:.4f} "
-        f"(mean training loss of the last {summary['last_loss_window']} steps)"
-    )
-    print(
-        f"val loss   {summary['val_loss_start']:.4f} at start, {summary['val_loss_end']:.4f} at end"
-    )
-    print(f"throughput {summary['tokens_per_s']:,.0f} tokens/s ({summary['train_seconds']:.1f} s)")
-    print(memory_line)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Trains as the flags in ``argv`` say and returns a summary (losses, params, memory)."""
+    """Trains as the flags in ``argv`` say; returns the log (``"summary"``, ``"steps"``, ...)."""
     args = parse_args(argv)
-    device = torch.device(args.device)
-    preset = PRESETS[args.preset]
-    config = preset.model
-    torch.manual_seed(args.seed)
-    data = read_stdlib_bytes(preset.max_data_bytes)
-    num_train = int(len(data) * (1 - VAL_FRACTION))
-    val_generator = torch.Generator().manual_seed(args.seed + 1)
-    val_batches = [
-        sample_batch(data[num_train:], args.batch_size, config.seq_len, val_generator, device)
-        for _ in range(NUM_VAL_BATCHES)
-    ]
-    model = GPT(config).to(device=device, dtype=DTYPES[args.dtype])
-    opt = build_optimizer(model, args)
-    num_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"{args.preset}: {num_params / 1e6:.2f}M params, {args.dtype} on {device}, "
-        f"{len(data) / 2**20:.1f} MiB of stdlib source, {args.steps} steps of "
-        f"{args.batch_size}x{config.seq_len} bytes, offload fraction {args.offload_fraction}"
-    )
-    run = train(model, opt, data[:num_train], val_batches, args)
-    summary = summarize(run, opt, num_params, args)
-    print_summary(summary, describe_memory(opt))
-    if args.json is not None:
-        record = {**summary, "losses": run.losses, "step_seconds": run.step_seconds}
-        record["val_losses"] = {str(step): loss for step, loss in run.val_losses.items()}
-        args.json.write_text(json.dumps(record, indent=1))
-    return summary
+    with process_group(torch.device(args.device).type) as ranks:
+        return train(args, ranks)
 
 
 if __name__ == "__main__":

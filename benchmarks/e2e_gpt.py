@@ -1,0 +1,216 @@
+"""End to end: ``examples/train_gpt.py`` on GPUs, at several offload fractions and sizes.
+
+Each configuration is one ``torchrun --standalone`` run of the example (a fresh process, so peak
+memory is its own), whose JSON log gives the iteration time (mean over the steps after the
+first), the forward / backward / step split, tokens/s and the peak GPU memory. Beside them, the
+CPU AdamW floor for the model's parameter count: ``torch.optim.AdamW(fused=True)`` on that many
+fp32 elements on the host, the least a full-offload step can cost. The target for fraction 1.0:
+iteration <= 1.2 x max(forward + backward at fraction 0, CPU AdamW floor).
+
+Run from the repository root on a GPU machine (each part writes ``results.json`` under ``--out``
+after every run, so a cut-off run keeps what it measured)::
+
+    python benchmarks/e2e_gpt.py speed --preset 1b --out $OUT/e2e        # fractions, plain AdamW
+    python benchmarks/e2e_gpt.py speed --preset 1b --nproc 2 --fractions 0.5 --out $OUT/e2e2
+    python benchmarks/e2e_gpt.py largest --out $OUT/largest   # biggest preset per fraction
+    python benchmarks/e2e_gpt.py converge --preset small --steps 300 --out $OUT/converge
+    python benchmarks/e2e_gpt.py speed --device cpu --preset tiny --steps 4 --out runs/e2e  # smoke
+
+``converge`` trains zero-shard (fraction 0.5) and plain AdamW (fp32 params, bf16 autocast) from
+the same seed and plots both loss curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from gpt import PRESETS  # noqa: E402
+
+LARGEST_CANDIDATES = ("1b", "3b", "5b", "7b")
+
+
+def run_example(
+    name: str, flags: list[str], args: argparse.Namespace, *, nproc: int | None = None
+) -> dict[str, Any]:
+    """One run of the example; its log's summary and config, or why it failed."""
+    out = args.out / name
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc or args.nproc}", str(ROOT / "examples" / "train_gpt.py"),
+        "--device", args.device, "--quiet", "--out", str(out), *flags,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
+    record: dict[str, Any] = {"name": name, "flags": flags, "nproc": nproc or args.nproc}
+    record["seconds"] = time.perf_counter() - started
+    if result.returncode != 0:
+        tail = (result.stdout + result.stderr)[-1500:]
+        record["error"] = "out of memory" if "OutOfMemoryError" in tail else tail
+        print(f"{name}: failed ({record['error'][-300:]})", flush=True)
+        return record
+    log = json.loads((out / "log.json").read_text())
+    record.update(summary=log["summary"], config=log["config"])
+    summary = log["summary"]
+    print(
+        f"{name}: iteration {summary['iteration_ms']:.1f} ms, forward {summary['forward_ms']:.1f}"
+        f", backward {summary['backward_ms']:.1f}, step {summary['step_ms']:.1f}, "
+        f"{summary['tokens_per_s']:,.0f} tok/s, peak {summary['memory']['peak_bytes'] / 2**30:.1f}"
+        " GiB",
+        flush=True,
+    )
+    return record
+
+
+def cpu_adamw_floor_ms(num_params: int, reps: int = 3) -> float:
+    """Median ms of one fused CPU AdamW step over ``num_params`` fp32 elements (all cores)."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    param = torch.zeros(num_params, dtype=torch.float32)
+    param.grad = torch.full_like(param, 1e-3)
+    opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    opt.step()  # creates the state
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        opt.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def save(report: dict[str, Any], args: argparse.Namespace) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(report, indent=1))
+
+
+def speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    common = ["--preset", args.preset, "--steps", str(args.steps), "--eval-every", "0"]
+    common += args.extra
+    for fraction in args.fractions:
+        name = f"zero_shard_f{fraction:g}_x{args.nproc}"
+        flags = [*common, "--offload-fraction", str(fraction)]
+        report["runs"].append(run_example(name, flags, args))
+        save(report, args)
+    if args.plain:
+        report["runs"].append(run_example(f"plain_adamw_x{args.nproc}", [*common, "--optimizer",
+                                          "adamw"], args))  # fmt: skip
+    num_params = PRESETS[args.preset].model.num_params()
+    report["cpu_adamw_floor_ms"] = cpu_adamw_floor_ms(num_params // args.nproc)
+    report["targets"] = speed_targets(report)
+    save(report, args)
+
+
+def speed_targets(report: dict[str, Any]) -> dict[str, Any]:
+    """Fraction 1.0 against 1.2 x max(forward + backward at fraction 0, CPU AdamW floor)."""
+    runs = {run["name"].split("_x")[0]: run for run in report["runs"] if "summary" in run}
+    if "zero_shard_f0" not in runs or "zero_shard_f1" not in runs:
+        return {}
+    base = runs["zero_shard_f0"]["summary"]
+    compute_ms = base["forward_ms"] + base["backward_ms"]
+    bound_ms = max(compute_ms, report["cpu_adamw_floor_ms"])
+    got_ms = runs["zero_shard_f1"]["summary"]["iteration_ms"]
+    return {
+        "fraction_1_iteration_ms": got_ms,
+        "forward_backward_ms": compute_ms,
+        "cpu_adamw_floor_ms": report["cpu_adamw_floor_ms"],
+        "ratio_to_bound": got_ms / bound_ms,
+        "met": got_ms <= 1.2 * bound_ms,
+    }
+
+
+def largest(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """For fractions 0 and 1, the presets in ascending size until one fails (activation
+    checkpointing on, micro-batches of one sequence per rank, a few steps)."""
+    for fraction in (0.0, 1.0):
+        for preset in LARGEST_CANDIDATES:
+            flags = ["--preset", preset, "--steps", str(args.steps), "--eval-every", "0",
+                     "--offload-fraction", str(fraction), "--checkpoint-activations",
+                     "--micro-batches", str(PRESETS[preset].batch_size // args.nproc)]  # fmt: skip
+            run = run_example(f"largest_f{fraction:g}_{preset}", flags, args)
+            run["num_params"] = PRESETS[preset].model.num_params()
+            report["runs"].append(run)
+            save(report, args)
+            if "error" in run:
+                break
+
+
+def converge(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    common = ["--preset", args.preset, "--steps", str(args.steps), *args.extra]
+    for name, flags in (("zero_shard_f0.5", ["--offload-fraction", "0.5"]),
+                        ("plain_adamw", ["--optimizer", "adamw"])):  # fmt: skip
+        report["runs"].append(run_example(name, [*common, *flags], args))
+        save(report, args)
+    logs = {run["name"]: json.loads((args.out / run["name"] / "log.json").read_text())
+            for run in report["runs"] if "summary" in run}  # fmt: skip
+    if len(logs) == 2:
+        final = {name: log["summary"]["last_loss"] for name, log in logs.items()}
+        report["final_loss_ratio"] = final["zero_shard_f0.5"] / final["plain_adamw"]
+        report["final_val_ratio"] = (
+            logs["zero_shard_f0.5"]["summary"]["val_loss_end"]
+            / logs["plain_adamw"]["summary"]["val_loss_end"]
+        )
+        plot_curves(logs, args.out / "converge.png")
+    save(report, args)
+
+
+def plot_curves(logs: dict[str, dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib does not import")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, log in logs.items():
+        steps = [record["step"] for record in log["steps"]]
+        ax.plot(steps, [record["loss"] for record in log["steps"]], lw=0.8, label=f"{name} train")
+        val = sorted((int(step), loss) for step, loss in log["val_losses"].items())
+        ax.plot(*zip(*val, strict=True), "o-", label=f"{name} validation")
+    ax.set(xlabel="step", ylabel="loss (nats per byte)", title="zero-shard vs plain AdamW")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=["speed", "largest", "converge"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--preset", default="1b", choices=list(PRESETS))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (GPUs)")
+    parser.add_argument("--fractions", default="0,0.5,1")
+    parser.add_argument("--no-plain", dest="plain", action="store_false")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
+    parser.add_argument("--out", type=Path, default=Path("runs/e2e_gpt"))
+    parser.add_argument("extra", nargs="*", help="more flags for train_gpt.py, after --")
+    args = parser.parse_args()
+    args.fractions = [float(f) for f in args.fractions.split(",")]
+    report: dict[str, Any] = {
+        "part": args.part,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+        "runs": [],
+    }
+    {"speed": speed, "largest": largest, "converge": converge}[args.part](args, report)
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The examples' model and data: a byte-level GPT and the Python standard library's source.
+
+Nothing here knows about zero-shard; ``train_gpt.py`` and ``hf_causal_lm.py`` train on it.
+The data is the running interpreter's standard library (``sysconfig.get_paths()["stdlib"]``),
+read as bytes, so nothing is downloaded. Batches are drawn from a generator seeded by the step
+number, and each rank takes its rows of the global batch: a run resumed at another world size
+sees the same data.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+VOCAB_SIZE = 256  # one token per byte
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the model."""
+
+    num_layers: int
+    num_heads: int
+    d_model: int
+    seq_len: int
+
+    def num_params(self) -> int:
+        """Parameter count (the head is tied to the token embedding)."""
+        per_block = 12 * self.d_model**2 + 13 * self.d_model
+        embeddings = (VOCAB_SIZE + self.seq_len) * self.d_model
+        return self.num_layers * per_block + embeddings + 2 * self.d_model
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model size with the training settings that suit it."""
+
+    model: GPTConfig
+    batch_size: int  # sequences per step, over all ranks and micro-batches
+    steps: int
+    lr: float
+    max_data_bytes: int  # read at most this much source: small is quick to load, big overfits less
+
+
+PRESETS = {
+    # About a minute on 2 CPU cores in fp32.
+    "tiny": Preset(
+        GPTConfig(4, 4, 128, 128), batch_size=16, steps=300, lr=3e-3, max_data_bytes=8 << 20
+    ),
+    # 38M params: about two minutes on one H100.
+    "small": Preset(
+        GPTConfig(12, 8, 512, 512), batch_size=32, steps=2000, lr=1e-3, max_data_bytes=32 << 20
+    ),
+    # 303M params: GPT-2 medium's shape.
+    "medium": Preset(
+        GPTConfig(24, 16, 1024, 1024), batch_size=16, steps=2000, lr=3e-4, max_data_bytes=32 << 20
+    ),
+    # 1.0B params.
+    "1b": Preset(
+        GPTConfig(20, 16, 2048, 1024), batch_size=8, steps=300, lr=3e-4, max_data_bytes=32 << 20
+    ),
+    # 2.5B params.
+    "3b": Preset(
+        GPTConfig(32, 20, 2560, 1024), batch_size=8, steps=300, lr=2e-4, max_data_bytes=32 << 20
+    ),
+    # 4.5B params.
+    "5b": Preset(
+        GPTConfig(40, 24, 3072, 1024), batch_size=8, steps=300, lr=1.5e-4, max_data_bytes=32 << 20
+    ),
+    # 6.4B params.
+    "7b": Preset(
+        GPTConfig(32, 32, 4096, 1024), batch_size=8, steps=300, lr=1.5e-4, max_data_bytes=32 << 20
+    ),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if config.d_model % config.num_heads:
+            raise ValueError(
+                f"d_model ({config.d_model}) must be divisible by num_heads ({config.num_heads})"
+            )
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, dim // self.num_heads)
+        # (batch, seq, head, head_dim) -> (batch, head, seq, head_dim), as SDPA expects.
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_mlp = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model),
+            nn.GELU(),
+            nn.Linear(4 * config.d_model, config.d_model),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_attn(x))
+        return x + self.mlp(self.ln_mlp(x))
+
+
+class GPT(nn.Module):
+    """Byte-level GPT: token + position embeddings, blocks, final norm, head tied to tokens.
+
+    With ``checkpoint_activations`` each block's activations are recomputed in backward instead
+    of kept (less memory for larger models, about a third more compute).
+    """
+
+    def __init__(self, config: GPTConfig, *, checkpoint_activations: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.checkpoint_activations = checkpoint_activations
+        self.token_emb = nn.Embedding(VOCAB_SIZE, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.ln_final = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, VOCAB_SIZE, bias=False)
+        self.head.weight = self.token_emb.weight
+        self.apply(_init_weights)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch, seq, 256) for int64 ``tokens`` of shape (batch, seq)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            if self.checkpoint_activations and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(self.ln_final(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Param groups with weight decay on the matrices (linear weights, the tied embedding) and
+    none on biases and norms."""
+    params = list(model.parameters())  # a tied weight appears once
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-byte loss, in fp32 whatever the model dtype."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def read_stdlib_bytes(max_bytes: int) -> torch.Tensor:
+    """The standard library's ``.py`` files, sorted by path and concatenated, as 1-D uint8."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, num_bytes = [], 0
+    for path in sorted(root.rglob("*.py")):
+        # Installed packages can live under the stdlib folder; they are not the stdlib.
+        if {"site-packages", "dist-packages"} & set(path.relative_to(root).parts):
+            continue
+        try:
+            source = path.read_bytes()
+        except OSError:
+            continue
+        parts.append(source[: max_bytes - num_bytes])
+        num_bytes += len(parts[-1])
+        if num_bytes >= max_bytes:
+            break
+    if num_bytes == 0:
+        raise RuntimeError(f"found no readable .py files under {root}")
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+
+
+def split_train_val(data: torch.Tensor, val_fraction: float = 0.05) -> tuple[torch.Tensor, ...]:
+    num_train = int(len(data) * (1 - val_fraction))
+    return data[:num_train], data[num_train:]
+
+
+def global_batch(
+    data: torch.Tensor, *, batch_size: int, seq_len: int, seed: int, step: int
+) -> torch.Tensor:
+    """The step's whole batch (every rank's rows): ``batch_size`` random windows of
+    ``seq_len + 1`` bytes, int64, on the CPU. The same for a given seed and step whatever the
+    world size, so runs resumed at another world size see the same data."""
+    if len(data) <= seq_len + 1:
+        raise ValueError(f"{len(data)} bytes of data are too few for seq_len {seq_len}")
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=generator)
+    return data[starts[:, None] + torch.arange(seq_len + 1)].long()
+
+
+def split_windows(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of windows of ``seq_len + 1`` bytes: targets are one byte ahead."""
+    return windows[:, :-1], windows[:, 1:]
