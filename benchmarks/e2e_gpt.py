@@ -38,8 +38,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from gpt import PRESETS  # noqa: E402
 
-LARGEST_CANDIDATES = ("1b", "3b", "5b", "7b")
-
 
 def run_example(
     name: str, flags: list[str], args: argparse.Namespace, *, nproc: int | None = None
@@ -133,7 +131,7 @@ def largest(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """For fractions 0 and 1, the presets in ascending size until one fails (activation
     checkpointing on, micro-batches of one sequence per rank, a few steps)."""
     for fraction in (0.0, 1.0):
-        for preset in LARGEST_CANDIDATES:
+        for preset in args.candidates.split(","):
             flags = ["--preset", preset, "--steps", str(args.steps), "--eval-every", "0",
                      "--offload-fraction", str(fraction), "--checkpoint-activations",
                      "--micro-batches", str(PRESETS[preset].batch_size // args.nproc)]  # fmt: skip
@@ -194,6 +192,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=1, help="ranks (GPUs)")
     parser.add_argument("--fractions", default="0,0.5,1")
+    parser.add_argument("--candidates", default="1b,3b,5b,7b", help="largest: presets to try")
     parser.add_argument("--no-plain", dest="plain", action="store_false")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
     parser.add_argument("--out", type=Path, default=Path("runs/e2e_gpt"))

@@ -148,10 +148,11 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
     """The GPT on this rank's device, its AdamW (weight decay on matrices only), wrapped by
     zero-shard, an LR schedule and, for fp16, a loss scaler."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = GPT(PRESETS[args.preset].model, checkpoint_activations=args.checkpoint_activations)
+    with torch.device(ranks.device):  # initialized where it trains: fast for billions of params
+        model = GPT(PRESETS[args.preset].model, checkpoint_activations=args.checkpoint_activations)
     dtype = DTYPES[args.dtype]
     plain = args.optimizer == "adamw"
-    model = model.to(ranks.device, torch.float32 if plain else dtype)
+    model = model.to(torch.float32 if plain else dtype)
     groups = weight_decay_groups(model, weight_decay=0.1)
     adamw = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=plain)
     if plain:
@@ -328,6 +329,7 @@ def measure_memory(trainer: Trainer, ranks: Ranks) -> dict[str, Any]:
     peaks = torch.tensor(
         [float(peak_memory_bytes(ranks.device)), float(psutil.Process().memory_info().rss)],
         device=ranks.device,
+        dtype=torch.float64,  # bytes beyond 2**24 are not exact in float32
     )
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     memory = {"peak_bytes": int(peaks[0].item()), "host_rss_bytes": int(peaks[1].item())}
@@ -351,6 +353,8 @@ def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     config = preset.model
     train_data, val_data = split_train_val(read_stdlib_bytes(preset.max_data_bytes))
     trainer = build(args, ranks)
+    if ranks.device.type != "cpu":  # the peak to report is training's, not the fp32 init's
+        torch.get_device_module(ranks.device).reset_peak_memory_stats(ranks.device)
     log = Log(config={**vars(args), "world_size": ranks.world_size, "num_params": 0})
     log.config["num_params"] = sum(p.numel() for p in trainer.model.parameters())
     for key in ("out", "checkpoint_dir"):
@@ -382,6 +386,25 @@ def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     return log.to_json()
 
 
+@contextlib.contextmanager
+def profiled(step: int, ranks: Ranks, args: argparse.Namespace) -> Iterator[None]:
+    """``--profile-step STEP``: that step under ``torch.profiler``; rank 0 writes the op table
+    (``profile.txt``) and a Chrome trace (``trace.json``) into ``--out``."""
+    if step != args.profile_step:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if ranks.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        yield
+    if ranks.rank == 0 and args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        table = profiler.key_averages().table(sort_by="cpu_time_total", row_limit=60)
+        (args.out / "profile.txt").write_text(table)
+        profiler.export_chrome_trace(str(args.out / "trace.json"))
+
+
 def run_steps(
     trainer: Trainer,
     log: Log,
@@ -401,7 +424,8 @@ def run_steps(
             train_data, batch_size=args.batch_size, seq_len=seq_len, seed=args.seed, step=step
         )
         windows = rows_of_rank(windows, ranks).to(ranks.device, non_blocking=True)
-        record = {"step": step, **train_step(trainer, windows, args, timer)}
+        with profiled(step, ranks, args):
+            record = {"step": step, **train_step(trainer, windows, args, timer)}
         record["tokens_per_s"] = args.batch_size * seq_len / (record["wall_ms"] / 1e3)
         log.steps.append(record)
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
@@ -509,6 +533,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--async-checkpoint", action="store_true", help="write checkpoints in the background")
     add("--resume", action="store_true", help="go on from --checkpoint-dir's, if it has one")
     add("--simulate-crash", type=int, metavar="STEP", help="the last rank dies at STEP (tests)")
+    add("--profile-step", type=int, metavar="STEP", help="profile that step (see --out)")
     add("--out", type=Path, default=Path("runs/train_gpt"), help="JSON log and plot go here")
     add("--quiet", action="store_true", help="no progress bar")
     return check_args(parser, parser.parse_args(argv))
