@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from gpt import PRESETS  # noqa: E402
+from reporting import import_pyplot  # noqa: E402
 
 
 def run_example(
@@ -164,12 +165,9 @@ def converge(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 def plot_curves(logs: dict[str, dict[str, Any]], path: Path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no plot: matplotlib does not import")
+        plt = import_pyplot()
+    except ImportError as err:
+        print(err)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, log in logs.items():

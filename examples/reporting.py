@@ -147,16 +147,27 @@ class Log:
         path.write_text(json.dumps(self.to_json(), indent=1))
 
 
-def plot(log: Log, path: Path, title: str) -> str | None:
-    """Draws the loss curves and the per-step time split into ``path`` (PNG). Returns why not,
-    if it could not (matplotlib missing)."""
+def import_pyplot() -> Any:
+    """``matplotlib.pyplot`` drawing to files only; raises ImportError saying how to get it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:
-        return f"no plot: matplotlib does not import ({err}); pip install matplotlib"
+        raise ImportError(
+            f"no plot: matplotlib does not import ({err}); pip install matplotlib"
+        ) from err
+    return plt
+
+
+def plot(log: Log, path: Path, title: str) -> str | None:
+    """Draws the loss curves and the per-step time split into ``path`` (PNG). Returns why not,
+    if it could not (matplotlib missing)."""
+    try:
+        plt = import_pyplot()
+    except ImportError as err:
+        return str(err)
     steps = [record["step"] for record in log.steps]
     fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(13, 4.5))
     ax_loss.plot(steps, [record["loss"] for record in log.steps], lw=1, label="train")

@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -87,3 +88,10 @@ def run_cases(
                 if failure and merged[name] is None:
                     merged[name] = f"rank {rank}:\n{failure}"
         return merged
+
+
+def check_outcome(outcomes: dict[str, str | None], name: str) -> None:
+    """Fails the calling test with case ``name``'s failure text, if it failed on some rank."""
+    failure = outcomes[name]
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)

@@ -18,7 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
-from _harness import run_cases
+from _harness import check_outcome, run_cases
 from _models import Net, adamw, global_batch, local_slice, make_model, mse
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -263,9 +263,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks(outcomes: dict[str, str | None], name: str) -> None:
-    failure = outcomes[name]
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    check_outcome(outcomes, name)
 
 
 @pytest.mark.cuda

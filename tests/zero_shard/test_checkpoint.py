@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _harness import run_cases
+from _harness import check_outcome, run_cases
 from _models import PARAM_TOL, adamw, global_batch, local_slice, make_model, mse, step_reference
 from torch.distributed.tensor import DTensor
 
@@ -300,9 +300,7 @@ ALL = [name for cases in (*CASES_BY_WORLD.values(), LATE) for name in cases]
 
 @pytest.mark.parametrize("name", ALL)
 def test_checkpoints(outcomes: dict[str, str | None], name: str) -> None:
-    failure = outcomes[name]
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    check_outcome(outcomes, name)
 
 
 KILLED_SAVE = textwrap.dedent(

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import run_cases
+from _harness import check_outcome, run_cases
 from _models import adamw, global_batch, local_slice, make_model, mse
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -326,6 +326,4 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
 
 @pytest.mark.parametrize("name", [*CASES_AT_TWO, *CASES_AT_ONE])
 def test_checkpoints_on_two_gpus(outcomes: dict[str, str | None], name: str) -> None:
-    failure = outcomes[name]
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    check_outcome(outcomes, name)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import run_cases
+from _harness import check_outcome, run_cases
 from _models import (
     LOSS_TOL,
     PARAM_TOL,
@@ -422,6 +422,4 @@ def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_distributed(outcomes: dict[str, str | None], name: str) -> None:
-    failure = outcomes[name]
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    check_outcome(outcomes, name)

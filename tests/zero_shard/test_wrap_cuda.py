@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import run_cases
+from _harness import check_outcome, run_cases
 from _models import (
     adamw,
     global_batch,
@@ -179,6 +179,4 @@ def outcomes() -> dict[str, str | None]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_gpus(outcomes: dict[str, str | None], name: str) -> None:
-    failure = outcomes[name]
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    check_outcome(outcomes, name)

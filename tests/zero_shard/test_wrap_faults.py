@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import run_cases
+from _harness import check_outcome, run_cases
 from _models import (
     adamw,
     assert_params_close,
@@ -227,6 +227,4 @@ def outcomes() -> dict[str, str | None]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks(outcomes: dict[str, str | None], name: str) -> None:
-    failure = outcomes[name]
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    check_outcome(outcomes, name)
