@@ -1,10 +1,12 @@
 """One rank's hybrid GPU/CPU optimizer (knows no process group)."""
 
 from ._elementwise import check_elementwise, constructor_defaults
+from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport, check_param_kind
 from ._policy import OffloadPolicy
 
 __all__ = [
+    "HostStep",
     "HybridDeviceOptimizer",
     "MemoryReport",
     "OffloadPolicy",

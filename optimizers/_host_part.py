@@ -9,18 +9,20 @@ grads are complete there), queues the copies of the grads not sent by a hook or 
 the D2H stream behind that event, and hands each chunk to one worker thread, which waits for its
 chunk's copies and steps it: the single-pass kernel reads the model-dtype grads from the chunk's
 staging buffer and writes the model-dtype weights back there; otherwise the grads are cast to
-fp32, the chunk's CPU sub-optimizer steps and the weights are cast back. ``finish`` takes the chunks
-in the same order as they complete and queues their copies to the model params on the H2D stream;
-the current stream then waits for the last of them (the H2D stream runs in order), so the next
-forward sees the new params with no host synchronization. Meanwhile the accelerator's own share
-is stepped on the current stream. So the D2H of chunk k+1, the CPU step of chunk k and the H2D of
-chunk k-1 overlap each other and the accelerator's step.
+fp32, the chunk's CPU sub-optimizer steps and the weights are cast back. It returns a
+``HostStep`` that completes the chunks in the same order: it queues each one's copies to the model
+params on the H2D stream and makes the current stream wait for them (the H2D stream runs in
+order), so the next forward sees the new params with no host synchronization (see [Note: deferred
+host step]). Meanwhile the accelerator's own share is stepped on the current stream. So the D2H of
+chunk k+1, the CPU step of chunk k and the H2D of chunk k-1 overlap each other and the
+accelerator's step.
 
 [Note: pinned buffer reuse]
 A chunk's staging buffer carries grads in (D2H) and params out (H2D). The next D2H into it is
 queued behind the current stream (a hook's copy during backward, or start's after backward),
-and the current stream
-waited for this step's last H2D before that backward: so no copy into staging can start before
+and the current stream waited
+for this step's last H2D before that backward (every chunk is completed before the next backward
+or step): so no copy into staging can start before
 the previous copy out of it ended. The worker touches staging only after its D2H event
 completed and before its H2D is queued. This assumes that forward and backward run on the stream
 that was current when ``step()`` ran (as in ordinary training); a model run on another stream must
@@ -31,9 +33,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.profiler import record_function
@@ -50,6 +52,7 @@ from offload import (
 
 from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies
 from ._fused_backends import build_sub_optimizer
+from ._host_step import ChunkJob, HostStep
 from ._layout import ChunkSpec
 from ._records import ParamRecord, Piece, SentGrad, flat_param
 
@@ -72,12 +75,6 @@ class HostChunk:
     sent_by_hooks: set[int] = field(default_factory=set)  # record indices sent this step
     hooks_done: Any = None  # D2H-stream event after the hooks sent every param of the chunk;
     #                         None until they all did (or on CPU)
-
-
-class _ChunkJob(NamedTuple):
-    chunk: HostChunk
-    active: list[tuple[ParamRecord, Piece]]  # the pieces whose param has a grad this step
-    future: Future
 
 
 def _needs_grad_buffer(spec: ChunkSpec, kernel: CpuAdamKernel | None) -> bool:
@@ -113,7 +110,7 @@ class HostPart:
     _cls: type[torch.optim.Optimizer]
     _chunks_of: dict[int, list[HostChunk]]  # record index -> the chunks holding its pieces
     _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
-    _start_event: Any  # event on the current stream after backward; None on CPU
+    pending: HostStep | None  # the step the worker is on, until every chunk is completed
 
     def __init__(
         self,
@@ -142,7 +139,7 @@ class HostPart:
         self.engine = CopyEngine(device)
         self.threads = threads
         self._cls = cls
-        self._start_event = None
+        self.pending = None
         self.buffers = HostBuffers(
             [HostBufferRequest(spec.numel, spec.dtype) for spec in specs],
             pin=pin_memory and device.type != "cpu",
@@ -238,6 +235,7 @@ class HostPart:
 
         Staging then holds weights, not grads: grads the backward hooks sent are sent again.
         """
+        self.settle()
         self._forget_sent_grads()
         after = self.engine.record_current()
         for chunk in self.chunks:
@@ -264,20 +262,25 @@ class HostPart:
 
     @torch.no_grad()
     def start(
-        self, grads: dict[int, torch.Tensor], grad_scale: float | None = None
-    ) -> list[_ChunkJob]:
+        self,
+        grads: dict[int, torch.Tensor],
+        grad_scale: float | None = None,
+        *,
+        need_order: Sequence[int] | None = None,
+    ) -> HostStep:
         """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied by
-        ``grad_scale`` on the host if given; see [Note: host pipeline]."""
-        if not self.chunks:
-            return []
+        ``grad_scale`` on the host if given; see [Note: host pipeline]. The chunks go last params
+        first (their grads are ready first in backward), or, given ``need_order`` (every record
+        index, in the order the new weights will be needed), by the first param of each chunk
+        needed."""
+        self.settle()
         for chunk in self.chunks:  # refuse before any chunk is handed to the worker
             if chunk.kernel is not None:
                 self._check_kernel_still_applies(chunk)
-        self._start_event = self.engine.record_current()
+        start_event = self.engine.record_current()
         everything_sent = None  # covers all hook copies so far; made when a chunk needs it
         jobs = []
-        # Last params first: in backward their grads are ready first.
-        for chunk in reversed(self.chunks):
+        for chunk in self._chunk_order(need_order):
             active = [(r, p) for r, p in chunk.pieces if r.index in grads]
             for record, piece in chunk.pieces:
                 piece.main.grad = piece.grad if record.index in grads else None
@@ -300,10 +303,30 @@ class HostPart:
                     if not sent
                 ]
                 if pairs:
-                    events.append(self.engine.d2h(pairs, after=[self._start_event]))
+                    events.append(self.engine.d2h(pairs, after=[start_event]))
             future = self._executor.submit(_step_chunk, chunk, active, events, grad_scale)
-            jobs.append(_ChunkJob(chunk, active, future))
-        return jobs
+            jobs.append(ChunkJob(chunk, active, future))
+        step = HostStep(self, jobs, grads, start_event, on_done=self._step_done)
+        if step.done:  # no chunk had a grad
+            self._step_done()
+        else:
+            self.pending = step
+        return step
+
+    def _chunk_order(self, need_order: Sequence[int] | None) -> list[HostChunk]:
+        if need_order is None:
+            return self.chunks[::-1]
+        position = {index: place for place, index in enumerate(need_order)}
+        return sorted(self.chunks, key=lambda c: min(position[r.index] for r, _ in c.pieces))
+
+    def _step_done(self) -> None:
+        self.pending = None
+        self._forget_sent_grads()  # consumed, or to be sent again if the step failed
+
+    def settle(self) -> None:
+        """Completes the step in flight, if any: its chunks' weights reach the params."""
+        if self.pending is not None:
+            self.pending.wait()
 
     @torch.no_grad()
     def send_grad(self, record: ParamRecord) -> None:
@@ -313,6 +336,7 @@ class HostPart:
         step is running. The copy waits for the current stream (the grad is complete there), and
         that stream already waited for the last step's H2D out of the same staging slots.
         """
+        self.settle()  # a step launched with launch_step() still owns staging
         grad = record.param.grad
         if grad is None or not grad.is_contiguous():
             return  # sent at step time instead (a non-contiguous grad needs a temporary)
@@ -339,33 +363,6 @@ class HostPart:
                 "lr/betas/eps/weight_decay); build the optimizer with those options, or with "
                 "OffloadPolicy(cpu_kernel='torch')"
             )
-
-    @torch.no_grad()
-    def finish(self, jobs: Sequence[_ChunkJob]) -> None:
-        """Waits for each chunk's CPU step, queues its H2D, and orders the current stream after."""
-        last_event, error = None, None
-        for job in jobs:
-            try:
-                job.future.result()
-            except BaseException as err:  # wait for every chunk before raising
-                error = error or err
-                continue
-            # A chunk that stepped reaches the model even if another chunk failed.
-            with record_function("zero_shard::h2d"):
-                pairs = [
-                    CopyPair(
-                        _slice(flat_param(r.param), piece.spec.start, piece.spec.numel),
-                        piece.staging,
-                    )
-                    for r, piece in job.active
-                ]
-                last_event = self.engine.h2d(pairs, after=[self._start_event])
-        self._forget_sent_grads()  # consumed, or to be sent again if the step failed
-        # The H2D stream runs in order: its last event covers every chunk's copy.
-        self.engine.wait_on_current(last_event)
-        self._start_event = None
-        if error is not None:
-            raise error
 
 
 def _step_chunk(

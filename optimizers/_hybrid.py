@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from ._elementwise import (
     probe_state_layout,
 )
 from ._host_part import HostPart
+from ._host_step import HostStep
 from ._layout import ChunkSpec, ParamInfo, plan_layout
 from ._policy import OffloadPolicy
 from ._records import ParamRecord, flat_grad, flat_param
@@ -363,20 +364,54 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Last params first: with d2h_during_backward their grads are on their way first.
+        self._launch(grad_scale, need_order=None).wait()
+        return loss
+
+    @torch.no_grad()
+    def launch_step(
+        self, *, grad_scale: float | None = None, need_order: Sequence[int] | None = None
+    ) -> HostStep:
+        """Starts a step and returns before the CPU's share of it is done.
+
+        The accelerator's share is stepped on the current stream; the CPU's share runs on the
+        worker thread, chunk by chunk in ``need_order`` (every param index over all param groups,
+        as in ``state_dict()``, in the order the new weights will be needed; default: index
+        order). The returned :class:`HostStep`
+        completes it: ``wait_for(indices)`` once the params with those indices are needed, ``wait()`` for all; each makes the
+        current stream see the new weights (a stream wait; the host goes on). Anything else that
+        reads or writes the optimizer's state (``step``, ``state_dict``, ``load_state_dict``,
+        ``reload_model_params``, ``param_state``) completes it first. The model's params of the
+        CPU's share must not be read (no forward) before their chunks are completed, and the grads
+        not written (no backward) before the whole step is; ``zero_shard.wrap`` does both from its
+        forward pre-hooks. ``grad_scale`` is as for :meth:`step`.
+        """
+        if need_order is None:
+            need_order = range(len(self._records))
+        elif sorted(need_order) != list(range(len(self._records))):
+            raise ValueError(
+                f"need_order must hold every param index 0..{len(self._records) - 1} once, got "
+                f"{list(need_order)[:10]}{' ...' if len(need_order) > 10 else ''}"
+            )
+        return self._launch(grad_scale, need_order=need_order)
+
+    def _launch(self, grad_scale: float | None, *, need_order: Sequence[int] | None) -> HostStep:
         if grad_scale is not None and not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale}")
+        self._host.settle()
         self._sync_hyperparams()
-        # A non-contiguous grad is copied to a temporary here; it outlives every copy that reads
-        # it, since finish() returns only after the worker waited for all D2H copies.
+        # A non-contiguous grad is copied to a temporary here, which the D2H stream reads: the
+        # HostStep holds it until its chunks are completed, after the worker saw those copies end.
         grads = self._collect_grads()
-        jobs = self._host.start(grads, grad_scale)
+        pending = self._host.start(grads, grad_scale, need_order=need_order)
         try:
             self._device.step(grads, grad_scale)
-        finally:
-            # Even if the accelerator's step failed: the worker must not outlive this call, and
-            # the chunks it stepped must reach the model.
-            self._host.finish(jobs)
-        return loss
+        except BaseException:
+            # The worker must not outlive a failed step, and the chunks it stepped must still
+            # reach the model.
+            pending.wait()
+            raise
+        return pending
 
     @torch.no_grad()
     def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -386,6 +421,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Call it after loading model weights into the params (fine-tuning from a model-only
         checkpoint); otherwise the next step would continue from the old main weights.
         """
+        self._host.settle()
         indices = None
         if params is not None:
             wanted = {id(param) for param in params}
@@ -412,6 +448,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Tensors of a param kept in one piece are views of the live state; a param cut between
         devices or chunks is presented as a CPU copy.
         """
+        self._host.settle()
         state: dict[int, dict[str, Any]] = {}
         for record in self._records:
             param_state = self._record_state(record)
@@ -425,6 +462,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": param_groups}
 
     def _record_state(self, record: ParamRecord) -> dict[str, Any]:
+        self._host.settle()  # the worker may be writing it
         if record.ignored:
             return {}
         param_state = gather_state(record)
@@ -471,6 +509,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Main weights come from ``main_param`` where present, else from the model params.
         Everything is checked before anything changes.
         """
+        self._host.settle()
         pairs = self._match_saved(state_dict)
         saved_state = state_dict["state"]
         for record, saved_id in pairs:

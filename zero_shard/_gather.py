@@ -13,13 +13,24 @@ stream when it is launched, so it reads the shards only after the step (or the H
 current stream waited for) wrote them, and writes its output only after earlier copies out of a
 reused block were queued. ``finish`` launches and completes whatever is left (before the next
 step, ``state_dict``, or code that reads params outside forward).
+
+When the step returns before the CPU's share of it is done (``HybridDeviceOptimizer.launch_step``),
+``after_step`` is handed those pending writes, and a bucket's gather is launched only once the
+chunks writing its shards are completed: the launch waits for them (the host blocks until the
+worker has stepped them). Launches still happen at the same points on every rank, whatever each
+rank's CPU speed or share: a launch that went ahead only where the writes happened to be done
+would put the gathers in another order relative to other collectives (the user's, the next
+reductions) on different ranks. So the forward runs ``_PREFETCH`` buckets behind the CPU step,
+its first layers while the CPU steps the last ones, and every pending write is completed once
+every gather is launched (at the latest when the forward ends, or before backward's first
+reduction).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,7 +39,7 @@ from torch import nn
 from ._buckets import Bucket
 from ._collectives import launch_all_gather, unpack_params
 
-__all__ = ["ParamGatherer"]
+__all__ = ["HostWrites", "ParamGatherer", "PendingWrites"]
 
 _PREFETCH = 2  # buckets gathered ahead of the one the forward is waiting for
 
@@ -36,6 +47,25 @@ _PREFETCH = 2  # buckets gathered ahead of the one the forward is waiting for
 class _Gather(NamedTuple):
     work: Any  # the collective's Work
     out: torch.Tensor  # 1-D, world_size * shard_numel
+
+
+class PendingWrites(Protocol):
+    """Writes into the buckets' shard buffers still in flight when the step returned."""
+
+    def wait(self, bucket: int) -> None:
+        """Completes the bucket's writes: the current stream sees them afterwards."""
+
+
+class HostWrites:
+    """The CPU's share of a step (a ``HostStep``) as writes into buckets: a bucket's writes are
+    the chunks holding any of its shards (``indices[bucket]``: their hybrid param indices)."""
+
+    def __init__(self, host_step: Any, indices: Sequence[Sequence[int]]) -> None:
+        self._host_step = host_step
+        self._indices = indices
+
+    def wait(self, bucket: int) -> None:
+        self._host_step.wait_for(self._indices[bucket])
 
 
 def _wait_all(in_flight: dict[int, _Gather]) -> None:
@@ -54,6 +84,7 @@ class ParamGatherer:
     _stale: list[bool]  # per bucket: the params do not hold its shards' latest values yet
     _in_flight: dict[int, _Gather]  # bucket index -> launched, not yet copied into the params
     _next_launch: int  # the next bucket to launch; len(buckets) once all are launched
+    _writes: PendingWrites | None  # writes into the shards the gathers must wait for; None: none
 
     def __init__(
         self, buckets: Sequence[Bucket], group: dist.ProcessGroup, *, overlap: bool
@@ -65,6 +96,7 @@ class ParamGatherer:
         self._stale = [False] * len(self.buckets)
         self._in_flight = {}
         self._next_launch = len(self.buckets)
+        self._writes = None
         # Launched gathers must end before the process group does (gloo aborts the process
         # otherwise): if the optimizer goes away, or the program ends, with some in flight.
         weakref.finalize(self, _wait_all, self._in_flight)
@@ -74,11 +106,13 @@ class ParamGatherer:
         """Whether some params do not hold the latest step's weights yet."""
         return any(self._stale)
 
-    def after_step(self) -> None:
-        """Every bucket's shards changed: gather them now, or start to (overlap)."""
+    def after_step(self, writes: PendingWrites | None = None) -> None:
+        """Every bucket's shards changed (or will, once ``writes`` are done): gather them now,
+        or start to (overlap)."""
         self.finish()  # nothing is left from an earlier step, normally
         self._stale = [True] * len(self.buckets)
         self._next_launch = 0
+        self._writes = writes
         if self.overlap:
             self._launch_through(_PREFETCH - 1)
         else:
@@ -102,6 +136,7 @@ class ParamGatherer:
         full-size buffer."""
         for index in range(len(self.buckets)):
             self.wait_for(index)
+        self._writes = None
 
     def discard(self) -> None:
         """Completes every pending gather without copying it into the params (whose values are
@@ -111,11 +146,15 @@ class ParamGatherer:
                 self._launch_through(index + _PREFETCH)
                 self._in_flight.pop(index).work.wait()
                 self._stale[index] = False
+        self._writes = None
 
     def _launch_through(self, last: int) -> None:
+        """Launches the gathers through bucket ``last``, each once its shards are written."""
         last = min(last, len(self.buckets) - 1)
         while self._next_launch <= last:
             index = self._next_launch
+            if self._stale[index] and self._writes is not None:
+                self._writes.wait(index)  # the current stream now follows the shards' writes
             self._next_launch += 1
             if not self._stale[index]:
                 continue

@@ -24,7 +24,7 @@ from optimizers import (
 )
 
 from ._buckets import Bucket, ShardedParam, build_buckets, fsdp_sharded_param
-from ._gather import ParamGatherer
+from ._gather import HostWrites, ParamGatherer
 from ._norms import clip_coefficient, global_norm, nonfinite_flag
 from ._reduce import GradReducer
 from ._setup import (
@@ -82,6 +82,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _hybrid: HybridDeviceOptimizer  # steps this rank's shards
     _reducer: GradReducer | None  # replicated models only
     _gatherer: ParamGatherer | None  # replicated and DDP models
+    _bucket_indices: list[list[int]]  # per bucket, its shards' param indices in the hybrid
+    _need_order: list[int]  # the hybrid's param indices in bucket order (the forward's order)
     _groups: list[dist.ProcessGroup]  # the groups the grads are sharded over (norms, inf checks)
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
     _building: bool
@@ -180,18 +182,34 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 )
             return
         group = self.mesh.get_group()
-        self._sharded, self._buckets = build_buckets(
-            [p for p, _, _ in trainable],
-            [fqn for _, fqn, _ in trainable],
-            [g for _, _, g in trainable],
+        # Buckets follow the model's param order, taken as its forward order (as FSDP2 does):
+        # backward makes the last buckets' grads first, and the next forward needs the first
+        # buckets first. Param-group order would put, say, every norm weight into the last
+        # bucket, which the first layer then needs and backward completes last.
+        model_order = {id(p): place for place, p in enumerate(self._module.parameters())}
+        in_model_order = sorted(trainable, key=lambda item: model_order[id(item[0])])
+        sharded, self._buckets = build_buckets(
+            [p for p, _, _ in in_model_order],
+            [fqn for _, fqn, _ in in_model_order],
+            [g for _, _, g in in_model_order],
             rank=dist.get_rank(group),
             world_size=dist.get_world_size(group),
             bucket_bytes=int(bucket_mb * (1 << 20)),
             with_grad_buffers=self.kind is ModelKind.REPLICATED,
         )
+        # The records themselves stay in param-group order, as the hybrid's groups hold them.
+        record_of = {id(record.param): record for record in sharded}
+        self._sharded = [record_of[id(p)] for p, _, _ in trainable]
 
     def _install(self, stage: int, overlap_param_gather: bool) -> None:
         handles: list[Any] = []
+        in_hybrid = [s for g in range(len(self.param_groups)) for s in self._sharded
+                     if s.group_index == g]  # fmt: skip
+        index_of = {id(sharded): index for index, sharded in enumerate(in_hybrid)}
+        self._bucket_indices = [
+            [index_of[id(s)] for s in bucket.params] for bucket in self._buckets
+        ]
+        self._need_order = [index for indices in self._bucket_indices for index in indices]
         if self.kind is not ModelKind.FSDP:
             self._gatherer = ParamGatherer(
                 self._buckets, self.mesh.get_group(), overlap=overlap_param_gather
@@ -286,7 +304,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Steps this rank's shards and gathers the new weights into the model's params.
 
-        With ``overlap_param_gather`` the gathers finish during the next forward.
+        With ``overlap_param_gather`` it returns once the accelerator's share is stepped: the
+        CPU's share goes on during the next forward, whose pre-hooks wait for each bucket's CPU
+        step and gather before its layers run. An error of the CPU step then surfaces there.
         """
         loss = None
         if closure is not None:
@@ -301,10 +321,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         try:
             if self._skip_nonfinite():
                 return loss
-            self._hybrid.step(grad_scale=self._grad_scale)
             if self._gatherer is not None:
-                self._gatherer.after_step()
-            else:  # FSDP2: the step wrote the params' local shards in place
+                host_step = self._hybrid.launch_step(
+                    grad_scale=self._grad_scale, need_order=self._need_order
+                )
+                self._gatherer.after_step(HostWrites(host_step, self._bucket_indices))
+            else:  # FSDP2: the step writes the params' local shards in place
+                self._hybrid.step(grad_scale=self._grad_scale)
                 for sharded in self._sharded:
                     sharded.record_version()
         finally:

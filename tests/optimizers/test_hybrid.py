@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import threading
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from _parity import (
 )
 
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
+from optimizers import _host_part as host_part
 
 FRACTIONS = [0.0, 0.37, 1.0]
 DTYPES = [torch.bfloat16, torch.float32]
@@ -296,3 +298,42 @@ def test_failed_accelerator_step_still_finishes_the_host_share(
     opt.step()
     for index, main in enumerate(main_weights(opt, params)):
         assert torch.equal(params[index].detach(), main.to(params[index].dtype))
+
+
+def test_launch_step_completes_chunks_in_the_order_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    # launch_step returns before the CPU share is done; wait_for completes only the chunks up to
+    # the params asked for, in need_order; the end result is step()'s, bit for bit.
+    params, others = make_params(torch.bfloat16, "cpu"), make_params(torch.bfloat16, "cpu")
+    launched, stepped = hybrid(params, "adamw", 1.0, 8), hybrid(others, "adamw", 1.0, 8)
+    set_grads(params, fp32_copies(params), torch.Generator().manual_seed(0))
+    for param, other in zip(params, others, strict=True):
+        other.grad = param.grad.clone()
+    order = list(range(len(params)))[::-1]
+    release = threading.Event()
+    original = host_part._step_chunk
+
+    def held(*args):  # type: ignore[no-untyped-def]
+        release.wait()
+        original(*args)
+
+    monkeypatch.setattr(host_part, "_step_chunk", held)
+    before = [p.detach().clone() for p in params]
+    pending = launched.launch_step(need_order=order)
+    assert not pending.done and launched._host.pending is pending
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))  # nothing yet
+    release.set()
+    last = order[0]
+    pending.wait_for([last])
+    assert not torch.equal(params[last], before[last])  # the param asked for has its step
+    assert torch.equal(params[order[-1]], before[order[-1]])  # the one needed last does not yet
+    monkeypatch.undo()
+    stepped.step()
+    state = launched.state_dict()  # completes the rest first
+    assert pending.done and launched._host.pending is None
+    for param, other in zip(params, others, strict=True):
+        assert torch.equal(param, other)
+    for key, value in stepped.state_dict()["state"].items():
+        for name, tensor in value.items():
+            assert torch.equal(torch.as_tensor(state["state"][key][name]), torch.as_tensor(tensor))
+    with pytest.raises(ValueError, match="need_order must hold every param index"):
+        launched.launch_step(need_order=[0, 0])

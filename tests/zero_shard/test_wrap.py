@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+import time
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from _models import (
 from torch.distributed.tensor import DTensor
 
 import zero_shard
+from optimizers import _host_part as host_part
 from zero_shard import OffloadPolicy
 
 CASES = {}
@@ -123,6 +126,55 @@ def overlap_on_and_off_give_identical_params(rank: int, world: int) -> None:
             opt.zero_grad()
         opt.finish_param_sync()
         runs.append([p.detach().clone() for p in model.parameters()])
+    for with_overlap, without in zip(*runs, strict=True):
+        assert torch.equal(with_overlap, without)
+
+
+@contextlib.contextmanager
+def slow_cpu_steps(seconds: float) -> Iterator[None]:
+    """Every chunk's CPU step takes ``seconds`` longer: a forward that did not wait for it would
+    read old weights."""
+    original = host_part._step_chunk
+
+    def slow(*args: object) -> None:
+        time.sleep(seconds)
+        original(*args)
+
+    host_part._step_chunk = slow
+    try:
+        yield
+    finally:
+        host_part._step_chunk = original
+
+
+@case
+def cpu_step_runs_on_during_the_next_forward(rank: int, world: int) -> None:
+    # Race test of the deferred CPU step: step() returns while the worker still steps; the next
+    # forward waits bucket by bucket. Rank 0 alone is slowed, so the ranks' CPU steps end at
+    # different times, and a collective of the user's between step and forward (the loss mean)
+    # must still meet the same collective on every rank.
+    runs = []
+    for overlap in (True, False):
+        model = make_model()
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=offload(1.0), overlap_param_gather=overlap,
+            bucket_mb=TINY_BUCKETS / 8,  # one param per bucket
+        )  # fmt: skip
+        assert len(opt._buckets) == 6
+        losses = []
+        with slow_cpu_steps(0.01 if rank == 0 else 0.0):
+            for step in range(4):
+                x, y = global_batch(step)
+                loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+                assert opt._hybrid._host.pending is None  # the forward completed the CPU step
+                loss.backward()
+                opt.step()
+                if overlap and rank == 0:
+                    assert opt._hybrid._host.pending is not None  # still stepping on the CPU
+                losses.append(mean_over_ranks(loss))
+                opt.zero_grad()
+        opt.finish_param_sync()
+        runs.append([p.detach().clone() for p in [*model.parameters(), *losses]])
     for with_overlap, without in zip(*runs, strict=True):
         assert torch.equal(with_overlap, without)
 

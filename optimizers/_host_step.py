@@ -1,0 +1,128 @@
+"""The CPU's share of one step, in flight: chunks stepped on the worker, completed in order.
+
+[Note: deferred host step]
+``HostPart.start`` hands every chunk to the worker and returns a ``HostStep``. Completing a chunk
+means waiting for its CPU step, then queueing its H2D copy into the params and making the current
+stream wait for that copy (a stream wait: the host goes on). ``HybridDeviceOptimizer.step()``
+completes every chunk before it returns. ``launch_step()`` returns at once instead, and the caller
+completes the chunks it needs when it needs them (``wait_for``), the rest later (``wait``): with
+the chunks in parameter order, the next forward's first layers can run while the worker steps
+the last ones. Chunks complete strictly in the order the worker runs them, so one H2D event (the
+H2D stream runs in order) covers every chunk completed so far.
+
+Until the whole step is complete, the host part is *busy*: its staging buffers and main weights
+belong to the worker. Everything else that touches them (the next step, state dicts, reloads,
+a backward hook sending a grad) completes the step first (``HostPart.settle``).
+
+Buffer lifetimes: the D2H copies read the grads on the D2H stream behind the event ``start``
+recorded; the worker waits for them before it steps, and only then is the chunk's H2D queued. So
+once the current stream has waited for a chunk's H2D, both copies of that chunk are done, and the
+grads they read may be written again (by the next backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch.profiler import record_function
+
+from offload import CopyPair
+
+from ._records import ParamRecord, Piece, flat_param
+
+if TYPE_CHECKING:
+    from ._host_part import HostChunk, HostPart
+
+__all__ = ["ChunkJob", "HostStep"]
+
+
+def _piece_of(flat: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return flat[piece.spec.start : piece.spec.start + piece.spec.numel]
+
+
+class ChunkJob(NamedTuple):
+    chunk: HostChunk
+    active: list[tuple[ParamRecord, Piece]]  # the pieces whose param has a grad this step
+    future: Future
+
+
+class HostStep:
+    """The CPU share of one step; see [Note: deferred host step]."""
+
+    _part: HostPart
+    _jobs: list[ChunkJob]  # in the order the worker runs them
+    _num_completed: int  # jobs[:_num_completed] are done and their H2D is queued (or they failed)
+    _last_job_of: dict[int, int]  # record index -> position of the last job with a piece of it
+    _start_event: Any  # on the current stream after backward; the H2D copies wait for it
+    _on_done: Callable[[], None]  # runs once the last job is completed
+    _grads: dict[int, torch.Tensor] | None  # what the D2H copies read, held until they are done
+
+    def __init__(
+        self,
+        part: HostPart,
+        jobs: Sequence[ChunkJob],
+        grads: dict[int, torch.Tensor],
+        start_event: Any,
+        on_done: Callable[[], None],
+    ) -> None:
+        self._part = part
+        self._grads = grads
+        self._jobs = list(jobs)
+        self._num_completed = 0
+        self._start_event = start_event
+        self._on_done = on_done
+        self._last_job_of = {}
+        for position, job in enumerate(self._jobs):
+            for record, _ in job.active:
+                self._last_job_of[record.index] = position
+
+    @property
+    def done(self) -> bool:
+        """Whether every chunk is completed (its weights queued to the params)."""
+        return self._num_completed == len(self._jobs)
+
+    def _last_position(self, indices: Iterable[int]) -> int:
+        return max((self._last_job_of.get(index, -1) for index in indices), default=-1)
+
+    def wait_for(self, indices: Iterable[int]) -> None:
+        """Completes the chunks up to the last one holding a param with one of these record
+        indices: afterwards the current stream sees those params' new weights."""
+        self._complete_through(self._last_position(indices))
+
+    def wait(self) -> None:
+        """Completes every chunk: the current stream then sees all the new weights."""
+        self._complete_through(len(self._jobs) - 1)
+
+    @torch.no_grad()
+    def _complete_through(self, last: int) -> None:
+        if last < self._num_completed:
+            return
+        engine = self._part.engine
+        last_event, error = None, None
+        while self._num_completed <= last:
+            job = self._jobs[self._num_completed]
+            self._num_completed += 1
+            try:
+                job.future.result()
+            except BaseException as err:
+                # Wait for every chunk before raising: the worker must not outlive the step, and
+                # the chunks that stepped must still reach the params.
+                error = error or err
+                last = len(self._jobs) - 1
+                continue
+            with record_function("zero_shard::h2d"):
+                pairs = [
+                    CopyPair(_piece_of(flat_param(record.param), piece), piece.staging)
+                    for record, piece in job.active
+                ]
+                last_event = engine.h2d(pairs, after=[self._start_event])
+        # The H2D stream runs in order: its last event covers every chunk queued so far.
+        engine.wait_on_current(last_event)
+        if self.done:
+            self._grads = None
+            self._on_done()
+        if error is not None:
+            raise error
