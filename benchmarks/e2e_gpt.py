@@ -7,10 +7,17 @@ CPU AdamW floor for the model's parameter count: ``torch.optim.AdamW(fused=True)
 fp32 elements on the host, the least a full-offload step can cost. The target for fraction 1.0:
 iteration <= 1.2 x max(forward + backward at fraction 0, CPU AdamW floor).
 
+``speed --megatron-fractions 0.5,1`` adds Megatron-Core's HybridDeviceOptimizer to the rows: the
+same example, loop, model (bf16 params) and flags with ``--optimizer megatron-hdo`` (one GPU; see
+``examples/megatron_hdo.py``). When megatron-core does not import, or the device is not CUDA,
+those rows are recorded as ``{"skipped": reason}``. The peer travels as a wheel
+(docs/benchmarks/README.md): ``PYTHONPATH=/tmp/site:$PWD`` reaches the example's processes too.
+
 Run from the repository root on a GPU machine (each part writes ``results.json`` under ``--out``
 after every run, so a cut-off run keeps what it measured)::
 
     python benchmarks/e2e_gpt.py speed --preset 1b --out $OUT/e2e        # fractions, plain AdamW
+    python benchmarks/e2e_gpt.py speed --preset 1b --megatron-fractions 0.5,1 --out $OUT/e2e_mcore
     python benchmarks/e2e_gpt.py speed --preset 1b --nproc 2 --fractions 0.5 --out $OUT/e2e2
     python benchmarks/e2e_gpt.py largest --out $OUT/largest   # biggest preset per fraction
     python benchmarks/e2e_gpt.py converge --preset small --steps 300 --out $OUT/converge
@@ -23,6 +30,7 @@ the same seed and plots both loss curves.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -37,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from gpt import PRESETS  # noqa: E402
-from reporting import import_pyplot  # noqa: E402
+from megatron_hdo import import_hybrid_device_optimizer  # noqa: E402
+from reporting import PHASES, import_pyplot  # noqa: E402
 
 
 def run_example(
@@ -50,13 +59,15 @@ def run_example(
         f"--nproc-per-node={nproc or args.nproc}", str(ROOT / "examples" / "train_gpt.py"),
         "--device", args.device, "--quiet", "--out", str(out), *flags,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The caller's PYTHONPATH stays behind the root: it may carry peers installed with --target.
+    python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": python_path}
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
     record: dict[str, Any] = {"name": name, "flags": flags, "nproc": nproc or args.nproc}
     record["seconds"] = time.perf_counter() - started
     if result.returncode != 0:
-        tail = (result.stdout + result.stderr)[-1500:]
+        tail = (result.stdout + result.stderr)[-8000:]  # torchrun's report is the last ~2000
         record["error"] = "out of memory" if "OutOfMemoryError" in tail else tail
         print(f"{name}: failed ({record['error'][-300:]})", flush=True)
         return record
@@ -101,6 +112,18 @@ def speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
         flags = [*common, "--offload-fraction", str(fraction)]
         report["runs"].append(run_example(name, flags, args))
         save(report, args)
+    unavailable = megatron_unavailable(args.device) if args.megatron_fractions else None
+    if args.megatron_fractions and unavailable is None:
+        report["megatron_core"] = package_version("megatron-core")
+    for fraction in args.megatron_fractions:
+        name = f"megatron_hdo_f{fraction:g}_x1"
+        if unavailable is None:
+            flags = [*common, "--optimizer", "megatron-hdo", "--offload-fraction", str(fraction)]
+            report["runs"].append(run_example(name, flags, args))
+        else:
+            report["runs"].append({"name": name, "skipped": unavailable})
+            print(f"{name}: skipped ({unavailable})", flush=True)
+        save(report, args)
     if args.plain:
         report["runs"].append(run_example(f"plain_adamw_x{args.nproc}", [*common, "--optimizer",
                                           "adamw"], args))  # fmt: skip
@@ -108,6 +131,42 @@ def speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["cpu_adamw_floor_ms"] = cpu_adamw_floor_ms(num_params // args.nproc)
     report["targets"] = speed_targets(report)
     save(report, args)
+    print_table(report)
+
+
+def megatron_unavailable(device: str) -> str | None:
+    """Why ``train_gpt.py --optimizer megatron-hdo`` cannot run here, or None if it can."""
+    if torch.device(device).type != "cuda":
+        return f"Megatron-Core's HybridDeviceOptimizer needs CUDA, not --device {device}"
+    try:
+        import_hybrid_device_optimizer()
+    except ImportError as err:
+        return str(err)
+    return None
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """The speed rows as a markdown table, as in docs/benchmarks/e2e.md (memory in GiB)."""
+    print("| run | iteration ms | forward | backward | step | tokens/s | peak | host RSS |")
+    print("|---|---|---|---|---|---|---|---|")
+    for run in report["runs"]:
+        if "summary" not in run:
+            print(f"| {run['name']} | {run.get('skipped', 'failed')} | | | | | | |")
+            continue
+        summary, memory = run["summary"], run["summary"]["memory"]
+        cells = [f"{summary[f'{key}_ms']:.1f}" for key in ("iteration", *PHASES)]
+        cells.append(f"{summary['tokens_per_s']:,.0f}")
+        cells += [f"{memory[key] / 2**30:.1f}" for key in ("peak_bytes", "host_rss_bytes")]
+        print(f"| {run['name']} | {' | '.join(cells)} |")
+    if "cpu_adamw_floor_ms" in report:
+        print(f"| CPU AdamW floor | | | | {report['cpu_adamw_floor_ms']:.1f} | | | |")
 
 
 def speed_targets(report: dict[str, Any]) -> dict[str, Any]:
@@ -190,6 +249,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=1, help="ranks (GPUs)")
     parser.add_argument("--fractions", default="0,0.5,1")
+    parser.add_argument("--megatron-fractions", default="", help="speed: Megatron-Core "
+                        "HybridDeviceOptimizer rows at these fractions (one GPU), e.g. 0.5,1")  # fmt: skip
     parser.add_argument("--candidates", default="1b,3b,5b,7b", help="largest: presets to try")
     parser.add_argument("--no-plain", dest="plain", action="store_false")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
@@ -197,6 +258,9 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="more flags for train_gpt.py, after --")
     args = parser.parse_args()
     args.fractions = [float(f) for f in args.fractions.split(",")]
+    args.megatron_fractions = [float(f) for f in args.megatron_fractions.split(",") if f]
+    if args.megatron_fractions and args.nproc != 1:
+        parser.error("--megatron-fractions runs on one GPU: leave --nproc at 1")
     report: dict[str, Any] = {
         "part": args.part,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

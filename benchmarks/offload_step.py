@@ -62,7 +62,6 @@ import functools
 import gc
 import importlib
 import importlib.metadata
-import importlib.util
 import json
 import math
 import os
@@ -81,6 +80,9 @@ import torch
 
 from offload import usable_cores
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from megatron_hdo import import_hybrid_device_optimizer
 
 GIB = 1 << 30
 BATCH = 8  # rows of the tiny matmul per param: dense rank-8 grads
@@ -491,22 +493,12 @@ def run_torchao(workload: Workload, dtype: torch.dtype, settings: Settings) -> R
 
 
 def import_megatron_hdo() -> type:
-    """Megatron-Core's HybridDeviceOptimizer; its module needs only torch, so when the package
-    import pulls in dependencies that are missing, the module file is loaded on its own."""
-    name = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
+    """Megatron-Core's HybridDeviceOptimizer (its module file alone when the package does not
+    import: examples/megatron_hdo.py)."""
     try:
-        return importlib.import_module(name).HybridDeviceOptimizer
-    except Exception as package_err:
-        spec = importlib.util.find_spec("megatron")
-        roots = list(spec.submodule_search_locations or []) if spec else []
-        for root in roots:
-            path = Path(root) / "core" / "optimizer" / "cpu_offloading" / "hybrid_optimizer.py"
-            if path.exists():
-                module_spec = importlib.util.spec_from_file_location("megatron_hdo", path)
-                module = importlib.util.module_from_spec(module_spec)
-                module_spec.loader.exec_module(module)
-                return module.HybridDeviceOptimizer
-        raise Skip(f"megatron-core does not import: {package_err!r}") from package_err
+        return import_hybrid_device_optimizer()
+    except ImportError as err:
+        raise Skip(str(err)) from err
 
 
 def run_megatron(workload: Workload, fraction: float, settings: Settings) -> Result:

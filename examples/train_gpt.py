@@ -16,8 +16,10 @@ Run it from the repository root (after ``pip install -e ".[examples]"``)::
 
 Without torchrun it runs as a single rank (a one-process group). ``--optimizer adamw`` trains the
 same model with plain ``torch.optim.AdamW`` instead (fp32 params, autocast to ``--dtype``; DDP on
-several ranks): the reference that zero-shard's loss curve is compared with. ``--help`` lists
-every flag.
+several ranks): the reference that zero-shard's loss curve is compared with.
+``--optimizer megatron-hdo`` steps the same bf16 model with Megatron-Core's HybridDeviceOptimizer
+at ``--offload-fraction`` (one GPU, ``pip install megatron-core``; see ``megatron_hdo.py``): the
+peer that zero-shard's speed is compared with. ``--help`` lists every flag.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import megatron_hdo
 import psutil
 import torch
 import torch.distributed as dist
@@ -52,7 +55,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_shard
-from offload import format_bytes
+from offload import format_bytes, resolve_thread_budget
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NUM_VAL_BATCHES = 4
@@ -125,15 +128,16 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 class Trainer:
     """The model and what steps it."""
 
+    kind: str  # --optimizer: "zero-shard", "adamw" or "megatron-hdo"
     model: nn.Module  # the GPT, or its DDP wrapper (--optimizer adamw on several ranks)
-    optimizer: torch.optim.Optimizer  # a ZeroShardOptimizer, or plain AdamW
+    optimizer: torch.optim.Optimizer  # a ZeroShardOptimizer, plain AdamW or Megatron's HDO
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None  # fp16 only
     autocast_dtype: torch.dtype | None  # --optimizer adamw with --dtype bf16/fp16
 
     @property
     def zero_shard(self) -> bool:
-        return isinstance(self.optimizer, zero_shard.ZeroShardOptimizer)
+        return self.kind == "zero-shard"
 
 
 def lr_factor(step: int, *, num_warmup: int, num_steps: int, floor: float = 0.1) -> float:
@@ -146,7 +150,8 @@ def lr_factor(step: int, *, num_warmup: int, num_steps: int, floor: float = 0.1)
 
 def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
     """The GPT on this rank's device, its AdamW (weight decay on matrices only), wrapped by
-    zero-shard, an LR schedule and, for fp16, a loss scaler."""
+    zero-shard (or plain, or Megatron's HDO: ``--optimizer``), an LR schedule and, for fp16, a
+    loss scaler."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     with torch.device(ranks.device):  # initialized where it trains: fast for billions of params
         model = GPT(PRESETS[args.preset].model, checkpoint_activations=args.checkpoint_activations)
@@ -154,13 +159,20 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
     plain = args.optimizer == "adamw"
     model = model.to(torch.float32 if plain else dtype)
     groups = weight_decay_groups(model, weight_decay=0.1)
-    adamw = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=plain)
+    betas = (0.9, 0.95)
+    scaler_type = torch.amp.GradScaler
     if plain:
-        optimizer = adamw
+        optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=betas, fused=True)
         if ranks.world_size > 1:
             model = DistributedDataParallel(model)
-        scaler_type = torch.amp.GradScaler
+    elif args.optimizer == "megatron-hdo":
+        # Its CPU AdamW runs on torch's intra-op threads: as many as zero-shard's would be.
+        torch.set_num_threads(resolve_thread_budget(args.threads).num_threads)
+        optimizer = megatron_hdo.build_hybrid_device_optimizer(
+            groups, offload_fraction=args.offload_fraction, lr=args.lr, betas=betas
+        )
     else:
+        adamw = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
         policy = zero_shard.OffloadPolicy(fraction=args.offload_fraction, num_threads=args.threads)
         optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
         scaler_type = zero_shard.GradScaler
@@ -168,6 +180,7 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
         lr_factor, num_warmup=max(args.steps // 20, 1), num_steps=args.steps
     )
     return Trainer(
+        kind=args.optimizer,
         model=model,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
@@ -335,14 +348,16 @@ def measure_memory(trainer: Trainer, ranks: Ranks) -> dict[str, Any]:
     memory = {"peak_bytes": int(peaks[0].item()), "host_rss_bytes": int(peaks[1].item())}
     where = "host RSS" if ranks.device.type == "cpu" else "accelerator memory"
     line = f"peak {where} (max over ranks) {format_bytes(memory['peak_bytes'])}"
-    if trainer.zero_shard:
-        report = trainer.optimizer.memory_report()
-        memory.update(
-            optimizer_device_bytes=report.device_bytes, optimizer_host_bytes=report.host_bytes
-        )
+    if trainer.kind != "adamw":
+        if trainer.zero_shard:
+            report = trainer.optimizer.memory_report()
+            device_bytes, host_bytes = report.device_bytes, report.host_bytes
+        else:
+            device_bytes, host_bytes = megatron_hdo.memory_bytes(trainer.optimizer)
+        memory.update(optimizer_device_bytes=device_bytes, optimizer_host_bytes=host_bytes)
         line += (
-            f"; rank {ranks.rank}'s optimizer state: {format_bytes(report.device_bytes)} on "
-            f"{report.device}, {format_bytes(report.host_bytes)} on the host"
+            f"; rank {ranks.rank}'s optimizer state: {format_bytes(device_bytes)} on "
+            f"{ranks.device}, {format_bytes(host_bytes)} on the host"
         )
     memory["line"] = line
     return memory
@@ -497,6 +512,8 @@ def report(log: Log, args: argparse.Namespace) -> None:
 def describe_optimizer(args: argparse.Namespace) -> str:
     if args.optimizer == "adamw":
         return "plain torch AdamW"
+    if args.optimizer == "megatron-hdo":
+        return f"Megatron-Core HybridDeviceOptimizer, offload fraction {args.offload_fraction}"
     return f"zero-shard stage {args.stage}, offload fraction {args.offload_fraction}"
 
 
@@ -519,12 +536,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--batch-size", type=int, help="sequences per step over all ranks; default: preset's")
     add("--micro-batches", type=int, default=1, help="per rank and step (grad accumulation)")
     add("--lr", type=float, help="peak learning rate; default: the preset's")
-    add("--clip", type=float, default=1.0, help="max global grad norm (default 1)")
+    add("--clip", type=float, default=1.0, help="max global grad norm (default 1): of "
+        "zero-shard's fp32 main grads; adamw and megatron-hdo clip the model's grads with "
+        "torch.nn.utils.clip_grad_norm_")  # fmt: skip
     add("--dtype", choices=list(DTYPES), help="param dtype; default bf16, fp32 on CPU")
-    add("--optimizer", choices=["zero-shard", "adamw"], default="zero-shard")
+    add("--optimizer", choices=["zero-shard", "adamw", "megatron-hdo"], default="zero-shard",
+        help="zero-shard.wrap(AdamW) (default); adamw: plain torch AdamW, fp32 params, autocast "
+        "(the reference); megatron-hdo: Megatron-Core's HybridDeviceOptimizer, one CUDA GPU "
+        "(needs megatron-core)")  # fmt: skip
     add("--offload-fraction", type=float, default=0.5, help="share on the CPU (default 0.5)")
     add("--stage", type=int, choices=[1, 2], default=2)
-    add("--threads", type=int, help="CPU optimizer threads per rank; default: cores / ranks")
+    add("--threads", type=int, help="CPU optimizer threads per rank (megatron-hdo: torch's "
+        "intra-op threads); default: cores / ranks")  # fmt: skip
     add("--checkpoint-activations", action="store_true", help="recompute in backward")
     add("--seed", type=int, default=0)
     add("--eval-every", type=int, help="steps between evals; default a tenth of the run")
@@ -565,9 +588,29 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         parser.error("--resume and --checkpoint-every need --checkpoint-dir")
     if args.checkpoint_dir is not None and args.optimizer != "zero-shard":
         parser.error("checkpoints are written for --optimizer zero-shard only")
+    if args.optimizer == "megatron-hdo":
+        check_megatron_args(parser, args, world_size)
     if args.eval_every < 0 or args.checkpoint_every < 0:
         parser.error("--eval-every and --checkpoint-every must be 0 (off) or positive")
     return args
+
+
+def check_megatron_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int
+) -> None:
+    """What Megatron-Core's HybridDeviceOptimizer can run here."""
+    if torch.device(args.device).type != "cuda":
+        parser.error(
+            f"--optimizer megatron-hdo needs --device cuda, got {args.device}: Megatron-Core's "
+            "HybridDeviceOptimizer uses torch.cuda streams"
+        )
+    if world_size > 1:
+        parser.error(
+            f"--optimizer megatron-hdo runs in one process (it shards nothing), got {world_size} "
+            "ranks; run without torchrun or with --nproc-per-node 1"
+        )
+    if args.dtype == "fp16":
+        parser.error("--optimizer megatron-hdo takes --dtype bf16 or fp32 (no loss scaling here)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
