@@ -241,9 +241,18 @@ def optimizer_step(trainer: Trainer, clip: float) -> torch.Tensor:
 
 
 def train_step(
-    trainer: Trainer, windows: torch.Tensor, args: argparse.Namespace, timer: PhaseTimer
+    trainer: Trainer,
+    windows: torch.Tensor,
+    args: argparse.Namespace,
+    timer: PhaseTimer,
+    *,
+    settle: bool,
 ) -> dict[str, float]:
-    """One optimizer step over this rank's rows of the global batch, in micro-batches."""
+    """One optimizer step over this rank's rows of the global batch, in micro-batches.
+
+    zero-shard's step returns before its CPU share is done (the next forward waits for it). With
+    ``settle`` (an eval or checkpoint comes next, or the run ends) the step waits for it, so that
+    the time is counted in this step and not hidden in the eval."""
     timer.start_step()
     lr = trainer.optimizer.param_groups[0]["lr"]
     micro_batches = windows.chunk(args.micro_batches)
@@ -254,6 +263,8 @@ def train_step(
             loss += forward_backward(trainer, micro_batch, len(micro_batches), timer)
     timer.begin("step")
     norm = optimizer_step(trainer, args.clip)
+    if settle and trainer.zero_shard:
+        trainer.optimizer.finish_param_sync()
     timer.end()
     record = {"loss": mean_over_ranks(loss), "grad_norm": float(norm), "lr": lr}
     times = timer.finish_step()
@@ -439,11 +450,17 @@ def run_steps(
             train_data, batch_size=args.batch_size, seq_len=seq_len, seed=args.seed, step=step
         )
         windows = rows_of_rank(windows, ranks).to(ranks.device, non_blocking=True)
+        evaluate_now = step == args.steps or bool(args.eval_every and step % args.eval_every == 0)
+        checkpoint_now = args.checkpoint_dir is not None and (
+            step == args.steps or bool(args.checkpoint_every and step % args.checkpoint_every == 0)
+        )
         with profiled(step, ranks, args):
-            record = {"step": step, **train_step(trainer, windows, args, timer)}
+            # The summary leaves out the first step: its CPU share must not spill into the second.
+            settle = evaluate_now or checkpoint_now or step == first + 1
+            record = {"step": step, **train_step(trainer, windows, args, timer, settle=settle)}
         record["tokens_per_s"] = args.batch_size * seq_len / (record["wall_ms"] / 1e3)
         log.steps.append(record)
-        if step == args.steps or (args.eval_every and step % args.eval_every == 0):
+        if evaluate_now:
             log.val_losses[step] = evaluate(trainer.model, val_batches, trainer.autocast_dtype)
             if bar is not None and step < args.steps:
                 bar.write(f"step {step}: val loss {log.val_losses[step]:.3f}")
@@ -453,9 +470,7 @@ def run_steps(
                 step,
                 f"loss {record['loss']:.3f} | {record['tokens_per_s']:,.0f} tok/s | mem {memory}",
             )
-        if args.checkpoint_dir is not None and (
-            step == args.steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
-        ):
+        if checkpoint_now:
             pending = save_checkpoint(trainer, log, step, args, pending)
     if pending is not None:
         pending.result()
