@@ -60,6 +60,7 @@ from offload import format_bytes, resolve_thread_budget
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 NUM_VAL_BATCHES = 4
 LAST_LOSS_WINDOW = 10  # "last loss" is the mean training loss over this many final steps
+RSS_WARMUP_STEPS = 10  # steady host RSS is taken over a process's steps after its first ten
 CHECKPOINT_NAME = "latest"
 
 
@@ -347,18 +348,24 @@ def maybe_crash(step: int, ranks: Ranks, args: argparse.Namespace) -> None:
 # The run
 
 
-def measure_memory(trainer: Trainer, ranks: Ranks) -> dict[str, Any]:
-    """Peak memory (max over ranks; the accelerator's, or host RSS on the CPU) and where rank
-    0's optimizer state is, in bytes and as a line to print."""
+def measure_memory(trainer: Trainer, ranks: Ranks, rss_after_warmup: list[int]) -> dict[str, Any]:
+    """Peak memory (max over ranks; the accelerator's, or host RSS on the CPU), host RSS now
+    and over this process's steps after warm-up (``rss_after_warmup``, one sample per step: the
+    median and the max), and where rank 0's optimizer state is, in bytes and as a line to print.
+    Each RSS figure is the max over ranks."""
+    rss_now = psutil.Process().memory_info().rss
+    samples = sorted(rss_after_warmup) or [rss_now]  # a run of at most RSS_WARMUP_STEPS steps
     peaks = torch.tensor(
-        [float(peak_memory_bytes(ranks.device)), float(psutil.Process().memory_info().rss)],
+        [peak_memory_bytes(ranks.device), rss_now, samples[len(samples) // 2], samples[-1]],
         device=ranks.device,
         dtype=torch.float64,  # bytes beyond 2**24 are not exact in float32
     )
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    memory = {"peak_bytes": int(peaks[0].item()), "host_rss_bytes": int(peaks[1].item())}
+    keys = ("peak_bytes", "host_rss_bytes", "host_rss_steady_bytes", "host_rss_max_bytes")
+    memory: dict[str, Any] = dict(zip(keys, map(int, peaks.tolist()), strict=True))
     where = "host RSS" if ranks.device.type == "cpu" else "accelerator memory"
     line = f"peak {where} (max over ranks) {format_bytes(memory['peak_bytes'])}"
+    line += f"; host RSS after warm-up: median {format_bytes(memory['host_rss_steady_bytes'])}"
     if trainer.kind != "adamw":
         if trainer.zero_shard:
             report = trainer.optimizer.memory_report()
@@ -404,9 +411,9 @@ def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
         say(f"resumed from {args.checkpoint_dir / CHECKPOINT_NAME} at step {first}")
     else:
         log.val_losses[0] = evaluate(trainer.model, val_batches, trainer.autocast_dtype)
-    run_steps(trainer, log, train_data, val_batches, first, args, ranks)
+    rss_samples = run_steps(trainer, log, train_data, val_batches, first, args, ranks)
     log.summary = summarize(log, args)
-    log.summary["memory"] = measure_memory(trainer, ranks)
+    log.summary["memory"] = measure_memory(trainer, ranks, rss_samples[RSS_WARMUP_STEPS:])
     if ranks.rank == 0:
         report(log, args)
     return log.to_json()
@@ -439,30 +446,36 @@ def run_steps(
     first: int,
     args: argparse.Namespace,
     ranks: Ranks,
-) -> None:
+) -> list[int]:
+    """Trains from step ``first + 1`` to the last (``--stop-after`` or ``--steps``); returns
+    this rank's host RSS after each of those steps."""
     seq_len = PRESETS[args.preset].model.seq_len
+    last = last_step(args)
     timer = PhaseTimer(ranks.device)
-    bar = None if args.quiet or ranks.rank else ProgressBar(args.steps, first=first + 1)
+    bar = None if args.quiet or ranks.rank else ProgressBar(last, first=first + 1)
     pending = None  # the last async checkpoint's future
-    for step in range(first + 1, args.steps + 1):
+    rss_samples = []
+    for step in range(first + 1, last + 1):
         maybe_crash(step, ranks, args)
         windows = global_batch(
             train_data, batch_size=args.batch_size, seq_len=seq_len, seed=args.seed, step=step
         )
         windows = rows_of_rank(windows, ranks).to(ranks.device, non_blocking=True)
-        evaluate_now = step == args.steps or bool(args.eval_every and step % args.eval_every == 0)
+        evaluate_now = step == last or bool(args.eval_every and step % args.eval_every == 0)
         checkpoint_now = args.checkpoint_dir is not None and (
-            step == args.steps or bool(args.checkpoint_every and step % args.checkpoint_every == 0)
+            step == last or bool(args.checkpoint_every and step % args.checkpoint_every == 0)
         )
         with profiled(step, ranks, args):
             # The summary leaves out the first step: its CPU share must not spill into the second.
             settle = evaluate_now or checkpoint_now or step == first + 1
             record = {"step": step, **train_step(trainer, windows, args, timer, settle=settle)}
         record["tokens_per_s"] = args.batch_size * seq_len / (record["wall_ms"] / 1e3)
+        rss_samples.append(psutil.Process().memory_info().rss)
+        record["host_rss_bytes"] = rss_samples[-1]  # this rank's: the log is rank 0's
         log.steps.append(record)
         if evaluate_now:
             log.val_losses[step] = evaluate(trainer.model, val_batches, trainer.autocast_dtype)
-            if bar is not None and step < args.steps:
+            if bar is not None and step < last:
                 bar.write(f"step {step}: val loss {log.val_losses[step]:.3f}")
         if bar is not None:
             memory = format_bytes(peak_memory_bytes(ranks.device))
@@ -476,6 +489,12 @@ def run_steps(
         pending.result()
     if bar is not None:
         bar.close()
+    return rss_samples
+
+
+def last_step(args: argparse.Namespace) -> int:
+    """Where this process stops: ``--stop-after``, or the end of the run."""
+    return args.steps if args.stop_after is None else args.stop_after
 
 
 def summarize(log: Log, args: argparse.Namespace) -> dict[str, Any]:
@@ -490,7 +509,7 @@ def summarize(log: Log, args: argparse.Namespace) -> dict[str, Any]:
         "last_loss": sum(window) / len(window),
         "last_loss_window": len(window),
         "val_loss_start": log.val_losses.get(0),
-        "val_loss_end": log.val_losses[args.steps],
+        "val_loss_end": log.val_losses[last_step(args)],
         "tokens_per_s": len(timed) * args.batch_size * seq_len / wall_s,
         "iteration_ms": wall_s * 1e3 / len(timed),
         **mean,
@@ -570,6 +589,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
     add("--async-checkpoint", action="store_true", help="write checkpoints in the background")
     add("--resume", action="store_true", help="go on from --checkpoint-dir's, if it has one")
+    add("--stop-after", type=int, metavar="STEP", help="stop after STEP (checkpointed, with "
+        "--checkpoint-dir); the LR schedule stays that of --steps, and --resume goes on")  # fmt: skip
     add("--simulate-crash", type=int, metavar="STEP", help="the last rank dies at STEP (tests)")
     add("--profile-step", type=int, metavar="STEP", help="profile that step (see --out)")
     add("--out", type=Path, default=Path("runs/train_gpt"), help="JSON log and plot go here")
@@ -607,6 +628,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         check_megatron_args(parser, args, world_size)
     if args.eval_every < 0 or args.checkpoint_every < 0:
         parser.error("--eval-every and --checkpoint-every must be 0 (off) or positive")
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        parser.error(f"--stop-after must be in [1, --steps={args.steps}], got {args.stop_after}")
     return args
 
 

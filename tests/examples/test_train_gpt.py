@@ -128,6 +128,20 @@ def test_two_ranks_crash_and_resume(curves: dict[str, dict], tmp_path: Path) -> 
                                        msg=f"{name}: {fqn}")  # fmt: skip
 
 
+def test_stop_after_and_resume_equals_the_straight_run(
+    curves: dict[str, dict], tmp_path: Path
+) -> None:
+    """``--stop-after`` ends a run early, checkpointed, on the schedule of ``--steps``; the
+    resumed run's losses are the uninterrupted run's, bit for bit."""
+    flags = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]
+    first = run_in_process(tmp_path / "first", *flags, "--stop-after", "10")
+    assert [record["step"] for record in first["steps"]] == list(range(1, 11))
+    resumed = run_in_process(tmp_path / "resumed", *flags)
+    assert losses(resumed) == losses(curves["0.5"])
+    with pytest.raises(SystemExit):
+        run_in_process(tmp_path / "bad", "--stop-after", str(NUM_STEPS + 1))
+
+
 def test_bf16_accumulation_and_async_checkpoint(tmp_path: Path) -> None:
     """bf16 params with two micro-batches per rank, checkpoints written in the background, and
     a resume at another world size that refuses another run's checkpoint."""
