@@ -82,7 +82,7 @@ from offload import usable_cores
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from megatron_hdo import import_hybrid_device_optimizer
+from megatron_hdo import build_hybrid_device_optimizer
 
 GIB = 1 << 30
 BATCH = 8  # rows of the tiny matmul per param: dense rank-8 grads
@@ -492,30 +492,19 @@ def run_torchao(workload: Workload, dtype: torch.dtype, settings: Settings) -> R
     return make_result(name, 1.0, timing, device, extra)
 
 
-def import_megatron_hdo() -> type:
-    """Megatron-Core's HybridDeviceOptimizer (its module file alone when the package does not
-    import: examples/megatron_hdo.py)."""
-    try:
-        return import_hybrid_device_optimizer()
-    except ImportError as err:
-        raise Skip(str(err)) from err
-
-
 def run_megatron(workload: Workload, fraction: float, settings: Settings) -> Result:
     device = settings.device
     require_cuda(device)
-    MegatronHDO = import_megatron_hdo()
     model = make_model(workload, device, torch.bfloat16)
-    fused_adamw = functools.partial(torch.optim.AdamW, fused=True)
-    opt = MegatronHDO(
-        model.params,
-        offload_fraction=fraction,
-        cpu_optimizer_cls=fused_adamw,
-        gpu_optimizer_cls=fused_adamw,
-        param_update_in_fp32=True,
-        lr=LR,
-        weight_decay=WEIGHT_DECAY,
-    )
+    try:
+        opt = build_hybrid_device_optimizer(
+            [{"params": model.params, "weight_decay": WEIGHT_DECAY}],
+            offload_fraction=fraction,
+            lr=LR,
+            betas=(0.9, 0.999),  # AdamW's default, as every other system here
+        )
+    except ImportError as err:
+        raise Skip(str(err)) from err
     prepare = prepare_with(model, functools.partial(opt.zero_grad, set_to_none=True))
     timing = time_iterations(opt.step, prepare, Clock(device), settings)
     extra = {"version": package_version("megatron-core")}

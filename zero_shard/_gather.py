@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from optimizers import HostStep
+
 from ._buckets import Bucket
 from ._collectives import launch_all_gather, unpack_params
 
@@ -60,7 +62,7 @@ class HostWrites:
     """The CPU's share of a step (a ``HostStep``) as writes into buckets: a bucket's writes are
     the chunks holding any of its shards (``indices[bucket]``: their hybrid param indices)."""
 
-    def __init__(self, host_step: Any, indices: Sequence[Sequence[int]]) -> None:
+    def __init__(self, host_step: HostStep, indices: Sequence[Sequence[int]]) -> None:
         self._host_step = host_step
         self._indices = indices
 

@@ -203,9 +203,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _install(self, stage: int, overlap_param_gather: bool) -> None:
         handles: list[Any] = []
-        in_hybrid = [s for g in range(len(self.param_groups)) for s in self._sharded
-                     if s.group_index == g]  # fmt: skip
-        index_of = {id(sharded): index for index, sharded in enumerate(in_hybrid)}
+        # The hybrid's param indices are positions in self._sharded (param-group order).
+        index_of = {id(sharded): index for index, sharded in enumerate(self._sharded)}
         self._bucket_indices = [
             [index_of[id(s)] for s in bucket.params] for bucket in self._buckets
         ]
