@@ -259,53 +259,77 @@ def bench_iteration(
     iters: int,
     buckets_mb: list[float],
     profile_dir: Path | None,
+    gathers: list[str],
 ) -> list[dict[str, Any]]:
-    from train_gpt import GPT, GPTConfig
+    from gpt import GPT, GPTConfig
 
     rows = []
     config = GPTConfig(layers, num_heads=max(width // 128, 1), d_model=width, seq_len=seq_len)
     gen = torch.Generator(DEVICE).manual_seed(dist.get_rank())
     tokens = torch.randint(0, 256, (batch, seq_len + 1), device=DEVICE, generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    for bucket_mb in buckets_mb:
-        for overlap in (True, False):
-            reset_memory()
-            torch.manual_seed(0)
-            model = GPT(config).to(DEVICE, torch.bfloat16)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-            opt = zero_shard.wrap(opt, model, overlap_param_gather=overlap, bucket_mb=bucket_mb)
-            _train_iterations(model, opt, inputs, targets, 3)  # warm-up
-            dist.barrier()
-            synchronize()
-            watch, host = _train_iterations(model, opt, inputs, targets, iters)
-            synchronize()
-            phases = {
-                "forward": [watch.ms(4 * i, 4 * i + 1) for i in range(iters)],
-                "backward": [watch.ms(4 * i + 1, 4 * i + 2) for i in range(iters)],
-                "step": [watch.ms(4 * i + 2, 4 * i + 3) for i in range(iters)],
-                "iter": [watch.ms(4 * i, 4 * i + 4) for i in range(iters)],
-            }
-            row = {
-                "bucket_mb": bucket_mb,
-                "overlap_param_gather": overlap,
-                "num_params": sum(p.numel() for p in model.parameters()),
-                "num_buckets": len(opt._buckets),
-            }
-            row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
-            for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):
-                row[f"host_{name}_ms"] = statistics.median((m[b] - m[a]) * 1e3 for m in host)
-            if opt.num_skipped_steps:
-                raise RuntimeError(f"{opt.num_skipped_steps} steps skipped as non-finite")
-            row["peak_gib"] = peak_memory_since_reset() / 2**30
-            row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
-            rows.append(row)
-            if dist.get_rank() == 0:
-                print(f"  {row}", flush=True)
-            if profile_dir is not None and overlap and bucket_mb == buckets_mb[-1]:
-                _profile(model, opt, inputs, targets, profile_dir)
-            opt.finish_param_sync()
-            del model, opt
+    configs = [(g, b, o) for g in gathers for b in buckets_mb for o in (True, False)]
+    for gather, bucket_mb, overlap in configs:
+        reset_memory()
+        torch.manual_seed(0)
+        model = GPT(config).to(DEVICE, torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        opt = zero_shard.wrap(opt, model, overlap_param_gather=overlap, bucket_mb=bucket_mb)
+        _use_gather(gather, opt)
+        _train_iterations(model, opt, inputs, targets, 3)  # warm-up
+        dist.barrier()
+        synchronize()
+        watch, host = _train_iterations(model, opt, inputs, targets, iters)
+        synchronize()
+        phases = {
+            "forward": [watch.ms(4 * i, 4 * i + 1) for i in range(iters)],
+            "backward": [watch.ms(4 * i + 1, 4 * i + 2) for i in range(iters)],
+            "step": [watch.ms(4 * i + 2, 4 * i + 3) for i in range(iters)],
+            "iter": [watch.ms(4 * i, 4 * i + 4) for i in range(iters)],
+        }
+        row = {
+            "gather": gather,
+            "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
+            "bucket_mb": bucket_mb,
+            "overlap_param_gather": overlap,
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "num_buckets": len(opt._buckets),
+        }
+        row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
+        for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):
+            row[f"host_{name}_ms"] = statistics.median((m[b] - m[a]) * 1e3 for m in host)
+        if opt.num_skipped_steps:
+            raise RuntimeError(f"{opt.num_skipped_steps} steps skipped as non-finite")
+        row["peak_gib"] = peak_memory_since_reset() / 2**30
+        row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
+        rows.append(row)
+        if dist.get_rank() == 0:
+            print(f"  {row}", flush=True)
+        if profile_dir is not None and overlap and bucket_mb == buckets_mb[-1]:
+            _profile(model, opt, inputs, targets, profile_dir / gather)
+        opt.finish_param_sync()
+        _use_gather("nccl", opt)
+        del model, opt
     return rows
+
+
+def _use_gather(kind: str, opt: zero_shard.ZeroShardOptimizer) -> None:
+    """Makes zero-shard's param gathers NCCL's all-gather (``nccl``) or the copy-engine one of
+    ``_ce_gather`` (``ce``), patched in for this experiment."""
+    from zero_shard import _collectives, _gather
+
+    if kind == "nccl":
+        _gather.launch_all_gather = _collectives.launch_all_gather
+        return
+    from _ce_gather import CopyEngineGather
+
+    shards = [bucket.shard_buffer for bucket in opt._buckets]
+    _gather.launch_all_gather = CopyEngineGather(
+        opt.mesh.get_group(0),
+        max(shard.numel() for shard in shards),
+        shards[0].dtype,
+        shards[0].device,
+    )
 
 
 def _profile(model, opt, inputs, targets, out: Path) -> None:  # type: ignore[no-untyped-def]
@@ -340,6 +364,9 @@ def main() -> None:
     parser.add_argument("--parts", default="collectives,step,iteration")
     parser.add_argument("--buckets-mb", default="64,256", help="zero-shard bucket sizes to run")
     parser.add_argument("--profile", action="store_true", help="write profile.txt to --out")
+    parser.add_argument(
+        "--gathers", default="nccl", help="param gathers to run: nccl, ce (copy engines; CUDA)"
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU + gloo, tiny sizes")
     parser.add_argument("--out", type=Path, default=Path("runs/zero_step"))
     args = parser.parse_args()
@@ -375,6 +402,7 @@ def main() -> None:
             args.iters,
             buckets_mb,
             args.out if args.profile else None,
+            args.gathers.split(","),
         )
     if dist.get_rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -102,16 +102,30 @@ class DevicePart:
         )
         return flats + state
 
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a step given ``found_inf`` is skipped by the kernels themselves, with no host
+        synchronization: torch's fused optimizers read the flag on the device."""
+        return self.optimizer is None or bool(self.optimizer.defaults.get("fused"))
+
     @torch.no_grad()
-    def step(self, grads: dict[int, torch.Tensor], grad_scale: float | None = None) -> None:
+    def step(
+        self,
+        grads: dict[int, torch.Tensor],
+        grad_scale: float | None = None,
+        found_inf: torch.Tensor | None = None,
+    ) -> None:
         """Steps every piece whose param has a grad in ``grads`` (1-D, by record index), the
-        grads multiplied by ``grad_scale`` in fp32 if given.
+        grads multiplied by ``grad_scale`` in fp32 if given; nothing changes where ``found_inf``
+        (one element, on the device) is nonzero.
 
         Runs on the current stream, so it is ordered after backward and before the next forward
-        with no synchronization.
+        with no synchronization (none for ``found_inf`` either where ``skips_on_device``).
         """
         if self.optimizer is None:
             return
+        if found_inf is not None and not self.skips_on_device and bool(found_inf):
+            return  # the host waited for the flag: a sub-optimizer without a found_inf input
         with record_function("zero_shard::device_step"):
             cast_dst, cast_src, written_params, written_mains, in_place = [], [], [], [], []
             for record, piece in self.pieces:
@@ -134,7 +148,15 @@ class DevicePart:
                 torch._foreach_copy_(cast_dst, cast_src)
             if grad_scale is not None and (cast_dst or in_place):
                 torch._foreach_mul_(cast_dst + in_place, grad_scale)
-            self.optimizer.step()
+            # torch's optimizers read a found_inf attribute (GradScaler's protocol): the fused
+            # kernels leave params and state as they are where it is nonzero (the step count is
+            # put back). The params written below then get the same values again.
+            skip_on_device = found_inf is not None and self.skips_on_device
+            self.optimizer.found_inf = found_inf.reshape(()) if skip_on_device else None
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.found_inf = None
             if written_params:
                 torch._foreach_copy_(written_params, written_mains)
             for _, piece in self.pieces:

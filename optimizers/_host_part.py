@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -56,7 +56,7 @@ from ._host_step import ChunkJob, HostStep
 from ._layout import ChunkSpec
 from ._records import ParamRecord, Piece, SentGrad, flat_param
 
-__all__ = ["HostChunk", "HostPart"]
+__all__ = ["HostChunk", "HostPart", "Verdict"]
 
 
 @dataclass
@@ -111,6 +111,8 @@ class HostPart:
     _chunks_of: dict[int, list[HostChunk]]  # record index -> the chunks holding its pieces
     _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
     pending: HostStep | None  # the step the worker is on, until every chunk is completed
+    _found_inf: torch.Tensor  # 1 element, fp32, pinned when possible: the step's found_inf, read
+    #                           by the worker once the D2H copy of it is done
 
     def __init__(
         self,
@@ -140,6 +142,7 @@ class HostPart:
         self.threads = threads
         self._cls = cls
         self.pending = None
+        self._found_inf = torch.zeros(1, pin_memory=self.engine.is_async)
         self.buffers = HostBuffers(
             [HostBufferRequest(spec.numel, spec.dtype) for spec in specs],
             pin=pin_memory and device.type != "cpu",
@@ -267,17 +270,25 @@ class HostPart:
         grad_scale: float | None = None,
         *,
         need_order: Sequence[int] | None = None,
+        found_inf: torch.Tensor | None = None,
     ) -> HostStep:
         """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied by
         ``grad_scale`` on the host if given; see [Note: host pipeline]. The chunks go last params
         first (their grads are ready first in backward), or, given ``need_order`` (every record
         index, in the order the new weights will be needed), by the first param of each chunk
-        needed."""
+        needed. Where ``found_inf`` (one element, on the device) is nonzero, the worker steps no
+        chunk and the params are left as they are; the host does not wait for it here."""
         self.settle()
         for chunk in self.chunks:  # refuse before any chunk is handed to the worker
             if chunk.kernel is not None:
                 self._check_kernel_still_applies(chunk)
         start_event = self.engine.record_current()
+        verdict = None
+        if found_inf is not None and self.chunks:
+            # Behind start_event: the flag is final there. The worker reads it after this copy;
+            # the buffer is free again once the step is settled (before the next start).
+            pair = CopyPair(self._found_inf, found_inf.detach().reshape(1))  # fp32, checked
+            verdict = Verdict(self._found_inf, self.engine.d2h([pair], after=[start_event]))
         everything_sent = None  # covers all hook copies so far; made when a chunk needs it
         jobs = []
         for chunk in self._chunk_order(need_order):
@@ -304,9 +315,9 @@ class HostPart:
                 ]
                 if pairs:
                     events.append(self.engine.d2h(pairs, after=[start_event]))
-            future = self._executor.submit(_step_chunk, chunk, active, events, grad_scale)
+            future = self._executor.submit(_step_chunk, chunk, active, events, grad_scale, verdict)
             jobs.append(ChunkJob(chunk, active, future))
-        step = HostStep(self, jobs, grads, start_event, on_done=self._step_done)
+        step = HostStep(self, jobs, grads, start_event, self._step_done, found_inf)
         if step.done:  # no chunk had a grad
             self._step_done()
         else:
@@ -365,15 +376,30 @@ class HostPart:
             )
 
 
+class Verdict(NamedTuple):
+    """Whether to skip a step, on its way to the host: ``flag`` holds it once ``event`` is done."""
+
+    flag: torch.Tensor  # 1 element, host
+    event: Any  # on the D2H stream; None on CPU (the copy was synchronous)
+
+    def skips(self) -> bool:
+        wait_event(self.event)
+        return bool(self.flag[0] != 0)
+
+
 def _step_chunk(
     chunk: HostChunk,
     active: list[tuple[ParamRecord, Piece]],
     d2h_events: list[Any],
     grad_scale: float | None,
-) -> None:
-    """Worker thread: grads in staging -> fp32 -> CPU step -> weights back into staging."""
+    verdict: Verdict | None,
+) -> bool:
+    """Worker thread: grads in staging -> fp32 -> CPU step -> weights back into staging.
+    Returns whether it stepped (False: skipped, staging still holds the grads)."""
     for event in d2h_events:
         wait_event(event)  # the chunk's grads have landed in staging
+    if verdict is not None and verdict.skips():
+        return False
     with record_function("zero_shard::cpu_step"):
         if chunk.kernel is not None:
             group = chunk.optimizer.param_groups[0]
@@ -381,7 +407,7 @@ def _step_chunk(
                 if grad_scale is not None:  # bf16 or fp32 grads: a power-of-two scale is exact
                     piece.staging.mul_(grad_scale)
                 chunk.kernel.step_piece(piece.main, piece.staging, piece.state, group)
-            return
+            return True
         whole = len(active) == len(chunk.pieces)
         if chunk.grad is not chunk.staging:
             if whole:
@@ -398,3 +424,4 @@ def _step_chunk(
         else:
             for _, piece in active:
                 piece.staging.copy_(piece.main)
+    return True

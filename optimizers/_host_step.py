@@ -59,6 +59,7 @@ class HostStep:
     _start_event: Any  # on the current stream after backward; the H2D copies wait for it
     _on_done: Callable[[], None]  # runs once the last job is completed
     _grads: dict[int, torch.Tensor] | None  # what the D2H copies read, held until they are done
+    _found_inf: torch.Tensor | None  # the step's flag, which the D2H stream reads too: held alike
 
     def __init__(
         self,
@@ -67,9 +68,11 @@ class HostStep:
         grads: dict[int, torch.Tensor],
         start_event: Any,
         on_done: Callable[[], None],
+        found_inf: torch.Tensor | None = None,
     ) -> None:
         self._part = part
         self._grads = grads
+        self._found_inf = found_inf
         self._jobs = list(jobs)
         self._num_completed = 0
         self._start_event = start_event
@@ -106,12 +109,14 @@ class HostStep:
             job = self._jobs[self._num_completed]
             self._num_completed += 1
             try:
-                job.future.result()
+                stepped = job.future.result()
             except BaseException as err:
                 # Wait for every chunk before raising: the worker must not outlive the step, and
                 # the chunks that stepped must still reach the params.
                 error = error or err
                 last = len(self._jobs) - 1
+                continue
+            if not stepped:  # a skipped step: staging holds the grads, the params stay
                 continue
             with record_function("zero_shard::h2d"):
                 pairs = [
@@ -122,7 +127,7 @@ class HostStep:
         # The H2D stream runs in order: its last event covers every chunk queued so far.
         engine.wait_on_current(last_event)
         if self.done:
-            self._grads = None
+            self._grads = self._found_inf = None
             self._on_done()
         if error is not None:
             raise error

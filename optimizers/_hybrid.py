@@ -345,9 +345,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             grads[record.index] = grad
         return grads
 
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether a step given ``found_inf`` is skipped without the host waiting for the flag:
+        the accelerator's sub-optimizer is one of torch's fused ones (or holds nothing), and the
+        CPU worker reads the flag itself."""
+        return self._device.skips_on_device
+
     @torch.no_grad()
     def step(  # type: ignore[override]
-        self, closure: Callable[[], float] | None = None, *, grad_scale: float | None = None
+        self,
+        closure: Callable[[], float] | None = None,
+        *,
+        grad_scale: float | None = None,
+        found_inf: torch.Tensor | None = None,
     ) -> float | None:
         """Steps every param that has a grad; returns the closure's loss if one is given.
 
@@ -359,32 +370,40 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             grad_scale: multiplies the grads by this factor in fp32, after they are cast to the
                 fp32 main grads (unscaling fp16 loss-scaled grads without underflow). Grads
                 that are fp32 already are multiplied in place. Default: none.
+            found_inf: a one-element fp32 tensor on the params' device, as the current stream
+                will hold it: where it is nonzero the step is skipped, params and state left
+                bit-identical. Read on the device by torch's fused kernels and by the CPU worker
+                (``skips_on_device``); otherwise the host waits for it. Default: none.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         # Last params first: with d2h_during_backward their grads are on their way first.
-        self._launch(grad_scale, need_order=None).wait()
+        self._launch(grad_scale, found_inf, need_order=None).wait()
         return loss
 
     @torch.no_grad()
     def launch_step(
-        self, *, grad_scale: float | None = None, need_order: Sequence[int] | None = None
+        self,
+        *,
+        grad_scale: float | None = None,
+        found_inf: torch.Tensor | None = None,
+        need_order: Sequence[int] | None = None,
     ) -> HostStep:
         """Starts a step and returns before the CPU's share of it is done.
 
         The accelerator's share is stepped on the current stream; the CPU's share runs on the
         worker thread, chunk by chunk in ``need_order`` (every param index over all param groups,
         as in ``state_dict()``, in the order the new weights will be needed; default: index
-        order). The returned :class:`HostStep`
-        completes it: ``wait_for(indices)`` once the params with those indices are needed, ``wait()`` for all; each makes the
-        current stream see the new weights (a stream wait; the host goes on). Anything else that
-        reads or writes the optimizer's state (``step``, ``state_dict``, ``load_state_dict``,
-        ``reload_model_params``, ``param_state``) completes it first. The model's params of the
-        CPU's share must not be read (no forward) before their chunks are completed, and the grads
-        not written (no backward) before the whole step is; ``zero_shard.wrap`` does both from its
-        forward pre-hooks. ``grad_scale`` is as for :meth:`step`.
+        order). The returned :class:`HostStep` completes it: ``wait_for(indices)`` once the params
+        with those indices are needed, ``wait()`` for all; each makes the current stream see the
+        new weights (a stream wait; the host goes on). Anything else that reads or writes the
+        optimizer's state (``step``, ``state_dict``, ``load_state_dict``, ``reload_model_params``,
+        ``param_state``) completes it first. The model's params of the CPU's share must not be
+        read (no forward) before their chunks are completed, and the grads not written (no
+        backward) before the whole step is; ``zero_shard.wrap`` does both from its forward
+        pre-hooks. ``grad_scale`` and ``found_inf`` are as for :meth:`step`.
         """
         if need_order is None:
             need_order = range(len(self._records))
@@ -393,25 +412,51 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 f"need_order must hold every param index 0..{len(self._records) - 1} once, got "
                 f"{list(need_order)[:10]}{' ...' if len(need_order) > 10 else ''}"
             )
-        return self._launch(grad_scale, need_order=need_order)
+        return self._launch(grad_scale, found_inf, need_order=need_order)
 
-    def _launch(self, grad_scale: float | None, *, need_order: Sequence[int] | None) -> HostStep:
+    def _launch(
+        self,
+        grad_scale: float | None,
+        found_inf: torch.Tensor | None,
+        *,
+        need_order: Sequence[int] | None,
+    ) -> HostStep:
         if grad_scale is not None and not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale}")
+        if found_inf is not None:
+            self._check_found_inf(found_inf)
         self._host.settle()
         self._sync_hyperparams()
         # A non-contiguous grad is copied to a temporary here, which the D2H stream reads: the
         # HostStep holds it until its chunks are completed, after the worker saw those copies end.
         grads = self._collect_grads()
-        pending = self._host.start(grads, grad_scale, need_order=need_order)
+        pending = self._host.start(grads, grad_scale, need_order=need_order, found_inf=found_inf)
         try:
-            self._device.step(grads, grad_scale)
+            self._device.step(grads, grad_scale, found_inf)
         except BaseException:
             # The worker must not outlive a failed step, and the chunks it stepped must still
             # reach the model.
             pending.wait()
             raise
         return pending
+
+    def _check_found_inf(self, found_inf: torch.Tensor) -> None:
+        device = self._records[0].param.device
+        if (
+            not isinstance(found_inf, torch.Tensor)
+            or found_inf.numel() != 1
+            or found_inf.dtype != torch.float32
+            or found_inf.device != device
+        ):
+            described = (
+                f"a {found_inf.dtype} tensor of shape {tuple(found_inf.shape)} on {found_inf.device}"
+                if isinstance(found_inf, torch.Tensor)
+                else type(found_inf).__name__
+            )
+            raise TypeError(
+                f"found_inf must be a one-element float32 tensor on {device} (as GradScaler "
+                f"makes it), got {described}"
+            )
 
     @torch.no_grad()
     def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:

@@ -85,22 +85,22 @@ def _full_ranks(spec: ShardSpec) -> tuple[int, int]:
     return full, spec.dim0 - full * spec.rows_per_rank
 
 
-def _copy_rows(
-    padded: torch.Tensor, rows: torch.Tensor, spec: ShardSpec, *, into_padded: bool
-) -> None:
-    """Copies between a parameter's rows (dim0, row_numel) and its padded shards (world, r, n)."""
+def _row_pairs(
+    padded: torch.Tensor, rows: torch.Tensor, spec: ShardSpec
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(a rank's padded shard, the same rows of the parameter) for every rank with rows: both
+    contiguous, so that a whole bucket's pairs go into one multi-tensor copy."""
     full, rest = _full_ranks(spec)
     per = spec.rows_per_rank
-    pairs = []
-    if full:
-        pairs.append((padded[:full], rows[: full * per].view(full, per, spec.row_numel)))
+    pairs = [(padded[rank], rows[rank * per : (rank + 1) * per]) for rank in range(full)]
     if rest:
         pairs.append((padded[full, :rest], rows[full * per :]))
-    for in_padded, in_rows in pairs:
-        if into_padded:
-            in_padded.copy_(in_rows)
-        else:
-            in_rows.copy_(in_padded)
+    return pairs
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def pack_grads(
@@ -114,13 +114,17 @@ def pack_grads(
     into ``out``, zero-filled, ``world_size`` segments of ``layout.segment_numel``; sets each
     parameter's flag in every segment to 1 where this rank has its grad."""
     segment = layout.segment_numel
+    dsts, srcs = [], []
     for position, (spec, grad) in enumerate(zip(specs, grads, strict=True)):
         if grad is None:
             continue
         padded = padded_rows(
             out, layout, position, spec, world_size=world_size, segment_numel=segment
         )
-        _copy_rows(padded, grad.reshape(spec.dim0, spec.row_numel), spec, into_padded=True)
+        for in_padded, in_rows in _row_pairs(padded, grad.reshape(spec.dim0, spec.row_numel), spec):
+            dsts.append(in_padded)
+            srcs.append(in_rows)
+    _copy_all(dsts, srcs)
     flags = out.view(world_size, segment)[:, layout.shard_numel :]
     if all(grad is not None for grad in grads):
         flags.fill_(1)
@@ -138,7 +142,8 @@ def unpack_params(
     world_size: int,
 ) -> None:
     """Copies every rank's shards from an all-gather output into the full parameters (a
-    ``None`` param is left as it is)."""
+    ``None`` param is left as it is), in one multi-tensor copy."""
+    dsts, srcs = [], []
     for position, (spec, param) in enumerate(zip(specs, params, strict=True)):
         if param is None:
             continue
@@ -151,7 +156,10 @@ def unpack_params(
             segment_numel=layout.shard_numel,
         )
         rows = param.detach().view(spec.dim0, spec.row_numel)
-        _copy_rows(padded, rows, spec, into_padded=False)
+        for in_padded, in_rows in _row_pairs(padded, rows, spec):
+            dsts.append(in_rows)
+            srcs.append(in_padded)
+    _copy_all(dsts, srcs)
 
 
 def launch_reduction(

@@ -35,6 +35,7 @@ from ._setup import (
     resolve_mesh,
     unwrap_model,
 )
+from ._skips import SkipCount
 from ._state_dict import (
     ShardedStateView,
     check_saved_groups,
@@ -73,7 +74,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     mesh: DeviceMesh
     nonfinite: str  # "skip" or "raise": what a step with inf/NaN grads does
     stale_params: str  # "reload" or "error": what a step does when params changed under it
-    num_skipped_steps: int  # steps skipped for non-finite grads so far
+    _skips: SkipCount  # steps skipped for non-finite grads (see [Note: skip on the device])
     _module: nn.Module  # the model, unwrapped from DDP
     _ddp: nn.Module | None  # the DDP wrapper, if any
     _device: torch.device
@@ -132,7 +133,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._ddp = model if self.kind is ModelKind.DDP else None
         self.nonfinite = nonfinite
         self.stale_params = stale_params
-        self.num_skipped_steps = 0
+        self._skips = SkipCount(device)
         self._logged_stale = False
         self._reducer = self._gatherer = None
         self._end_window()
@@ -317,21 +318,30 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         for group_index, group in enumerate(self._hybrid.param_groups):
             group.update(self._hyperparams(group_index))
         self._finalize_grads()
+        self._read_skips(block=True)  # the last step's verdict, on the host long since
         try:
-            if self._skip_nonfinite():
+            skip, found_inf = self._check_nonfinite()
+            if skip:
                 return loss
             if self._gatherer is not None:
                 host_step = self._hybrid.launch_step(
-                    grad_scale=self._grad_scale, need_order=self._need_order
+                    grad_scale=self._grad_scale, found_inf=found_inf, need_order=self._need_order
                 )
                 self._gatherer.after_step(HostWrites(host_step, self._bucket_indices))
             else:  # FSDP2: the step writes the params' local shards in place
-                self._hybrid.step(grad_scale=self._grad_scale)
+                self._hybrid.step(grad_scale=self._grad_scale, found_inf=found_inf)
                 for sharded in self._sharded:
                     sharded.record_version()
         finally:
             self._end_window()
+        self._read_skips(block=False)  # at once where the device is the CPU
         return loss
+
+    @property
+    def num_skipped_steps(self) -> int:
+        """Steps skipped for non-finite grads so far (including the last one's verdict)."""
+        self._read_skips(block=True)
+        return self._skips.num_skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's grads and this rank's reduced grads."""
@@ -528,29 +538,44 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def _shard_grads(self) -> list[torch.Tensor]:
         return [s.shard.grad for s in self._sharded if s.shard.grad is not None]
 
-    def _skip_nonfinite(self) -> bool:
-        """Whether this step is skipped for infs or NaNs in the grads (the same on every rank)."""
+    def _check_nonfinite(self) -> tuple[bool, torch.Tensor | None]:
+        """Whether this step is skipped for infs or NaNs in the grads (the same on every rank),
+        as (known now on the host: skip, the flag for the step's kernels to read instead).
+
+        With ``nonfinite="skip"`` and a sub-optimizer that reads the flag on the device, the host
+        does not wait for it: see [Note: skip on the device].
+        """
         if self._checked_by_scaler:
-            return False  # GradScaler checked the same grads and calls step() only when finite
+            return False, None  # GradScaler checked the same grads and calls step() if finite
         if self._window_norm is not None:
-            bad = not bool(torch.isfinite(self._window_norm))
+            flag = (~torch.isfinite(self._window_norm)).float()
         else:
-            bad = bool(nonfinite_flag(self._checked_grads(), self._groups, self._device))
-        if not bad:
-            return False
+            flag = nonfinite_flag(self._checked_grads(), self._groups, self._device)
+        if self.nonfinite == "skip" and self._hybrid.skips_on_device:
+            self._skips.note(flag)
+            return False, flag
+        if not bool(flag):
+            return False, None
         if self.nonfinite == "raise":
             raise RuntimeError(
                 "the grads hold an inf or a NaN (on some rank); the step was not taken and the "
                 "optimizer state is unchanged. Use nonfinite='skip' to skip such steps"
             )
-        self.num_skipped_steps += 1
+        self._warn_skipped(self._skips.add())
+        return True, None
+
+    def _read_skips(self, *, block: bool) -> None:
+        if self._skips.read(block=block):
+            self._warn_skipped(self._skips.num_skipped)
+
+    @staticmethod
+    def _warn_skipped(num_skipped: int) -> None:
         warnings.warn(
-            f"zero-shard skipped a step: the grads hold an inf or a NaN "
-            f"({self.num_skipped_steps} step(s) skipped so far); state and params are unchanged",
+            f"zero-shard skipped a step: the grads hold an inf or a NaN ({num_skipped} step(s) "
+            "skipped so far); state and params are unchanged",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-        return True
 
     def _unscale_sharded_grads(
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor

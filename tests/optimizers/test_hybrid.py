@@ -274,7 +274,7 @@ def test_failed_accelerator_step_still_finishes_the_host_share(
     params = make_params(torch.bfloat16, "cpu")
     opt = hybrid(params, "adamw", 0.5)
 
-    def fail(grads, grad_scale=None):  # type: ignore[no-untyped-def]
+    def fail(grads, grad_scale=None, found_inf=None):  # type: ignore[no-untyped-def]
         raise RuntimeError("out of memory (simulated)")
 
     monkeypatch.setattr(opt._device, "step", fail)
@@ -314,7 +314,7 @@ def test_launch_step_completes_chunks_in_the_order_asked(monkeypatch: pytest.Mon
 
     def held(*args):  # type: ignore[no-untyped-def]
         release.wait()
-        original(*args)
+        return original(*args)
 
     monkeypatch.setattr(host_part, "_step_chunk", held)
     before = [p.detach().clone() for p in params]
@@ -337,3 +337,44 @@ def test_launch_step_completes_chunks_in_the_order_asked(monkeypatch: pytest.Mon
             assert torch.equal(torch.as_tensor(state["state"][key][name]), torch.as_tensor(tensor))
     with pytest.raises(ValueError, match="need_order must hold every param index"):
         launched.launch_step(need_order=[0, 0])
+
+
+def _snapshot(opt: HybridDeviceOptimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    state = opt.state_dict()["state"]
+    tensors = [p.detach().clone() for p in params]
+    for key in sorted(state):
+        tensors += [torch.as_tensor(state[key][name]).clone() for name in sorted(state[key])]
+    return tensors
+
+
+WITH_RMSPROP = {**OPTIMIZERS, "rmsprop": (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.9})}
+
+
+@pytest.mark.parametrize(("name", "fraction"), list(itertools.product(WITH_RMSPROP, FRACTIONS)))
+def test_found_inf_skips_the_step_bit_for_bit(name: str, fraction: float) -> None:
+    # A nonzero found_inf leaves params and every state tensor (the step counts included) as
+    # they were, on both devices; a zero one is the plain step, bit for bit.
+    params, others = make_params(torch.bfloat16, "cpu"), make_params(torch.bfloat16, "cpu")
+    cls, kwargs = WITH_RMSPROP[name]
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=40, num_threads=2)
+    opt, plain = (
+        HybridDeviceOptimizer(groups_of(p), cls, policy=policy, **kwargs) for p in (params, others)
+    )
+    # RMSprop has no fused kernel: the host reads the flag before the accelerator's step.
+    if name != "rmsprop" or fraction < 1.0:
+        assert opt.skips_on_device == (name != "rmsprop")
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        set_grads(params, fp32_copies(params), gen)
+        for param, other in zip(params, others, strict=True):
+            other.grad = param.grad.clone()
+        before = _snapshot(opt, params)
+        opt.launch_step(found_inf=torch.ones(1)).wait()
+        after = _snapshot(opt, params)
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), f"step {step}"
+        opt.step(found_inf=torch.zeros(()))
+        plain.step()
+        mine, theirs = _snapshot(opt, params), _snapshot(plain, others)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)), f"step {step}"
+    with pytest.raises(TypeError, match="found_inf must be a one-element float32 tensor"):
+        opt.step(found_inf=torch.zeros(2))
