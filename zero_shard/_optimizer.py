@@ -574,7 +574,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             f"zero-shard skipped a step: the grads hold an inf or a NaN ({num_skipped} step(s) "
             "skipped so far); state and params are unchanged",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,  # the caller of step(), through torch.no_grad's wrapper
         )
 
     def _unscale_sharded_grads(

@@ -16,6 +16,7 @@ from _models import (
     mean_over_ranks,
     mse,
 )
+from torch.distributed.tensor import DTensor
 
 import zero_shard
 from zero_shard import OffloadPolicy
@@ -104,6 +105,45 @@ def bf16_and_fp16_runs_keep_params_equal_to_main_weights(rank: int, world: int) 
                 assert torch.equal(param.detach(), main.to(dtype)), (dtype, step)
         assert losses[-1] < losses[0], (dtype, losses)
         assert opt.num_skipped_steps == 0
+
+
+def _local(value: object) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else torch.as_tensor(value)
+
+
+@case
+def nonfinite_grad_skips_on_the_device(rank: int, world: int) -> None:
+    # The verdict stays on the GPU (fused AdamW's found_inf, the CPU worker's copy of it): a NaN
+    # in rank 0's grads leaves every rank's params and state bit-identical, and the host learns
+    # of it at the next step.
+    device = torch.device("cuda", rank)
+    for fraction in (0.0, 0.5, 1.0):
+        model = make_model().to(device, torch.bfloat16)
+        opt = zero_shard.wrap(adamw(model), model, offload=policy(fraction), bucket_mb=0.0008)
+        assert opt._hybrid.skips_on_device
+        x, y = (t.to(device, torch.bfloat16) for t in global_batch(0))
+        for step in range(3):
+            poisoned = step == 1
+            loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+            if poisoned and rank == 0:
+                loss = loss * float("nan")
+            loss.backward()
+            opt.finish_param_sync()
+            before = [p.detach().clone() for p in model.parameters()]
+            states = [
+                {k: _local(v).clone() for k, v in opt.state[p].items()} for p in model.parameters()
+            ]
+            opt.step()
+            opt.zero_grad()
+            opt.finish_param_sync()
+            after = list(model.parameters())
+            changed = any(not torch.equal(b, a) for b, a in zip(before, after, strict=True))
+            assert changed != poisoned, (fraction, step)
+            if poisoned:
+                for param, state in zip(model.parameters(), states, strict=True):
+                    for key, value in opt.state[param].items():
+                        assert torch.equal(_local(value), state[key]), (fraction, key)
+        assert opt.num_skipped_steps == 1, fraction
 
 
 def race_case(rank: int, world: int, *, fraction: float, steps: int = 12) -> str | None:
