@@ -255,8 +255,11 @@ def main() -> None:
     parser.add_argument("--no-plain", dest="plain", action="store_false")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
     parser.add_argument("--out", type=Path, default=Path("runs/e2e_gpt"))
-    parser.add_argument("extra", nargs="*", help="more flags for train_gpt.py, after --")
-    args = parser.parse_args()
+    parser.epilog = "Flags after a lone -- go to train_gpt.py as they are (e.g. -- --threads 12)."
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    args.extra = argv[split + 1 :]
     args.fractions = [float(f) for f in args.fractions.split(",")]
     args.megatron_fractions = [float(f) for f in args.megatron_fractions.split(",") if f]
     if args.megatron_fractions and args.nproc != 1:

@@ -633,8 +633,12 @@ def wrap(
         bucket_mb: MiB of (unsharded) params reduced and gathered together; default 256
             (docs/benchmarks/zero_step.md). Each bucket in flight holds a full-size buffer.
         nonfinite: a step whose grads hold an inf or NaN is skipped with a warning (``"skip"``,
-            default) or raises (``"raise"``); either way nothing changes. fp16 loss scaling
-            with :class:`zero_shard.GradScaler` skips and backs off as torch's GradScaler does.
+            default) or raises (``"raise"``); either way nothing changes. With ``"skip"`` and an
+            optimizer torch has a fused kernel for (Adam, AdamW, SGD), the skip is decided on the
+            accelerator and the host does not wait for backward to end at ``step()``; the
+            warning, and ``num_skipped_steps``, then come at the next ``step()`` (or when
+            ``num_skipped_steps`` is read). fp16 loss scaling with :class:`zero_shard.GradScaler`
+            skips and backs off as torch's GradScaler does.
         stale_params: model params written outside the optimizer since it last set them (weights
             loaded into the model after wrapping, as fine-tuning does) have older fp32 main
             weights: ``"reload"`` (default) reloads those from the params at the next step or
