@@ -293,7 +293,7 @@ def bench_iteration(
             "bucket_mb": bucket_mb,
             "overlap_param_gather": overlap,
             "num_params": sum(p.numel() for p in model.parameters()),
-            "num_buckets": len(opt._buckets),
+            "num_buckets": len(opt._comm.buckets),
         }
         row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
         for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):
@@ -323,7 +323,7 @@ def _use_gather(kind: str, opt: zero_shard.ZeroShardOptimizer) -> None:
         return
     from _ce_gather import CopyEngineGather
 
-    shards = [bucket.shard_buffer for bucket in opt._buckets]
+    shards = [bucket.shard_buffer for bucket in opt._comm.buckets]
     _gather.launch_all_gather = CopyEngineGather(
         opt.mesh.get_group(0),
         max(shard.numel() for shard in shards),

@@ -6,7 +6,14 @@ This layer knows no optimizer and no process group.
 from ._copy_engine import CopyEngine, CopyPair, copy_async, wait_event
 from ._host_memory import check_host_memory, format_bytes, local_world_size
 from ._pinned import HostBufferRequest, HostBuffers
-from ._streams import current_stream, record_event, side_stream, use_stream, wait_stream
+from ._streams import (
+    current_stream,
+    record_event,
+    side_stream,
+    use_device,
+    use_stream,
+    wait_stream,
+)
 from ._threads import ThreadBudget, resolve_thread_budget, usable_cores
 
 __all__ = [
@@ -24,6 +31,7 @@ __all__ = [
     "resolve_thread_budget",
     "side_stream",
     "usable_cores",
+    "use_device",
     "use_stream",
     "wait_event",
     "wait_stream",

@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["current_stream", "record_event", "side_stream", "use_stream", "wait_stream"]
+__all__ = [
+    "current_stream",
+    "record_event",
+    "side_stream",
+    "use_device",
+    "use_stream",
+    "wait_stream",
+]
 
 Stream = Any
 Event = Any
@@ -30,6 +37,15 @@ def current_stream(device: torch.device) -> Stream | None:
     if device.type == "cpu":
         return None
     return torch.get_device_module(device).current_stream(device)
+
+
+def use_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes ``device`` the calling thread's current device inside the block (nothing on the
+    CPU): allocations without a device, object collectives over NCCL, and a new thread, whose
+    current device starts at the first one, go to this rank's."""
+    if device.type in ("cpu", "meta"):
+        return contextlib.nullcontext()
+    return torch.get_device_module(device).device(device)
 
 
 @contextlib.contextmanager

@@ -319,7 +319,7 @@ class HostPart:
             jobs.append(ChunkJob(chunk, active, future))
         step = HostStep(self, jobs, grads, start_event, self._step_done, found_inf)
         if step.done:  # no chunk had a grad
-            self._step_done()
+            step.wait()
         else:
             self.pending = step
         return step

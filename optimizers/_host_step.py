@@ -8,7 +8,10 @@ completes every chunk before it returns. ``launch_step()`` returns at once inste
 completes the chunks it needs when it needs them (``wait_for``), the rest later (``wait``): with
 the chunks in parameter order, the next forward's first layers can run while the worker steps
 the last ones. Chunks complete strictly in the order the worker runs them, so one H2D event (the
-H2D stream runs in order) covers every chunk completed so far.
+H2D stream runs in order) covers every chunk completed so far. Chunks may be completed from more
+than one thread (``zero_shard.wrap`` completes them from its gather thread, while a state dict on
+the main thread settles the step): a lock keeps them in order, and each caller's current stream
+waits for the H2D event of every chunk completed so far, by whichever thread.
 
 Until the whole step is complete, the host part is *busy*: its staging buffers and main weights
 belong to the worker. Everything else that touches them (the next step, state dicts, reloads,
@@ -22,6 +25,7 @@ grads they read may be written again (by the next backward).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -57,9 +61,11 @@ class HostStep:
     _num_completed: int  # jobs[:_num_completed] are done and their H2D is queued (or they failed)
     _last_job_of: dict[int, int]  # record index -> position of the last job with a piece of it
     _start_event: Any  # on the current stream after backward; the H2D copies wait for it
-    _on_done: Callable[[], None]  # runs once the last job is completed
+    _on_done: Callable[[], None] | None  # runs once the last job is completed; then None
     _grads: dict[int, torch.Tensor] | None  # what the D2H copies read, held until they are done
     _found_inf: torch.Tensor | None  # the step's flag, which the D2H stream reads too: held alike
+    _h2d_event: Any  # after the H2D of every chunk completed so far; None: none queued (or CPU)
+    _lock: threading.Lock  # held while completing chunks
 
     def __init__(
         self,
@@ -77,6 +83,8 @@ class HostStep:
         self._num_completed = 0
         self._start_event = start_event
         self._on_done = on_done
+        self._h2d_event = None
+        self._lock = threading.Lock()
         self._last_job_of = {}
         for position, job in enumerate(self._jobs):
             for record, _ in job.active:
@@ -101,10 +109,12 @@ class HostStep:
 
     @torch.no_grad()
     def _complete_through(self, last: int) -> None:
-        if last < self._num_completed:
-            return
+        with self._lock:
+            self._complete_through_locked(last)
+
+    def _complete_through_locked(self, last: int) -> None:
         engine = self._part.engine
-        last_event, error = None, None
+        error = None
         while self._num_completed <= last:
             job = self._jobs[self._num_completed]
             self._num_completed += 1
@@ -123,11 +133,12 @@ class HostStep:
                     CopyPair(_piece_of(flat_param(record.param), piece), piece.staging)
                     for record, piece in job.active
                 ]
-                last_event = engine.h2d(pairs, after=[self._start_event])
+                self._h2d_event = engine.h2d(pairs, after=[self._start_event])
         # The H2D stream runs in order: its last event covers every chunk queued so far.
-        engine.wait_on_current(last_event)
-        if self.done:
+        engine.wait_on_current(self._h2d_event)
+        if self.done and self._on_done is not None:
+            on_done, self._on_done = self._on_done, None
             self._grads = self._found_inf = None
-            self._on_done()
+            on_done()
         if error is not None:
             raise error

@@ -83,14 +83,16 @@ def build_buckets(
     world_size: int,
     bucket_bytes: int,
     with_grad_buffers: bool,
+    units: Sequence[int] | None = None,
 ) -> tuple[list[ShardedParam], list[Bucket]]:
-    """Shards ``params`` (full, replicated on every rank) by rows and packs them into buckets.
+    """Shards ``params`` (full, replicated on every rank) by rows and packs them into buckets,
+    keeping ``units`` whole as ``plan_buckets`` does.
 
     Each shard is filled with this rank's rows of its parameter; grad buffers, if asked for, are
     zero.
     """
     specs = [shard_spec(p.shape, rank, world_size) for p in params]
-    layouts = plan_buckets(specs, [p.dtype for p in params], world_size, bucket_bytes)
+    layouts = plan_buckets(specs, [p.dtype for p in params], world_size, bucket_bytes, units)
     sharded: list[ShardedParam] = [None] * len(params)  # type: ignore[list-item]
     buckets = []
     for bucket_index, layout in enumerate(layouts):

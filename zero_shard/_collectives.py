@@ -20,6 +20,7 @@ __all__ = [
     "choose_reduce_scaling",
     "launch_all_gather",
     "launch_reduction",
+    "num_row_pieces",
     "pack_grads",
     "padded_rows",
     "unpack_params",
@@ -83,6 +84,13 @@ def _full_ranks(spec: ShardSpec) -> tuple[int, int]:
         return 0, 0
     full = spec.dim0 // spec.rows_per_rank
     return full, spec.dim0 - full * spec.rows_per_rank
+
+
+def num_row_pieces(spec: ShardSpec) -> int:
+    """How many ranks hold rows of the parameter: the pieces ``unpack_params`` copies into it (a
+    multi-tensor copy bumps its version counter once a piece)."""
+    full, rest = _full_ranks(spec)
+    return full + (1 if rest else 0)
 
 
 def _row_pairs(

@@ -1,68 +1,69 @@
-"""Updated shards back into the model's params: one all-gather per bucket, driven by the optimizer.
+"""Updated shards back into the model's params: one all-gather per bucket, issued by the optimizer.
 
 [Note: param gather]
-After a step every bucket is *stale*: its shard buffer holds new weights that the model's params
-do not. Without overlap, ``after_step`` gathers every bucket and copies the result into the
-params, all ordered on the current stream. With overlap, it launches the first buckets' gathers
-asynchronously and returns; a forward pre-hook on each module that owns params of a stale bucket
-waits for that bucket (a stream wait on an accelerator), copies it into the params, and launches
-the gathers of the buckets after it (prefetch), so each gather runs while the layers before it
-compute. Gathers are launched strictly in bucket order, on every rank alike: collectives on one
-group must be issued in the same order everywhere. The collective's stream waits for the current
-stream when it is launched, so it reads the shards only after the step (or the H2D copies the
-current stream waited for) wrote them, and writes its output only after earlier copies out of a
-reused block were queued. ``finish`` launches and completes whatever is left (before the next
-step, ``state_dict``, or code that reads params outside forward).
+After a step every bucket's shard buffer holds new weights that the model's params do not hold
+yet. ``after_step`` hands all of the step's gathers to one job, run on an issuing thread (or at
+once, without overlap). The job goes through the buckets in order: it waits until the bucket's
+shards are written (the step's accelerator work, and the CPU chunks holding them, whose H2D
+copies it queues), all-gathers them, copies the result into the params, records an event and
+marks the bucket done. The gathers run on a process group of their own, issued by that one job
+in bucket order: the same order on every rank, whatever each rank's forward runs, whether
+``state_dict()`` is called on rank 0 only, or how long each rank's CPU step takes; and no
+collective of the user's (inside forward, between step and forward) or of the grad reductions
+can come between them on their group.
 
-When the step returns before the CPU's share of it is done (``HybridDeviceOptimizer.launch_step``),
-``after_step`` is handed those pending writes, and a bucket's gather is launched only once the
-chunks writing its shards are completed: the launch waits for them (the host blocks until the
-worker has stepped them). Launches still happen at the same points on every rank, whatever each
-rank's CPU speed or share: a launch that went ahead only where the writes happened to be done
-would put the gathers in another order relative to other collectives (the user's, the next
-reductions) on different ranks. So the forward runs ``_PREFETCH`` buckets behind the CPU step,
-its first layers while the CPU steps the last ones, and every pending write is completed once
-every gather is launched (at the latest when the forward ends, or before backward's first
-reduction).
+Hooks only *wait*: a unit's forward pre-hook (see [Note: units] in ``_units.py``) waits on the
+host until each of its buckets is marked done, then makes the current stream wait for the
+bucket's event. ``finish`` waits for every bucket: ``finish_param_sync``, the next step, the
+optimizer's state dicts, and any module's ``state_dict`` or ``load_state_dict`` call it.
+
+Stream order: the job's stream first waits for the current stream as of ``after_step``: the
+step's accelerator work and every earlier use of the params (the last forward and backward). So
+it reads finished shards and overwrites params that nothing reads any more. A gather's output is
+allocated on the job's stream and dropped once the copy out of it is queued there; the allocator
+reuses it only behind that copy, so about one bucket of output is in flight.
+
+A write to a param between ``step()`` and the wait for its bucket (a weight constraint such as
+``p.clamp_()``, a load through ``copy_``) races with the job's copy into it, on another stream
+or thread. It is seen by the param's version counter: the job does not copy into a param written
+since the step and notes the counter after its own copy; the wait that finds either raises,
+naming the params and ``finish_param_sync()``. A write after the wait is a load, as ever: the
+next step reloads the main weight from it (``stale_params``).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.profiler import record_function
 
-from optimizers import HostStep
+from offload import current_stream, record_event, side_stream, use_device, use_stream
 
 from ._buckets import Bucket
-from ._collectives import launch_all_gather, unpack_params
+from ._collectives import launch_all_gather, num_row_pieces, unpack_params
 
 __all__ = ["HostWrites", "ParamGatherer", "PendingWrites"]
-
-_PREFETCH = 2  # buckets gathered ahead of the one the forward is waiting for
-
-
-class _Gather(NamedTuple):
-    work: Any  # the collective's Work
-    out: torch.Tensor  # 1-D, world_size * shard_numel
 
 
 class PendingWrites(Protocol):
     """Writes into the buckets' shard buffers still in flight when the step returned."""
 
     def wait(self, bucket: int) -> None:
-        """Completes the bucket's writes: the current stream sees them afterwards."""
+        """Completes the bucket's writes: the calling thread's current stream sees them."""
 
 
 class HostWrites:
     """The CPU's share of a step (a ``HostStep``) as writes into buckets: a bucket's writes are
     the chunks holding any of its shards (``indices[bucket]``: their hybrid param indices)."""
 
-    def __init__(self, host_step: HostStep, indices: Sequence[Sequence[int]]) -> None:
+    def __init__(self, host_step: Any, indices: Sequence[Sequence[int]]) -> None:
         self._host_step = host_step
         self._indices = indices
 
@@ -70,10 +71,87 @@ class HostWrites:
         self._host_step.wait_for(self._indices[bucket])
 
 
-def _wait_all(in_flight: dict[int, _Gather]) -> None:
-    for gather in in_flight.values():
-        gather.work.wait()
-    in_flight.clear()
+@dataclass
+class _BucketDone:
+    """One bucket's gather of one step, as the job reports it to the waits."""
+
+    done: threading.Event = field(default_factory=threading.Event)  # set by the job, always
+    event: Any = None  # on the job's stream after the copy into the params; None on the CPU
+    written: list[str] = field(default_factory=list)  # params written while the copy was due
+    error: BaseException | None = None  # the bucket's writes or its gather failed
+
+
+@dataclass
+class _Job:
+    """What one step's gathers need; holds no reference to the gatherer."""
+
+    buckets: list[Bucket]
+    reports: list[_BucketDone]
+    ready: Any  # event after the step on the caller's stream; None on the CPU
+    writes: PendingWrites | None
+    group: dist.ProcessGroup
+    stream: Any  # the job's stream; None on the CPU
+    device: torch.device
+    world_size: int
+
+
+def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, world_size: int) -> list[str]:
+    """Copies the gathered bucket into the params not written since the step; returns the FQNs
+    of those that were, or were written while being copied (another thread, see the note)."""
+    written = [s for s in bucket.params if s.is_stale()]
+    targets = [None if s in written else s.param for s in bucket.params]
+    before = [s.watched._version for s in bucket.params]
+    with record_function("zero_shard::unpack"):
+        unpack_params(gathered, bucket.layout, bucket.specs, targets, world_size)
+    for sharded, version, target in zip(bucket.params, before, targets, strict=True):
+        if target is None:
+            continue
+        now = sharded.watched._version
+        if now != version + num_row_pieces(sharded.spec):
+            written.append(sharded)
+        else:
+            sharded.version = now
+    return [sharded.fqn for sharded in written]
+
+
+@torch.no_grad()  # grad mode is per thread: the job's thread starts with it on
+def run_gathers(job: _Job) -> None:
+    """Gathers every bucket in order into the params; see [Note: param gather]. Reports each
+    bucket, failed or not: a wait must never outwait the job."""
+    failure: BaseException | None = None  # a collective failed: later ones would fail alike
+    with use_device(job.device), use_stream(job.stream):
+        if job.stream is not None and job.ready is not None:
+            job.stream.wait_event(job.ready)
+        for index, (bucket, report) in enumerate(zip(job.buckets, job.reports, strict=True)):
+            try:
+                if failure is not None:
+                    raise failure
+                if job.writes is not None:
+                    try:
+                        job.writes.wait(index)  # the job's stream now follows the shards' writes
+                    except BaseException as err:
+                        # This rank's CPU step failed: still gather, as the other ranks do.
+                        report.error = err
+                shard = bucket.shard_buffer
+                out = shard.new_empty(job.world_size * shard.numel())
+                try:
+                    with record_function("zero_shard::all_gather"):
+                        launch_all_gather(shard, out, job.group).wait()
+                except BaseException as err:
+                    failure = err
+                    raise
+                report.written = _copy_into_params(bucket, out, job.world_size)
+                report.event = record_event(job.stream)
+            except BaseException as err:
+                report.error = report.error or err
+            finally:
+                report.done.set()
+
+
+def _shut_down(executor: ThreadPoolExecutor) -> None:
+    # Gathers in flight must end before the process group does (gloo aborts the process
+    # otherwise): the job ends on its own, as its collectives complete or time out.
+    executor.shutdown(wait=True)
 
 
 class ParamGatherer:
@@ -81,145 +159,105 @@ class ParamGatherer:
 
     buckets: list[Bucket]
     overlap: bool
-    _group: dist.ProcessGroup
+    _group: dist.ProcessGroup  # the gathers' own group: the same ranks as the mesh's
     _world_size: int
-    _stale: list[bool]  # per bucket: the params do not hold its shards' latest values yet
-    _in_flight: dict[int, _Gather]  # bucket index -> launched, not yet copied into the params
-    _next_launch: int  # the next bucket to launch; len(buckets) once all are launched
-    _writes: PendingWrites | None  # writes into the shards the gathers must wait for; None: none
+    _device: torch.device
+    _stream: Any  # the job's stream; None on the CPU
+    _executor: ThreadPoolExecutor  # one thread: issues the jobs, one after the other
+    _reports: list[_BucketDone] | None  # the step in flight; None: the params are current
+    _waited: list[bool]  # per bucket: the current stream follows its copy into the params
 
     def __init__(
-        self, buckets: Sequence[Bucket], group: dist.ProcessGroup, *, overlap: bool
+        self,
+        buckets: Sequence[Bucket],
+        group: dist.ProcessGroup,
+        *,
+        device: torch.device,
+        overlap: bool,
     ) -> None:
         self.buckets = list(buckets)
         self.overlap = overlap
         self._group = group
         self._world_size = dist.get_world_size(group)
-        self._stale = [False] * len(self.buckets)
-        self._in_flight = {}
-        self._next_launch = len(self.buckets)
-        self._writes = None
-        # Launched gathers must end before the process group does (gloo aborts the process
-        # otherwise): if the optimizer goes away, or the program ends, with some in flight.
-        weakref.finalize(self, _wait_all, self._in_flight)
+        self._device = device
+        self._stream = side_stream(device)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="zero_shard_gather")
+        self._reports = None
+        self._waited = []
+        weakref.finalize(self, _shut_down, self._executor)
 
     @property
     def pending(self) -> bool:
-        """Whether some params do not hold the latest step's weights yet."""
-        return any(self._stale)
+        """Whether some params may not hold the latest step's weights yet."""
+        return self._reports is not None
 
     def after_step(self, writes: PendingWrites | None = None) -> None:
-        """Every bucket's shards changed (or will, once ``writes`` are done): gather them now,
-        or start to (overlap)."""
+        """Every bucket's shards changed (or will, once ``writes`` are done): gathers them into
+        the params, in the background with overlap."""
         self.finish()  # nothing is left from an earlier step, normally
-        self._stale = [True] * len(self.buckets)
-        self._next_launch = 0
-        self._writes = writes
+        self._reports = [_BucketDone() for _ in self.buckets]
+        self._waited = [False] * len(self.buckets)
+        job = _Job(
+            self.buckets,
+            self._reports,
+            record_event(current_stream(self._device)),
+            writes,
+            self._group,
+            self._stream,
+            self._device,
+            self._world_size,
+        )
         if self.overlap:
-            self._launch_through(_PREFETCH - 1)
+            self._executor.submit(run_gathers, job)
         else:
+            run_gathers(job)
             self.finish()
 
-    def wait_for(self, index: int) -> None:
-        """Makes bucket ``index``'s params current, launching the next gathers (prefetch)."""
-        if not self._stale[index]:
+    def wait_for(self, indices: Iterable[int]) -> None:
+        """Makes the params of buckets ``indices`` current on the current stream (waits only)."""
+        if self._reports is None:
             return
-        self._launch_through(index + _PREFETCH)
-        self._complete(index)
-
-    def launch_all(self) -> None:
-        """Launches every gather not yet launched (keeps collective order across ranks)."""
-        self._launch_through(len(self.buckets) - 1)
+        for index in indices:
+            self._wait(index)
 
     def finish(self) -> None:
-        """Completes every pending gather, in bucket order: the params hold the latest weights
-        afterwards. It launches at most ``_PREFETCH`` buckets ahead of the one it completes;
-        gathers launched earlier (``launch_all``) are in flight already, each holding a
-        full-size buffer."""
-        for index in range(len(self.buckets)):
-            self.wait_for(index)
-        self._writes = None
+        """Waits for every bucket: the params hold the latest weights afterwards."""
+        self.wait_for(range(len(self.buckets)))
 
-    def discard(self) -> None:
-        """Completes every pending gather without copying it into the params (whose values are
-        newer: loaded by the user). Collective: every rank must call it."""
-        for index in range(len(self.buckets)):
-            if self._stale[index]:
-                self._launch_through(index + _PREFETCH)
-                self._in_flight.pop(index).work.wait()
-                self._stale[index] = False
-        self._writes = None
-
-    def _launch_through(self, last: int) -> None:
-        """Launches the gathers through bucket ``last``, each once its shards are written."""
-        last = min(last, len(self.buckets) - 1)
-        while self._next_launch <= last:
-            index = self._next_launch
-            if self._stale[index] and self._writes is not None:
-                self._writes.wait(index)  # the current stream now follows the shards' writes
-            self._next_launch += 1
-            if not self._stale[index]:
-                continue
-            shard = self.buckets[index].shard_buffer
-            out = shard.new_empty(self._world_size * shard.numel())
-            self._in_flight[index] = _Gather(launch_all_gather(shard, out, self._group), out)
-
-    @torch.no_grad()
-    def _complete(self, index: int) -> None:
-        gather = self._in_flight.pop(index)
-        gather.work.wait()  # on an accelerator: the current stream waits, the host goes on
+    def _wait(self, index: int) -> None:
+        reports = self._reports
+        if reports is None or self._waited[index]:
+            return
+        report = reports[index]
+        if not report.done.is_set():
+            with record_function("zero_shard::wait_gather"):
+                report.done.wait()
+        self._stream_wait(report)
+        self._waited[index] = True
+        if all(self._waited):
+            self._reports = None
         bucket = self.buckets[index]
-        # A param written since the last copy into it (weights loaded by the user) keeps its
-        # new value, and is marked for its main weight to be reloaded from it at the next step.
-        kept = [sharded for sharded in bucket.params if sharded.is_stale()]
-        for sharded in kept:
-            sharded.changed = True
-        targets = [None if s.changed else s.param for s in bucket.params]
-        unpack_params(gather.out, bucket.layout, bucket.specs, targets, self._world_size)
+        written = set(report.written) | {s.fqn for s in bucket.params if s.is_stale()}
         for sharded in bucket.params:
-            if not sharded.changed:
-                sharded.record_version()
-        self._stale[index] = False
+            if sharded.fqn in written:
+                sharded.changed = True  # whatever it holds now, the next step reloads from it
+        if report.error is not None:
+            raise report.error
+        if written:
+            _raise_written(sorted(written))
 
-    def register_hooks(self, model: nn.Module) -> list[Any]:
-        """Forward pre-hooks waiting for the buckets of each module's own params; on ``model``,
-        a forward hook launching the gathers its forward did not need and a state-dict pre-hook
-        finishing every gather."""
-        bucket_of = {
-            id(sharded.param): index
-            for index, bucket in enumerate(self.buckets)
-            for sharded in bucket.params
-        }
-        this = weakref.ref(self)
-        handles = []
-        for module in model.modules():
-            indices = sorted(
-                {bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of}
-            )
-            if not indices:
-                continue
+    def _stream_wait(self, report: _BucketDone) -> None:
+        # The copy into the params was queued on the job's stream; the host saw it queued.
+        if report.event is not None:
+            current_stream(self._device).wait_event(report.event)
 
-            def before_forward(module: nn.Module, args: Any, indices: list[int] = indices) -> None:
-                gatherer = this()
-                if gatherer is not None:
-                    for index in indices:
-                        gatherer.wait_for(index)
 
-            handles.append(module.register_forward_pre_hook(before_forward))
-
-        def after_forward(module: nn.Module, args: Any, output: Any) -> None:
-            # Buckets of modules this forward did not run (they may differ between ranks) are
-            # launched now, before backward's collectives, so every rank issues them in order.
-            gatherer = this()
-            if gatherer is not None:
-                gatherer.launch_all()
-
-        handles.append(model.register_forward_hook(after_forward))
-
-        def before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-            gatherer = this()
-            if gatherer is not None:
-                gatherer.finish()
-
-        handles.append(model.register_state_dict_pre_hook(before_state_dict))
-        return handles
+def _raise_written(fqns: list[str]) -> None:
+    shown = f"{fqns[:5]}{' ...' if len(fqns) > 5 else ''}"
+    raise RuntimeError(
+        f"params {shown} were written after step() while its update was still being gathered "
+        "into them (a weight constraint such as p.clamp_(), a load through copy_ or "
+        "torch.nn.init); the write and the update raced, and the params now hold either. Call "
+        "opt.finish_param_sync() after step() and before writing params; the next step takes "
+        "the params' values as they are then (as after a weight load)"
+    )

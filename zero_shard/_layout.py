@@ -103,34 +103,66 @@ def plan_buckets(
     dtypes: Sequence[torch.dtype],
     world_size: int,
     bucket_bytes: int,
+    units: Sequence[int] | None = None,
 ) -> list[BucketLayout]:
     """Packs parameters, in order, into buckets of at most ``bucket_bytes`` (unsharded, padded).
 
     A parameter larger than a bucket gets a bucket of its own; a bucket never mixes dtypes.
-    Parameter order is kept, so buckets follow the model's registration order (about the order
-    of forward).
+    ``units`` (one per parameter, equal for consecutive parameters of one unit) keeps units
+    whole: a unit that does not fit in what is left of a bucket starts a new one, and a unit
+    spread over several buckets shares none of them with the next unit. So a bucket holds whole
+    units, or a part of one (see [Note: units] in ``_units.py``).
     """
     if bucket_bytes < 1:
         raise AssertionError(f"expected a positive bucket size, got {bucket_bytes}")
+    sizes = [_align(spec.padded_numel, dtype) for spec, dtype in zip(specs, dtypes, strict=True)]
+    unit_bytes = _unit_bytes(sizes, dtypes, world_size, units)
     buckets: list[BucketLayout] = []
     indices: list[int] = []
     offsets: list[int] = []
     used = 0  # aligned elements of one segment so far
     dtype: torch.dtype | None = None
+    mid_unit = False  # the open bucket began inside a unit that started in an earlier bucket
 
     def close() -> None:
         if indices:
             buckets.append(BucketLayout(tuple(indices), tuple(offsets), used, dtype))
 
-    for index, (spec, param_dtype) in enumerate(zip(specs, dtypes, strict=True)):
-        size = _align(spec.padded_numel, param_dtype)
-        full_bytes = (used + size) * world_size * param_dtype.itemsize
-        if indices and (param_dtype != dtype or full_bytes > bucket_bytes):
-            close()
-            indices, offsets, used = [], [], 0
+    for index, (size, param_dtype) in enumerate(zip(sizes, dtypes, strict=True)):
+        unit_starts = units is None or index == 0 or units[index] != units[index - 1]
+        if indices:
+            grown = (used + size) * world_size * param_dtype.itemsize
+            split = param_dtype != dtype or grown > bucket_bytes
+            if unit_starts and units is not None and not split:
+                # A unit that does not fit whole starts a bucket; so does the unit after a unit
+                # that was spread over buckets.
+                held = used * world_size * param_dtype.itemsize
+                split = mid_unit or held + unit_bytes[index] > bucket_bytes
+            if split:
+                close()
+                indices, offsets, used = [], [], 0
+                mid_unit = not unit_starts
         dtype = param_dtype
         indices.append(index)
         offsets.append(used)
         used += size
     close()
     return buckets
+
+
+def _unit_bytes(
+    sizes: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    world_size: int,
+    units: Sequence[int] | None,
+) -> list[int]:
+    """For the first parameter of each unit, the unsharded bytes of the whole unit (else 0)."""
+    if units is None:
+        return [0] * len(sizes)
+    totals = [0] * len(sizes)
+    first = 0
+    for index, (size, dtype) in enumerate(zip(sizes, dtypes, strict=True)):
+        if index and units[index] != units[index - 1]:
+            first = index
+        totals[first] += size * world_size * dtype.itemsize
+    return totals

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 __all__ = ["clip_coefficient", "global_norm", "nonfinite_flag"]
 
@@ -30,6 +31,7 @@ def _local_term(
     return norms.pow(norm_type).sum()
 
 
+@record_function("zero_shard::norm")
 def global_norm(
     grads: Sequence[torch.Tensor],
     norm_type: float,
@@ -55,6 +57,7 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
 
 
+@record_function("zero_shard::nonfinite_check")
 def nonfinite_flag(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup], device: torch.device
 ) -> torch.Tensor:

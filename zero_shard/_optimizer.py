@@ -23,12 +23,12 @@ from optimizers import (
     constructor_defaults,
 )
 
-from ._buckets import Bucket, ShardedParam, build_buckets, fsdp_sharded_param
-from ._gather import HostWrites, ParamGatherer
+from ._buckets import ShardedParam
+from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._norms import clip_coefficient, global_norm, nonfinite_flag
-from ._reduce import GradReducer
 from ._setup import (
     NONFINITE_POLICIES,
+    CheckedInputs,
     ModelKind,
     check_inputs,
     first_device,
@@ -43,6 +43,7 @@ from ._state_dict import (
     sharded_state,
     to_dtensor,
 )
+from ._units import plan_units
 from ._verdict import on_every_rank
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
@@ -76,15 +77,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     stale_params: str  # "reload" or "error": what a step does when params changed under it
     _skips: SkipCount  # steps skipped for non-finite grads (see [Note: skip on the device])
     _module: nn.Module  # the model, unwrapped from DDP
-    _ddp: nn.Module | None  # the DDP wrapper, if any
     _device: torch.device
+    _comm: Comm  # moves this kind of model's grads and params (see _comm.py)
     _sharded: list[ShardedParam]  # one per trainable param, in param-group order
-    _buckets: list[Bucket]  # empty under FSDP2
     _hybrid: HybridDeviceOptimizer  # steps this rank's shards
-    _reducer: GradReducer | None  # replicated models only
-    _gatherer: ParamGatherer | None  # replicated and DDP models
-    _bucket_indices: list[list[int]]  # per bucket, its shards' param indices in the hybrid
-    _need_order: list[int]  # the hybrid's param indices in bucket order (the forward's order)
     _groups: list[dist.ProcessGroup]  # the groups the grads are sharded over (norms, inf checks)
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
     _building: bool
@@ -106,6 +102,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         bucket_mb: float = DEFAULT_BUCKET_MB,
         nonfinite: str = "skip",
         stale_params: str = "reload",
+        units: Any = None,
     ) -> None:
         if isinstance(optimizer, (ZeroShardOptimizer, HybridDeviceOptimizer)):
             raise TypeError(
@@ -127,15 +124,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         fqns = {id(p): name for name, p in self._module.named_parameters()}
         options = {"offload": offload, "stage": stage, "bucket_mb": bucket_mb,
                    "nonfinite": nonfinite, "stale_params": stale_params}  # fmt: skip
-        policy, trainable = check_inputs(
-            optimizer, self._module, self.kind, self.mesh, device, options
+        checked = check_inputs(
+            optimizer, self._module, self.kind, self.mesh, device, options, units
         )
-        self._ddp = model if self.kind is ModelKind.DDP else None
         self.nonfinite = nonfinite
         self.stale_params = stale_params
         self._skips = SkipCount(device)
         self._logged_stale = False
-        self._reducer = self._gatherer = None
         self._end_window()
         self._building = True
         super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
@@ -143,8 +138,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._warned_unfrozen = False
-        self._device = trainable[0][0].device
-        self._build_shards(trainable, stage, bucket_mb)
+        self._device = checked.trainable[0][0].device
+        self._comm = self._make_comm(model, checked, stage, bucket_mb)
+        self._sharded = self._comm.sharded
         shard_groups = [
             {
                 **self._hyperparams(g),
@@ -155,7 +151,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         # Host memory differs between hosts: a rank that cannot hold its share fails all ranks.
         self._hybrid = on_every_rank(
             lambda: HybridDeviceOptimizer(
-                shard_groups, type(optimizer), policy=policy, **constructor_defaults(optimizer)
+                shard_groups,
+                type(optimizer),
+                policy=checked.policy,
+                **constructor_defaults(optimizer),
             ),
             mesh=self.mesh,
             device=self._device,
@@ -163,73 +162,37 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
-        self._install(stage, overlap_param_gather)
+        handles = self._comm.install(device=self._device, overlap=overlap_param_gather)
+        weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid, self.mesh)  # type: ignore[assignment]
         for sharded in self._sharded:
             sharded.record_version()
 
     # -- construction -----------------------------------------------------------------------
 
-    def _build_shards(
-        self, trainable: list[tuple[torch.Tensor, str, int]], stage: int, bucket_mb: float
-    ) -> None:
+    def _make_comm(
+        self, model: nn.Module, checked: CheckedInputs, stage: int, bucket_mb: float
+    ) -> Comm:
         if self.kind is ModelKind.FSDP:
-            self._sharded = [fsdp_sharded_param(p, fqn, g) for p, fqn, g in trainable]
-            self._buckets = []
             if stage == 1:
                 warnings.warn(
                     "stage=1 has no effect on an FSDP2 model: FSDP2 reduce-scatters its grads",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
-            return
+            return FSDPComm(self._module, checked.trainable)
+        plan = plan_units(self._module, checked.units)
         group = self.mesh.get_group()
-        # Buckets follow the model's param order, taken as its forward order (as FSDP2 does):
-        # backward makes the last buckets' grads first, and the next forward needs the first
-        # buckets first. Param-group order would put, say, every norm weight into the last
-        # bucket, which the first layer then needs and backward completes last.
-        model_order = {id(p): place for place, p in enumerate(self._module.parameters())}
-        in_model_order = sorted(trainable, key=lambda item: model_order[id(item[0])])
-        sharded, self._buckets = build_buckets(
-            [p for p, _, _ in in_model_order],
-            [fqn for _, fqn, _ in in_model_order],
-            [g for _, _, g in in_model_order],
-            rank=dist.get_rank(group),
-            world_size=dist.get_world_size(group),
-            bucket_bytes=int(bucket_mb * (1 << 20)),
-            with_grad_buffers=self.kind is ModelKind.REPLICATED,
-        )
-        # The records themselves stay in param-group order, as the hybrid's groups hold them.
-        record_of = {id(record.param): record for record in sharded}
-        self._sharded = [record_of[id(p)] for p, _, _ in trainable]
-
-    def _install(self, stage: int, overlap_param_gather: bool) -> None:
-        handles: list[Any] = []
-        # The hybrid's param indices are positions in self._sharded (param-group order).
-        index_of = {id(sharded): index for index, sharded in enumerate(self._sharded)}
-        self._bucket_indices = [
-            [index_of[id(s)] for s in bucket.params] for bucket in self._buckets
-        ]
-        self._need_order = [index for indices in self._bucket_indices for index in indices]
-        if self.kind is not ModelKind.FSDP:
-            self._gatherer = ParamGatherer(
-                self._buckets, self.mesh.get_group(), overlap=overlap_param_gather
-            )
-            handles += self._gatherer.register_hooks(self._module)
-        if self.kind is ModelKind.REPLICATED:
-            self._reducer = GradReducer(
-                self._buckets,
-                self.mesh.get_group(),
-                stage=stage,
-                device=self._device,
-                before_first=self._gatherer.launch_all,
-            )
-            handles += self._reducer.register_hooks()
-        elif self.kind is ModelKind.DDP and stage == 2:
-            logger.info(
-                "zero-shard: the model is DDP, which all-reduces the grads; its reduced grads are "
-                "used as they are (stage 1). Pass the unwrapped module for stage 2."
-            )
-        weakref.finalize(self, _remove_hooks, handles)
+        if self.kind is ModelKind.DDP:
+            if stage == 2:
+                logger.info(
+                    "zero-shard: the model is DDP, which all-reduces the grads; its reduced grads "
+                    "are used as they are (stage 1). Pass the unwrapped module for stage 2."
+                )
+            return DDPComm(model, checked.trainable, plan, group, bucket_mb=bucket_mb)
+        return ReplicatedComm(
+            self._module, checked.trainable, plan, group, device=self._device,
+            bucket_mb=bucket_mb, stage=stage,
+        )  # fmt: skip
 
     def _hyperparams(self, group_index: int) -> dict[str, Any]:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
@@ -248,33 +211,16 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate grads locally with no communication, as DDP's
         ``no_sync``; the first backward after it reduces the accumulated grads."""
-        if self.kind is ModelKind.DDP:
-            with self._ddp.no_sync():
-                yield
-            return
-        if self.kind is ModelKind.FSDP:
-            modules = [
-                m for m in self._module.modules() if hasattr(m, "set_requires_gradient_sync")
-            ]
-            for module in modules:
-                module.set_requires_gradient_sync(False, recurse=False)
-            try:
-                yield
-            finally:
-                for module in modules:
-                    module.set_requires_gradient_sync(True, recurse=False)
-            return
-        self._reducer.enabled = False
-        try:
+        with self._comm.no_sync():
             yield
-        finally:
-            self._reducer.enabled = True
 
     def finish_param_sync(self) -> None:
-        """Waits until the model's params hold the last step's weights (for code that reads
-        params outside forward; forward, ``state_dict()`` and the next step do it themselves)."""
-        if self._gatherer is not None:
-            self._gatherer.finish()
+        """Waits until the model's params hold the last step's weights: for code that reads or
+        writes params between ``step()`` and the next forward (forward, ``state_dict()``,
+        ``load_state_dict()`` of the model or of any module, and the next step do it themselves).
+        It only waits: every rank need not call it. A param written after ``step()`` but before
+        this (or the wait of its forward) raises here, naming it."""
+        self._comm.finish()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -323,15 +269,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             skip, found_inf = self._check_nonfinite()
             if skip:
                 return loss
-            if self._gatherer is not None:
-                host_step = self._hybrid.launch_step(
-                    grad_scale=self._grad_scale, found_inf=found_inf, need_order=self._need_order
-                )
-                self._gatherer.after_step(HostWrites(host_step, self._bucket_indices))
-            else:  # FSDP2: the step writes the params' local shards in place
-                self._hybrid.step(grad_scale=self._grad_scale, found_inf=found_inf)
-                for sharded in self._sharded:
-                    sharded.record_version()
+            host_step = self._hybrid.launch_step(
+                grad_scale=self._grad_scale, found_inf=found_inf, need_order=self._comm.need_order
+            )
+            self._comm.after_step(host_step)
         finally:
             self._end_window()
         self._read_skips(block=False)  # at once where the device is the CPU
@@ -346,8 +287,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's grads and this rank's reduced grads."""
         super().zero_grad(set_to_none)
-        if self._reducer is not None:
-            self._reducer.reset()
+        self._comm.reset()
         for sharded in self._sharded:
             sharded.shard.grad = None
         self._end_window()
@@ -361,7 +301,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         since (a param loaded meanwhile keeps its loaded value); the others keep the step.
         """
         self.finish_param_sync()
-        self._refresh_shards()
+        self._comm.refresh_shards(self._sharded)
         self._hybrid.reload_model_params()
         for sharded in self._sharded:
             sharded.record_version()
@@ -391,19 +331,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 shown,
                 len(names),
             )
-        self._refresh_shards(stale)
+        self._comm.refresh_shards(stale)
         self._hybrid.reload_model_params([sharded.shard for sharded in stale])
         for sharded in stale:
             sharded.record_version()
-
-    @torch.no_grad()
-    def _refresh_shards(self, records: list[ShardedParam] | None = None) -> None:
-        """Copies this rank's rows of every model param (or of ``records``) into its shard."""
-        for sharded in self._sharded if records is None else records:
-            if self.kind is not ModelKind.FSDP:  # FSDP2 shards are the model's own memory
-                rows = sharded.param.detach().reshape(-1)
-                spec = sharded.spec
-                sharded.shard.view(-1).copy_(rows[spec.start : spec.start + spec.numel])
 
     def state_dict(self) -> dict[str, Any]:
         """The state keyed by param FQN, shaped as DCP's ``get_optimizer_state_dict`` shapes a
@@ -434,6 +365,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         the model's params; the model's params are then refreshed from the main weights.
         Everything is checked before anything changes. Collective: call it on every rank.
         """
+        # The last step's update reaches the params first: where the state dict holds no
+        # main_param, the main weights come from them.
+        self.finish_param_sync()
         # Ranks may be handed different state dicts: a refusal on one refuses on all.
         local = on_every_rank(
             lambda: self._checked_local_state_dict(state_dict), mesh=self.mesh, device=self._device
@@ -441,18 +375,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             group.update({key: value for key, value in saved.items() if key != "params"})
-        if self._gatherer is not None:
-            self._gatherer.discard()
-        self._refresh_shards()
+        self._comm.refresh_shards(self._sharded)
         for sharded in self._sharded:  # the loaded state wins over the params as they are
             sharded.record_version()
         self._hybrid.load_state_dict(local)
-        if self._gatherer is not None:  # the params become the loaded main weights, rounded
-            self._gatherer.after_step()
-            self._gatherer.finish()
-        else:
-            for sharded in self._sharded:
-                sharded.record_version()
+        self._comm.after_step(None)  # the params become the loaded main weights, rounded
+        self.finish_param_sync()
 
     def _checked_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         check_saved_groups(state_dict, self._group_fqns)
@@ -479,12 +407,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Where this rank's optimizer memory is: the hybrid optimizer's report, with this
         rank's model-dtype shards and reduced-grad buffers added to the accelerator's bytes."""
         report = self._hybrid.memory_report()
-        extra = sum(
-            t.numel() * t.element_size()
-            for bucket in self._buckets
-            for t in (bucket.shard_buffer, bucket.grad_buffer)
-            if t is not None
-        )
+        extra = self._comm.device_bytes()
         return dataclasses.replace(report, device_bytes=report.device_bytes + extra)
 
     # -- internals --------------------------------------------------------------------------
@@ -495,33 +418,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._checked_by_scaler = False
 
     def _finalize_grads(self) -> None:
-        """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream.
-
-        Comes before any collective of ours (reductions, norms, checks): gathers not launched
-        yet are launched first, so every rank issues its collectives in one order.
-        """
-        if self._gatherer is not None:
-            self._gatherer.launch_all()
+        """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream."""
         self._warn_unfrozen()
-        if self.kind is ModelKind.REPLICATED:
-            self._reducer.finish()
-            return
-        for sharded in self._sharded:
-            grad = sharded.param.grad
-            if grad is None:
-                sharded.shard.grad = None
-            elif self.kind is ModelKind.FSDP:
-                sharded.shard.grad = grad._local_tensor.detach()
-            else:  # DDP reduced the full grad; this rank's rows are a view of it
-                spec = sharded.spec
-                sharded.shard.grad = grad.detach()[spec.start_row : spec.start_row + spec.num_rows]
+        self._comm.finalize_grads()
 
     def _checked_grads(self) -> list[torch.Tensor]:
-        """What the non-finite check reads: each bucket's reduced grads in one piece (their gaps
-        and padding hold zeros), or each shard's grad where grads are not in buckets."""
-        if self._reducer is None:
-            return self._shard_grads()
-        return [b.grad_buffer[: b.layout.shard_numel] for b in self._buckets]
+        """What the non-finite check reads (few large tensors where grads are in buckets)."""
+        return self._comm.checked_grads()
 
     def _warn_unfrozen(self) -> None:
         if self._warned_unfrozen or not any(p.grad is not None for p in self._frozen):
@@ -608,6 +511,7 @@ def wrap(
     bucket_mb: float = DEFAULT_BUCKET_MB,
     nonfinite: str = "skip",
     stale_params: str = "reload",
+    units: Any = None,
 ) -> ZeroShardOptimizer:
     """Shards ``optimizer`` over the data-parallel ranks, optionally offloading to the CPU.
 
@@ -627,9 +531,13 @@ def wrap(
         stage: 2 (default) reduce-scatters grads during backward so each rank keeps only its
             shard; 1 all-reduces them and keeps the local shard. A DDP model's grads, reduced by
             DDP, are used as they are.
-        overlap_param_gather: gather the updated params during the next forward (forward
-            pre-hooks wait for each bucket), instead of at the end of ``step()``. Default True.
-            Every rank must then run that forward, or call ``finish_param_sync()``.
+        overlap_param_gather: gather the updated params in the background after ``step()``
+            returns, while the next forward runs (each unit's forward pre-hook waits for the
+            params it may read), instead of before ``step()`` returns. Default True. The gathers
+            are issued by the optimizer, in one order on every rank, on a process group of their
+            own: ranks may run different modules, or save on rank 0 alone. Params written
+            between ``step()`` and their wait raise an error: call ``finish_param_sync()``
+            before writing params after a step (weight constraints).
         bucket_mb: MiB of (unsharded) params reduced and gathered together; default 256
             (docs/benchmarks/zero_step.md). Each bucket in flight holds a full-size buffer.
         nonfinite: a step whose grads hold an inf or NaN is skipped with a warning (``"skip"``,
@@ -645,6 +553,15 @@ def wrap(
             ``state_dict()`` and logs once; ``"error"`` raises there instead. Detected by the
             params' version counters, which in-place writes (``load_state_dict``, ``copy_``,
             ``torch.nn.init``) bump; a write through ``.data`` is not seen.
+        units: the modules whose forward waits for the gathered params of their whole subtree,
+            as one picks ``fully_shard`` targets: module classes (``[TransformerBlock]``) or
+            modules of the model (``list(model.layers)``). The root waits for every param no unit
+            holds. Default ``None``: the repeated blocks, i.e. children of ``nn.ModuleList`` /
+            ``nn.Sequential`` containers that share their class with a sibling (transformer
+            layers), outermost where they nest. A forward that reads a unit's params outside
+            that unit's forward (before it runs) needs a coarser unit; ``units=[]`` makes the
+            root the only one (exact for any model; the gathers then no longer overlap the
+            forward). Ignored under FSDP2.
 
     Example:
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
@@ -661,4 +578,5 @@ def wrap(
         bucket_mb=bucket_mb,
         nonfinite=nonfinite,
         stale_params=stale_params,
+        units=units,
     )

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from offload import current_stream, record_event, side_stream, use_stream, wait_stream
 
@@ -54,7 +55,6 @@ class GradReducer:
     _reduced_since_reset: bool  # some reduction ran since zero_grad
     _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
     _warned_late_grads: bool
-    _before_first: Callable[[], None]  # runs before the first reduction of a backward
 
     def __init__(
         self,
@@ -63,7 +63,6 @@ class GradReducer:
         *,
         stage: int,
         device: torch.device,
-        before_first: Callable[[], None],
     ) -> None:
         self.buckets = list(buckets)
         self.enabled = True
@@ -79,7 +78,6 @@ class GradReducer:
         self._reduced_since_reset = False
         self._unreduced_backward = False
         self._warned_late_grads = False
-        self._before_first = before_first
 
     def register_hooks(self) -> list[Any]:
         """A post-accumulate-grad hook on each param; the hooks hold no reference to ``self``."""
@@ -103,7 +101,6 @@ class GradReducer:
             return
         if not self._in_backward:
             self._in_backward = True
-            self._before_first()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.buckets[sharded.bucket].ready.add(sharded.position)
         while self._next >= 0:
@@ -148,7 +145,8 @@ class GradReducer:
             packed = torch.zeros(
                 world * layout.segment_numel, dtype=layout.dtype, device=self._device
             )
-            pack_grads(packed, layout, bucket.specs, grads, world)
+            with record_function("zero_shard::pack"):
+                pack_grads(packed, layout, bucket.specs, grads, world)
             for sharded, grad in zip(bucket.params, grads, strict=True):
                 if grad is not None:
                     if self._stream is not None:
@@ -158,8 +156,10 @@ class GradReducer:
             out = None
             if self._scatter:
                 out = bucket.grad_buffer if direct else torch.empty_like(bucket.grad_buffer)
-            work = launch_reduction(packed, out, self._group, scaling)
-            work.wait()
+            with record_function(
+                "zero_shard::reduce_scatter" if self._scatter else "zero_shard::all_reduce"
+            ):
+                launch_reduction(packed, out, self._group, scaling).wait()
             result = out if self._scatter else packed.view(world, -1)[self._rank]
             if scaling.post_divide is not None:
                 result.div_(scaling.post_divide)

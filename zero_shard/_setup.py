@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from optimizers import OffloadPolicy, check_elementwise, check_param_kind
 
+from ._units import resolve_units
 from ._verdict import Summary, on_every_rank
 
 __all__ = [
@@ -262,6 +263,7 @@ def check_dense_grads(module: nn.Module, trainable: list[Trainable]) -> None:
 class CheckedInputs(NamedTuple):
     policy: OffloadPolicy
     trainable: list[Trainable]
+    units: list[tuple[str, nn.Module]]  # the units other than the root (none under FSDP2)
 
 
 def check_inputs(
@@ -271,12 +273,14 @@ def check_inputs(
     mesh: DeviceMesh,
     device: torch.device,
     options: dict[str, Any],
+    units: Any = None,
 ) -> CheckedInputs:
     """Checks ``wrap``'s options (``offload``, ``stage``, ``bucket_mb``, ``nonfinite``,
-    ``stale_params``) and params with one verdict for every rank of the mesh: each rank checks the
-    params it holds, and a failure on any rank raises on all (see ``_verdict``). The ranks must
-    also hold the same trainable params (FQN, shape, dtype, group) and the options that decide
-    the collectives: the bucket layout, and thus every collective, derives from them."""
+    ``stale_params``), ``units`` and params with one verdict for every rank of the mesh: each rank
+    checks the params it holds, and a failure on any rank raises on all (see ``_verdict``). The
+    ranks must also hold the same trainable params (FQN, shape, dtype, group), units and the
+    options that decide the collectives: the bucket layout, and thus every collective, derives
+    from them."""
 
     def check() -> CheckedInputs:
         policy = check_options(optimizer, **options)
@@ -285,15 +289,26 @@ def check_inputs(
         check_dense_grads(module, trainable)
         if kind is ModelKind.FSDP:
             check_fsdp_layout(trainable, mesh)
-        return CheckedInputs(policy, trainable)
+            if units is not None:
+                warnings.warn(
+                    "units has no effect on an FSDP2 model: FSDP2 gathers params by its own "
+                    "fully_shard units",
+                    stacklevel=4,
+                )
+            return CheckedInputs(policy, trainable, [])
+        return CheckedInputs(policy, trainable, resolve_units(module, units))
 
     def summarize(checked: CheckedInputs) -> Summary:
         shared = [
             f"{key}={options[key]!r}" for key in ("stage", "bucket_mb", "nonfinite", "stale_params")
         ]
-        return shared + [
-            f"param {fqn!r} of shape {tuple(param.shape)}, {param.dtype}, in param group {group}"
-            for param, fqn, group in checked.trainable
-        ]
+        return (
+            shared
+            + [
+                f"param {fqn!r} of shape {tuple(param.shape)}, {param.dtype}, in param group {group}"
+                for param, fqn, group in checked.trainable
+            ]
+            + [f"unit {name!r}" for name, _ in checked.units]
+        )
 
     return on_every_rank(check, mesh=mesh, device=device, summarize=summarize)

@@ -11,7 +11,6 @@ compared.
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -19,6 +18,8 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from offload import use_device
 
 __all__ = ["Summary", "on_every_rank"]
 
@@ -43,16 +44,9 @@ def _groups(mesh: DeviceMesh | None) -> list[dist.ProcessGroup | None]:
     return [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
-def _device_context(device: torch.device) -> contextlib.AbstractContextManager:
-    # Object collectives over NCCL put their tensors on the *current* device: make it this rank's.
-    if device.type in ("cpu", "meta"):
-        return contextlib.nullcontext()
-    return torch.get_device_module(device).device(device)
-
-
 def _share(outcome: _Outcome, mesh: DeviceMesh | None, device: torch.device) -> dict[int, _Outcome]:
     known = {dist.get_rank(): outcome}
-    with _device_context(device):
+    with use_device(device):
         for group in _groups(mesh):
             gathered: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, known, group=group)

@@ -5,7 +5,8 @@ A spawn costs seconds on the 2-core CI machines, so each test module registers i
 then reports its case's outcome. A case fails if it raised on any rank; every rank runs every
 case in the same order. A case that fails on some ranks only can leave the others waiting in a
 collective: the gloo timeout (``TIMEOUT``) then fails them, and later cases may fail in turn:
-the first failure is the one to read.
+the first failure is the one to read. A spawn that outlives ``SPAWN_DEADLINE`` (a hang no
+collective timeout ends: a thread waiting forever) is killed, and its unfinished cases fail.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -23,8 +25,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessContext, ProcessException
 
 TIMEOUT = datetime.timedelta(seconds=90)
+SPAWN_DEADLINE = 420.0  # seconds; under pytest's own 600 s timeout
 
 Case = Callable[[int, int], None]  # (rank, world_size) -> None; raises on failure
 
@@ -72,22 +76,36 @@ def run_cases(
     None, or the failure's text."""
     with tempfile.TemporaryDirectory() as out_dir:
         items = list(cases.items())
-        mp.start_processes(
+        context = mp.start_processes(
             _worker,
             args=(world_size, _free_port(), items, out_dir, backend),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        ended = _join_before(context, time.monotonic() + SPAWN_DEADLINE)
         merged: dict[str, str | None] = dict.fromkeys(cases)
         for rank in range(world_size):
             path = Path(out_dir, f"rank{rank}.json")
             ranks = json.loads(path.read_text()) if path.exists() else {}
             for name in cases:
-                failure = ranks.get(name, f"rank {rank} did not reach this case")
+                failure = ranks.get(name, f"rank {rank} did not reach this case ({ended})")
                 if failure and merged[name] is None:
                     merged[name] = f"rank {rank}:\n{failure}"
         return merged
+
+
+def _join_before(context: ProcessContext, deadline: float) -> str:
+    """Waits for every process until ``deadline``, then kills them; says how they ended."""
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                return f"killed: the spawn outlived its {SPAWN_DEADLINE:.0f} s deadline"
+    except ProcessException as err:  # a process died (the others are ended by join)
+        return f"a process died: {err}"
+    return "the processes exited"
 
 
 def check_outcome(outcomes: dict[str, str | None], name: str) -> None:

@@ -63,7 +63,7 @@ def train_in_parity(rank: int, world: int, *, fraction: float, stage: int, overl
         x, y = global_batch(step)
         output = model(local_slice(x, rank, world))
         # The forward made every param current (the pre-hooks waited for the gathers).
-        assert not opt._gatherer.pending
+        assert not opt._comm.pending
         assert_params_close(model, ref, f"before step {step}")
         loss = mse(output, local_slice(y, rank, world))
         loss.backward()
@@ -74,7 +74,7 @@ def train_in_parity(rank: int, world: int, *, fraction: float, stage: int, overl
         ref_opt.step()
         ref_opt.zero_grad()
         torch.testing.assert_close(mean_over_ranks(loss), ref_loss.detach(), **LOSS_TOL)
-        assert opt._gatherer.pending == overlap  # with overlap, the gathers wait for forward
+        assert opt._comm.pending == overlap  # with overlap, the gathers wait for forward
     opt.finish_param_sync()
     assert_params_close(model, ref, "after the last step")
     # Every state tensor is a DTensor with the param's global shape, equal to the reference's.
@@ -160,7 +160,7 @@ def cpu_step_runs_on_during_the_next_forward(rank: int, world: int) -> None:
             adamw(model), model, offload=offload(1.0), overlap_param_gather=overlap,
             bucket_mb=TINY_BUCKETS / 8,  # one param per bucket
         )  # fmt: skip
-        assert len(opt._buckets) == 6
+        assert len(opt._comm.buckets) == 6
         losses = []
         with slow_cpu_steps(0.01 if rank == 0 else 0.0):
             for step in range(4):
@@ -384,7 +384,7 @@ def fsdp2_model_matches_fsdp2_with_torch_adamw(rank: int, world: int) -> None:
         model, ref = sharded_model(), sharded_model()
         opt = zero_shard.wrap(adamw(model), model, offload=offload(fraction))
         ref_opt = adamw(ref)
-        assert opt.kind.value == "fsdp" and opt._gatherer is None  # FSDP2 communicates
+        assert opt.kind.value == "fsdp" and not opt._comm.buckets  # FSDP2 communicates
         for step in range(5):
             x, y = global_batch(step)
             for net, net_opt in ((model, opt), (ref, ref_opt)):

@@ -1,0 +1,452 @@
+"""The param gathers on 2 and 3 CPU processes (gloo), as a new user meets them: stock torch and
+Hugging Face models whose forward reads params outside the module that owns them, rank-dependent
+forwards and saves, and writes or loads right after ``step()``. Each case trains against
+single-process torch AdamW on the same global batch and compares the loss every step and the
+params after every forward (which waited for them), at the default buckets and at one param per
+bucket; cases that must hang without the fix rely on the harness's timeouts."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _harness import check_outcome, run_cases
+from _models import LOSS_TOL, assert_params_close, local_slice, mean_over_ranks
+from torch import nn
+from torch.nn.utils import parametrize
+
+import zero_shard
+from zero_shard import OffloadPolicy, _gather
+
+CASES = {}
+LR = 1e-2
+# AdamW's eps well above the grad noise: some params' grads are zero but for rounding (the key
+# bias of attention: softmax ignores it), and with a tiny eps Adam would turn that noise, which
+# differs between any two summation orders, into whole steps of size lr.
+EPS = 1e-3
+ONE_PER_BUCKET = 1e-6  # MiB: every param gets a bucket of its own
+DEFAULT_BUCKETS = 256.0
+STEPS = 4
+BATCH, DIM = 12, 8  # the global batch (divides by 2, 3 and 4 ranks) and the feature width
+
+
+def case(function):  # type: ignore[no-untyped-def]
+    CASES[function.__name__] = function
+    return function
+
+
+def offload(fraction: float) -> OffloadPolicy | None:
+    return None if fraction == 0 else OffloadPolicy(fraction=fraction, num_threads=1, chunk_numel=8)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 5, DIM, generator=gen), torch.randn(BATCH, 5, DIM, generator=gen)
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(output, target)
+
+
+def train_against_torch(
+    rank: int,
+    world: int,
+    build: Callable[[], nn.Module],
+    *,
+    bucket_mb: float,
+    fraction: float = 0.0,
+    data: Callable[[int], tuple[Any, Any]] = batch,
+    loss_fn: Callable[[nn.Module, Any, Any], torch.Tensor] | None = None,
+    after_step: Callable[[nn.Module, Any, int], None] | None = None,
+    **wrap_options: Any,
+) -> None:
+    """Trains ``build()`` with zero-shard and with torch AdamW on one process; compares the loss
+    every step and the params after every forward. ``after_step(model, opt, step)`` runs right
+    after each step, on both (``opt`` is None for the reference)."""
+    loss_fn = loss_fn or (lambda model, x, y: mse(model(x), y))
+    torch.manual_seed(0)
+    model = build()
+    torch.manual_seed(0)
+    ref = build()
+    opt = zero_shard.wrap(
+        torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS),
+        model,
+        offload=offload(fraction),
+        bucket_mb=bucket_mb,
+        **wrap_options,
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    for step in range(STEPS):
+        x, y = data(step)
+        loss = loss_fn(model, local_slice(x, rank, world), local_slice(y, rank, world))
+        where = f"{type(model).__name__}, step {step}, buckets {bucket_mb}, fraction {fraction}"
+        assert_params_close(model, ref, where)  # the forward waited for every param it read
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(ref, x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(mean_over_ranks(loss), ref_loss.detach(), **LOSS_TOL)
+        if after_step is not None:
+            after_step(model, opt, step)
+            after_step(ref, None, step)
+    opt.finish_param_sync()
+    assert_params_close(model, ref, f"{type(model).__name__}, the end")
+
+
+def each_layout(rank: int, world: int, build: Callable[[], nn.Module], **options: Any) -> None:
+    for bucket_mb in (DEFAULT_BUCKETS, ONE_PER_BUCKET):
+        train_against_torch(rank, world, build, bucket_mb=bucket_mb, **options)
+    train_against_torch(rank, world, build, bucket_mb=ONE_PER_BUCKET, fraction=0.5, **options)
+
+
+# -- models whose forward reads params its modules do not own ---------------------------------
+
+
+def encoder() -> nn.Module:
+    # Every default but the sizes and dropout (the ranks' masks would differ from the
+    # reference's): each layer's nn.MultiheadAttention reads out_proj.weight itself.
+    layer = nn.TransformerEncoderLayer(DIM, 2, 16, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+@case
+def transformer_encoder(rank: int, world: int) -> None:
+    each_layout(rank, world, encoder)
+
+
+class Attentions(nn.Module):
+    """Repeated nn.MultiheadAttention blocks: each one is a unit whose forward reads its child
+    ``out_proj`` by attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.MultiheadAttention(DIM, 2, batch_first=True) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x, x, x, need_weights=False)[0]
+        return x
+
+
+@case
+def multihead_attention_reads_out_proj(rank: int, world: int) -> None:
+    each_layout(rank, world, Attentions)
+
+
+class FunctionalBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+        self.gate = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The child's weight used by the parent, the child never called.
+        return x + torch.tanh(F.linear(x, self.fc.weight, self.fc.bias)) * self.gate(x)
+
+
+class TiedFunctional(nn.Module):
+    """Blocks reading their children functionally, and a head tied to the input projection,
+    applied with F.linear from the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM, bias=False)
+        self.blocks = nn.ModuleList(FunctionalBlock() for _ in range(3))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, DIM, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return F.linear(self.norm(h), self.head.weight)
+
+
+@case
+def weights_read_functionally_and_tied(rank: int, world: int) -> None:
+    each_layout(rank, world, TiedFunctional)
+
+
+class Symmetric(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.triu() + weight.triu(1).transpose(0, 1)
+
+
+def parametrized() -> nn.Module:
+    layers = [nn.Linear(DIM, DIM) for _ in range(4)]
+    parametrize.register_parametrization(layers[0], "weight", Symmetric())
+    torch.nn.utils.parametrizations.weight_norm(layers[1])
+    torch.nn.utils.parametrizations.orthogonal(layers[2])
+    with pytest.warns(FutureWarning):  # deprecated, still common: a forward pre-hook of its own
+        torch.nn.utils.weight_norm(layers[3])
+    # The layers are the units (a Sequential of Linears): each computes its weight first thing.
+    return nn.Sequential(layers[0], nn.Tanh(), layers[1], nn.Tanh(), layers[2], layers[3])
+
+
+@case
+def parametrizations_and_weight_norm_hooks(rank: int, world: int) -> None:
+    each_layout(rank, world, parametrized)
+
+
+def hf_llama() -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, 64, (BATCH, 9), generator=torch.Generator().manual_seed(step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@case
+def hugging_face_llama(rank: int, world: int) -> None:
+    pytest.importorskip("transformers")
+    each_layout(rank, world, hf_llama, data=token_batch, loss_fn=lm_loss)
+
+
+# -- ranks doing different things ---------------------------------------------------------------
+
+
+class Experts(nn.Module):
+    """Mixture-of-experts style: each rank's rows go through their own expert only, then a
+    collective inside forward (a load statistic, as routers all-reduce)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        h = self.experts[expert](torch.tanh(self.inp(x)))
+        load = h.detach().abs().mean().reshape(1)
+        dist.all_reduce(load)  # on other ranks, a gather of another expert may come first
+        return self.out(h)
+
+
+@case
+def each_rank_runs_its_own_expert_with_a_collective_in_forward(rank: int, world: int) -> None:
+    per_rank = BATCH // world
+
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == per_rank:  # this rank's rows
+            return mse(model(x, expert=rank), y)
+        # The reference: rank r's rows through expert r, the mean of the ranks' losses.
+        rows = [slice(r * per_rank, (r + 1) * per_rank) for r in range(world)]
+        losses = [mse(model(x[s], expert=r), y[s]) for r, s in enumerate(rows)]
+        return torch.stack(losses).mean()
+
+    for bucket_mb in (DEFAULT_BUCKETS, ONE_PER_BUCKET):
+        train_against_torch(rank, world, Experts, bucket_mb=bucket_mb, loss_fn=loss)
+
+
+@case
+def state_dict_on_rank_0_alone_then_barrier(rank: int, world: int) -> None:
+    # torch.save(model.state_dict()) on rank 0 only, right after a step, then a barrier: the
+    # state_dict hook only waits, so rank 0 cannot issue a gather the others never will.
+    def save_on_rank_0(model: nn.Module, opt: Any, step: int) -> None:
+        if opt is None:
+            return
+        if rank == 0:
+            saved = model.state_dict()
+            part = model.layers[1].state_dict()  # a submodule's, too
+            for name, value in part.items():
+                assert torch.equal(value, saved[f"layers.1.{name}"])
+        dist.barrier()
+
+    for bucket_mb in (DEFAULT_BUCKETS, ONE_PER_BUCKET):
+        train_against_torch(rank, world, encoder, bucket_mb=bucket_mb, after_step=save_on_rank_0)
+
+
+# -- writes and loads right after step() -------------------------------------------------------
+
+
+def clamp_weights(model: nn.Module, opt: Any, step: int) -> None:
+    if opt is not None:
+        opt.finish_param_sync()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.clamp_(-0.3, 0.3)
+
+
+@case
+def weight_constraint_after_finish_param_sync(rank: int, world: int) -> None:
+    for bucket_mb in (DEFAULT_BUCKETS, ONE_PER_BUCKET):
+        train_against_torch(
+            rank, world, TiedFunctional, bucket_mb=bucket_mb, after_step=clamp_weights
+        )
+
+
+@case
+def weight_constraint_without_finish_param_sync_raises(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = TiedFunctional()
+    opt = zero_shard.wrap(
+        torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, bucket_mb=ONE_PER_BUCKET
+    )
+    x, y = batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    opt.step()
+    with torch.no_grad():
+        model.blocks[1].fc.weight.clamp_(-0.3, 0.3)  # the update may not have landed yet
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.fc\.weight.*finish_param_sync"):
+        model(local_slice(x, rank, world))
+
+
+@case
+def optimizer_load_state_dict_right_after_step_keeps_the_update(rank: int, world: int) -> None:
+    # A twin that finished its step gives the state dict; loaded right after our step (whose
+    # update is still on its way to the params), the main weights must be the updated ones.
+    twin = [None, None]
+
+    def load_twins_state(model: nn.Module, opt: Any, step: int) -> None:
+        if opt is None:
+            return
+        twin_model, twin_opt = twin
+        x, y = batch(step)
+        mse(twin_model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        twin_opt.step()
+        twin_opt.zero_grad()
+        zero_shard.load_full_state_dict(opt, zero_shard.full_state_dict(twin_opt))
+
+    torch.manual_seed(0)
+    twin[0] = encoder()
+    twin[1] = zero_shard.wrap(
+        torch.optim.AdamW(twin[0].parameters(), lr=LR, eps=EPS), twin[0], bucket_mb=ONE_PER_BUCKET
+    )
+    train_against_torch(rank, world, encoder, bucket_mb=ONE_PER_BUCKET, after_step=load_twins_state)
+
+
+@case
+def model_load_state_dict_right_after_step_lands_on_the_update(rank: int, world: int) -> None:
+    torch.manual_seed(7)
+    other = {k: v.clone() for k, v in encoder().state_dict().items()}
+
+    def load_weights(model: nn.Module, opt: Any, step: int) -> None:
+        if step == 1:
+            model.load_state_dict(other)
+
+    train_against_torch(rank, world, encoder, bucket_mb=ONE_PER_BUCKET, after_step=load_weights)
+
+
+# -- units -------------------------------------------------------------------------------------
+
+
+@case
+def units_given_as_classes_modules_or_none(rank: int, world: int) -> None:
+    choices = {
+        "classes": lambda model: [FunctionalBlock],
+        "modules": lambda model: list(model.blocks),
+        "root only": lambda model: [],
+        "nested": lambda model: [nn.Linear, FunctionalBlock],
+    }
+    for name, units_of in choices.items():
+        torch.manual_seed(0)
+        model = TiedFunctional()
+        opt = zero_shard.wrap(
+            torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, bucket_mb=ONE_PER_BUCKET,
+            units=units_of(model),
+        )  # fmt: skip
+        torch.manual_seed(0)
+        ref = TiedFunctional()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+        for step in range(3):
+            x, y = batch(step)
+            loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+            assert_params_close(model, ref, f"units: {name}, step {step}")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = mse(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(mean_over_ranks(loss), ref_loss.detach(), **LOSS_TOL)
+
+
+@case
+def a_submodule_called_on_its_own_waits_for_its_params(rank: int, world: int) -> None:
+    # The head runs outside model(...): its own pre-hook waits (the root's never fires).
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x
+        for block in model.blocks:
+            h = block(h)
+        return mse(model.head(model.norm(h)), y)
+
+    train_against_torch(rank, world, TiedFunctional, bucket_mb=ONE_PER_BUCKET, loss_fn=loss)
+
+
+@case
+def bad_units_are_refused_on_every_rank(rank: int, world: int) -> None:
+    model = TiedFunctional()
+    with pytest.raises(
+        ValueError, match="class MultiheadAttention, but the model has no submodule"
+    ):
+        zero_shard.wrap(torch.optim.AdamW(model.parameters()), model, units=[nn.MultiheadAttention])
+    with pytest.raises(ValueError, match="not a submodule of the model"):
+        zero_shard.wrap(torch.optim.AdamW(model.parameters()), model, units=[nn.Linear(2, 2)])
+    with pytest.raises(
+        TypeError, match="units must hold nn.Module classes or modules, got 'blocks'"
+    ):
+        zero_shard.wrap(torch.optim.AdamW(model.parameters()), model, units=["blocks"])
+
+
+# -- a race test for the waits ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def slow_gathers(seconds: float) -> Iterator[None]:
+    """Every bucket's copy into the params comes ``seconds`` later: a forward that did not wait
+    for it would read old weights."""
+    original = _gather.unpack_params
+
+    def slow(*args: Any) -> None:
+        time.sleep(seconds)
+        original(*args)
+
+    _gather.unpack_params = slow
+    try:
+        yield
+    finally:
+        _gather.unpack_params = original
+
+
+@case
+def forward_waits_for_slow_gathers(rank: int, world: int) -> None:
+    with slow_gathers(0.02 if rank == 0 else 0.0):
+        for fraction in (0.0, 1.0):
+            train_against_torch(
+                rank, world, TiedFunctional, bucket_mb=ONE_PER_BUCKET, fraction=fraction
+            )
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
+def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
+    return run_cases(CASES, request.param)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed(outcomes: dict[str, str | None], name: str) -> None:
+    check_outcome(outcomes, name)

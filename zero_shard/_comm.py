@@ -1,0 +1,299 @@
+"""Who moves grads and params, one object per kind of model, each owning its lifecycle.
+
+- ``ReplicatedComm``: a plain module on every rank. zero-shard reduces the grads bucket by
+  bucket during backward (``GradReducer``) and gathers the updated params (``ParamGatherer``).
+- ``DDPComm``: ``DistributedDataParallel`` all-reduces the grads; zero-shard steps this rank's
+  rows of them and gathers the params.
+- ``FSDPComm``: FSDP2 reduce-scatters the grads and gathers the params itself; the shards
+  zero-shard steps are the params' local tensors, written in place.
+
+Each gives the optimizer the same calls: ``finalize_grads`` (each shard's ``.grad`` is its
+reduced grad), ``checked_grads`` (what the non-finite check reads), ``no_sync``, ``after_step``
+(the step's new weights reach the params), ``finish`` (they have), ``reset`` (``zero_grad``),
+``refresh_shards`` (the params' values into the shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from offload import use_device
+from optimizers import HostStep
+
+from ._buckets import Bucket, ShardedParam, build_buckets, fsdp_sharded_param
+from ._gather import HostWrites, ParamGatherer
+from ._hooks import register_param_waits
+from ._reduce import GradReducer
+from ._units import UnitPlan
+
+__all__ = ["Comm", "DDPComm", "FSDPComm", "ReplicatedComm", "gather_group"]
+
+Trainable = tuple[torch.Tensor, str, int]  # (param, fqn, param-group index)
+
+
+def _timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedelta | None:
+    """The group's collective timeout, where the backend tells it."""
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def gather_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup:
+    """A new group over ``group``'s ranks, backend and timeout, for the param gathers alone (see
+    [Note: param gather]). Collective over every rank of the default group, in the same order:
+    each rank's mesh may be another dim's slice (``mesh["dp"]`` of a 2-D mesh), so all the
+    ranks' groups are made everywhere, as ``new_group`` requires (its names then agree however
+    many groups each rank made before, which a hashed, local name does not)."""
+    mine = dist.get_process_group_ranks(group)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    with use_device(device):
+        dist.all_gather_object(everyone, mine)
+    made = None
+    for ranks in sorted({tuple(ranks) for ranks in everyone}):
+        new = dist.new_group(
+            list(ranks), timeout=_timeout(group, device), backend=dist.get_backend(group)
+        )
+        if list(ranks) == mine:
+            made = new
+    if made is None:
+        raise AssertionError(f"expected a group over ranks {mine} among those made")
+    return made
+
+
+class FSDPComm:
+    """An FSDP2 model: FSDP2 communicates; the shards are its params' local tensors."""
+
+    sharded: list[ShardedParam]
+    buckets: list[Bucket]  # none
+    _module: nn.Module
+
+    def __init__(self, module: nn.Module, trainable: Sequence[Trainable]) -> None:
+        self._module = module
+        self.sharded = [fsdp_sharded_param(p, fqn, g) for p, fqn, g in trainable]
+        self.buckets = []
+
+    def install(self, *, device: torch.device, overlap: bool) -> list[Any]:
+        return []
+
+    @property
+    def pending(self) -> bool:
+        return False
+
+    @property
+    def need_order(self) -> list[int] | None:
+        return None
+
+    def finalize_grads(self) -> None:
+        for sharded in self.sharded:
+            grad = sharded.param.grad
+            sharded.shard.grad = None if grad is None else grad._local_tensor.detach()
+
+    def checked_grads(self) -> list[torch.Tensor]:
+        return [s.shard.grad for s in self.sharded if s.shard.grad is not None]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        modules = [m for m in self._module.modules() if hasattr(m, "set_requires_gradient_sync")]
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    def after_step(self, host_step: HostStep | None) -> None:
+        if host_step is not None:
+            host_step.wait()  # the step writes the params' local shards in place
+        for sharded in self.sharded:
+            sharded.record_version()
+
+    def finish(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def refresh_shards(self, records: Sequence[ShardedParam]) -> None:
+        pass  # the shards are the model's own memory
+
+    def device_bytes(self) -> int:
+        return 0
+
+
+class _GatheredComm:
+    """What the replicated and DDP kinds share: buckets of shards, gathered after each step."""
+
+    sharded: list[ShardedParam]  # in param-group order, as the hybrid's param indices
+    buckets: list[Bucket]
+    gatherer: ParamGatherer  # made by install()
+    _module: nn.Module
+    _plan: UnitPlan
+    _group: dist.ProcessGroup  # the mesh's group: the grads are sharded over it
+    _bucket_indices: list[list[int]]  # per bucket, its shards' param indices in the hybrid
+
+    def _build(
+        self,
+        module: nn.Module,
+        trainable: Sequence[Trainable],
+        plan: UnitPlan,
+        group: dist.ProcessGroup,
+        *,
+        bucket_mb: float,
+        with_grad_buffers: bool,
+    ) -> None:
+        self._module = module
+        self._plan = plan
+        self._group = group
+        # Buckets go in unit order (root first), then model order inside a unit: the next
+        # forward needs the first buckets first ([Note: units]), and backward makes the last
+        # buckets' grads first.
+        model_order = {id(p): place for place, p in enumerate(module.parameters())}
+        ordered = sorted(
+            trainable, key=lambda item: (plan.owner[id(item[0])], model_order[id(item[0])])
+        )
+        sharded, self.buckets = build_buckets(
+            [p for p, _, _ in ordered],
+            [fqn for _, fqn, _ in ordered],
+            [g for _, _, g in ordered],
+            rank=dist.get_rank(group),
+            world_size=dist.get_world_size(group),
+            bucket_bytes=int(bucket_mb * (1 << 20)),
+            with_grad_buffers=with_grad_buffers,
+            units=[plan.owner[id(p)] for p, _, _ in ordered],
+        )
+        record_of = {id(record.param): record for record in sharded}
+        self.sharded = [record_of[id(p)] for p, _, _ in trainable]
+        index_of = {id(record): index for index, record in enumerate(self.sharded)}
+        self._bucket_indices = [[index_of[id(s)] for s in b.params] for b in self.buckets]
+
+    def install(self, *, device: torch.device, overlap: bool) -> list[Any]:
+        """Creates the gathers' group and the model hooks; returns the hooks' handles."""
+        group = gather_group(self._group, device)
+        self.gatherer = ParamGatherer(self.buckets, group, device=device, overlap=overlap)
+        return register_param_waits(self._module, self._plan, self.buckets, self.gatherer)
+
+    @property
+    def pending(self) -> bool:
+        return self.gatherer.pending
+
+    @property
+    def need_order(self) -> list[int]:
+        """The hybrid's param indices in bucket order: the order the next forward needs them."""
+        return [index for indices in self._bucket_indices for index in indices]
+
+    def after_step(self, host_step: HostStep | None) -> None:
+        """Gathers the shards into the params once ``host_step`` (the CPU's share of a step, if
+        any) has written them; see [Note: param gather]."""
+        writes = None if host_step is None else HostWrites(host_step, self._bucket_indices)
+        self.gatherer.after_step(writes)
+
+    def finish(self) -> None:
+        self.gatherer.finish()
+
+    @torch.no_grad()
+    def refresh_shards(self, records: Sequence[ShardedParam]) -> None:
+        for sharded in records:
+            rows = sharded.param.detach().reshape(-1)
+            spec = sharded.spec
+            sharded.shard.view(-1).copy_(rows[spec.start : spec.start + spec.numel])
+
+    def device_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for bucket in self.buckets
+            for t in (bucket.shard_buffer, bucket.grad_buffer)
+            if t is not None
+        )
+
+
+class DDPComm(_GatheredComm):
+    """A DDP model: DDP all-reduces the grads, zero-shard steps its rows and gathers params."""
+
+    _ddp: nn.parallel.DistributedDataParallel
+
+    def __init__(
+        self,
+        ddp: nn.parallel.DistributedDataParallel,
+        trainable: Sequence[Trainable],
+        plan: UnitPlan,
+        group: dist.ProcessGroup,
+        *,
+        bucket_mb: float,
+    ) -> None:
+        self._ddp = ddp
+        self._build(
+            ddp.module, trainable, plan, group, bucket_mb=bucket_mb, with_grad_buffers=False
+        )
+
+    def finalize_grads(self) -> None:
+        for sharded in self.sharded:
+            grad = sharded.param.grad
+            if grad is None:
+                sharded.shard.grad = None
+            else:  # this rank's rows of the reduced grad, a view
+                spec = sharded.spec
+                sharded.shard.grad = grad.detach()[spec.start_row : spec.start_row + spec.num_rows]
+
+    def checked_grads(self) -> list[torch.Tensor]:
+        return [s.shard.grad for s in self.sharded if s.shard.grad is not None]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self._ddp.no_sync():
+            yield
+
+    def reset(self) -> None:
+        pass
+
+
+class ReplicatedComm(_GatheredComm):
+    """A plain module on every rank: zero-shard reduces grads and gathers params."""
+
+    reducer: GradReducer
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trainable: Sequence[Trainable],
+        plan: UnitPlan,
+        group: dist.ProcessGroup,
+        *,
+        device: torch.device,
+        bucket_mb: float,
+        stage: int,
+    ) -> None:
+        self._build(module, trainable, plan, group, bucket_mb=bucket_mb, with_grad_buffers=True)
+        self.reducer = GradReducer(self.buckets, group, stage=stage, device=device)
+
+    def install(self, *, device: torch.device, overlap: bool) -> list[Any]:
+        return super().install(device=device, overlap=overlap) + self.reducer.register_hooks()
+
+    def finalize_grads(self) -> None:
+        self.reducer.finish()
+
+    def checked_grads(self) -> list[torch.Tensor]:
+        # Each bucket's reduced grads in one piece: its gaps and padding hold zeros.
+        return [b.grad_buffer[: b.layout.shard_numel] for b in self.buckets]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.reducer.enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.enabled = True
+
+    def reset(self) -> None:
+        self.reducer.reset()
+
+
+Comm = ReplicatedComm | DDPComm | FSDPComm
