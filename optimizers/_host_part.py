@@ -336,8 +336,9 @@ class HostPart:
 
     def settle(self) -> None:
         """Completes the step in flight, if any: its chunks' weights reach the params."""
-        if self.pending is not None:
-            self.pending.wait()
+        pending = self.pending  # once: another thread completing the step may clear it
+        if pending is not None:
+            pending.wait()
 
     @torch.no_grad()
     def send_grad(self, record: ParamRecord) -> None:

@@ -9,9 +9,9 @@ completes the chunks it needs when it needs them (``wait_for``), the rest later 
 the chunks in parameter order, the next forward's first layers can run while the worker steps
 the last ones. Chunks complete strictly in the order the worker runs them, so one H2D event (the
 H2D stream runs in order) covers every chunk completed so far. Chunks may be completed from more
-than one thread (``zero_shard.wrap`` completes them from its gather thread, while a state dict on
-the main thread settles the step): a lock keeps them in order, and each caller's current stream
-waits for the H2D event of every chunk completed so far, by whichever thread.
+than one thread (a caller's thread that gathers the new weights as they come, while a state dict
+on the main thread settles the step): a lock keeps them in order, and each caller's current
+stream waits for the H2D event of every chunk completed so far, by whichever thread.
 
 Until the whole step is complete, the host part is *busy*: its staging buffers and main weights
 belong to the worker. Everything else that touches them (the next step, state dicts, reloads,

@@ -402,8 +402,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         optimizer's state (``step``, ``state_dict``, ``load_state_dict``, ``reload_model_params``,
         ``param_state``) completes it first. The model's params of the CPU's share must not be
         read (no forward) before their chunks are completed, and the grads not written (no
-        backward) before the whole step is; ``zero_shard.wrap`` does both from its forward
-        pre-hooks. ``grad_scale`` and ``found_inf`` are as for :meth:`step`.
+        backward) before the whole step is. The chunks may be completed from another thread than
+        the one that launched the step (each caller's current stream is made to wait).
+        ``grad_scale`` and ``found_inf`` are as for :meth:`step`.
         """
         if need_order is None:
             need_order = range(len(self._records))

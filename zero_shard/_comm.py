@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import distributed_c10d
+from torch.distributed.device_mesh import DeviceMesh
 
 from offload import use_device
 from optimizers import HostStep
@@ -46,26 +48,38 @@ def _timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedel
         return None
 
 
-def gather_group(group: dist.ProcessGroup, device: torch.device) -> dist.ProcessGroup:
-    """A new group over ``group``'s ranks, backend and timeout, for the param gathers alone (see
-    [Note: param gather]). Collective over every rank of the default group, in the same order:
-    each rank's mesh may be another dim's slice (``mesh["dp"]`` of a 2-D mesh), so all the
-    ranks' groups are made everywhere, as ``new_group`` requires (its names then agree however
-    many groups each rank made before, which a hashed, local name does not)."""
+def gather_group(mesh: DeviceMesh, device: torch.device) -> dist.ProcessGroup:
+    """A new group over the mesh's ranks, backend and timeout, for the param gathers alone (see
+    [Note: param gather]). Every rank of the mesh calls it, in the same order."""
+    group = mesh.get_group()
     mine = dist.get_process_group_ranks(group)
-    everyone: list[Any] = [None] * dist.get_world_size()
+    options = {"timeout": _timeout(group, device), "backend": dist.get_backend(group)}
+    if mesh._get_root_mesh().mesh.numel() == dist.get_world_size():
+        # Every rank wraps, and each rank's mesh may be another slice of a bigger one
+        # (mesh["dp"]): each makes every rank's group, in one order, as new_group requires.
+        everyone: list[Any] = [None] * dist.get_world_size()
+        with use_device(device):
+            dist.all_gather_object(everyone, mine)
+        made = None
+        for ranks in sorted({tuple(ranks) for ranks in everyone}):
+            new = dist.new_group(list(ranks), **options)
+            if list(ranks) == mine:
+                made = new
+        if made is None:
+            raise AssertionError(f"expected a group over ranks {mine} among those made")
+        return made
+    # Only the mesh's ranks wrap (a DDP model over a subgroup): they make the group alone. torch
+    # names such a group by how many groups each rank made before, which must then agree.
+    counts: list[Any] = [None] * len(mine)
     with use_device(device):
-        dist.all_gather_object(everyone, mine)
-    made = None
-    for ranks in sorted({tuple(ranks) for ranks in everyone}):
-        new = dist.new_group(
-            list(ranks), timeout=_timeout(group, device), backend=dist.get_backend(group)
+        dist.all_gather_object(counts, len(distributed_c10d._world.pg_names), group=group)
+    if len(set(counts)) > 1:
+        raise RuntimeError(
+            f"the ranks {mine} made different numbers of process groups before wrap ({counts}), "
+            "so they cannot make the gathers' group alone; make process groups in the same order "
+            "on these ranks, or call zero_shard.wrap on every rank"
         )
-        if list(ranks) == mine:
-            made = new
-    if made is None:
-        raise AssertionError(f"expected a group over ranks {mine} among those made")
-    return made
+    return dist.new_group(mine, use_local_synchronization=True, **options)
 
 
 class FSDPComm:
@@ -80,7 +94,7 @@ class FSDPComm:
         self.sharded = [fsdp_sharded_param(p, fqn, g) for p, fqn, g in trainable]
         self.buckets = []
 
-    def install(self, *, device: torch.device, overlap: bool) -> list[Any]:
+    def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
         return []
 
     @property
@@ -175,9 +189,9 @@ class _GatheredComm:
         index_of = {id(record): index for index, record in enumerate(self.sharded)}
         self._bucket_indices = [[index_of[id(s)] for s in b.params] for b in self.buckets]
 
-    def install(self, *, device: torch.device, overlap: bool) -> list[Any]:
+    def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
         """Creates the gathers' group and the model hooks; returns the hooks' handles."""
-        group = gather_group(self._group, device)
+        group = gather_group(mesh, device)
         self.gatherer = ParamGatherer(self.buckets, group, device=device, overlap=overlap)
         return register_param_waits(self._module, self._plan, self.buckets, self.gatherer)
 
@@ -274,8 +288,13 @@ class ReplicatedComm(_GatheredComm):
         self._build(module, trainable, plan, group, bucket_mb=bucket_mb, with_grad_buffers=True)
         self.reducer = GradReducer(self.buckets, group, stage=stage, device=device)
 
-    def install(self, *, device: torch.device, overlap: bool) -> list[Any]:
-        return super().install(device=device, overlap=overlap) + self.reducer.register_hooks()
+    def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
+        handles = super().install(mesh, device=device, overlap=overlap)
+        # The reductions write the grad buffers that the last step's D2H copies read: the step
+        # must be complete first (the gathers waited for every CPU chunk), whatever the forward
+        # waited for (see [Note: deferred host step]).
+        self.reducer.before_first = self.gatherer.finish
+        return handles + self.reducer.register_hooks()
 
     def finalize_grads(self) -> None:
         self.reducer.finish()

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from offload import current_stream, record_event, side_stream, use_device, use_stream
+from optimizers import HostStep
 
 from ._buckets import Bucket
 from ._collectives import launch_all_gather, num_row_pieces, unpack_params
@@ -63,7 +64,7 @@ class HostWrites:
     """The CPU's share of a step (a ``HostStep``) as writes into buckets: a bucket's writes are
     the chunks holding any of its shards (``indices[bucket]``: their hybrid param indices)."""
 
-    def __init__(self, host_step: Any, indices: Sequence[Sequence[int]]) -> None:
+    def __init__(self, host_step: HostStep, indices: Sequence[Sequence[int]]) -> None:
         self._host_step = host_step
         self._indices = indices
 
@@ -98,9 +99,10 @@ class _Job:
 def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, world_size: int) -> list[str]:
     """Copies the gathered bucket into the params not written since the step; returns the FQNs
     of those that were, or were written while being copied (another thread, see the note)."""
-    written = [s for s in bucket.params if s.is_stale()]
-    targets = [None if s in written else s.param for s in bucket.params]
+    # One read of each counter decides: a write between a check and the copy would be missed.
     before = [s.watched._version for s in bucket.params]
+    written = [s for s, v in zip(bucket.params, before, strict=True) if s.changed or v != s.version]
+    targets = [None if s in written else s.param for s in bucket.params]
     with record_function("zero_shard::unpack"):
         unpack_params(gathered, bucket.layout, bucket.specs, targets, world_size)
     for sharded, version, target in zip(bucket.params, before, targets, strict=True):
@@ -114,37 +116,48 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, world_size: int) -
     return [sharded.fqn for sharded in written]
 
 
+def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
+    shard = bucket.shard_buffer
+    out = shard.new_empty(job.world_size * shard.numel())
+    with record_function("zero_shard::all_gather"):
+        launch_all_gather(shard, out, job.group).wait()
+    report.written = _copy_into_params(bucket, out, job.world_size)
+    report.event = record_event(job.stream)
+
+
 @torch.no_grad()  # grad mode is per thread: the job's thread starts with it on
 def run_gathers(job: _Job) -> None:
-    """Gathers every bucket in order into the params; see [Note: param gather]. Reports each
-    bucket, failed or not: a wait must never outwait the job."""
-    failure: BaseException | None = None  # a collective failed: later ones would fail alike
-    with use_device(job.device), use_stream(job.stream):
-        if job.stream is not None and job.ready is not None:
-            job.stream.wait_event(job.ready)
-        for index, (bucket, report) in enumerate(zip(job.buckets, job.reports, strict=True)):
-            try:
-                if failure is not None:
-                    raise failure
+    """Gathers every bucket in order into the params; see [Note: param gather]. Every bucket is
+    reported, failed or not: a wait must never outwait the job."""
+    failure: BaseException | None = None
+    try:
+        with use_device(job.device), use_stream(job.stream):
+            if job.stream is not None and job.ready is not None:
+                job.stream.wait_event(job.ready)
+            for index, (bucket, report) in enumerate(zip(job.buckets, job.reports, strict=True)):
                 if job.writes is not None:
                     try:
                         job.writes.wait(index)  # the job's stream now follows the shards' writes
                     except BaseException as err:
-                        # This rank's CPU step failed: still gather, as the other ranks do.
+                        # This rank's CPU step failed: gather all the same, as the other ranks do.
                         report.error = err
-                shard = bucket.shard_buffer
-                out = shard.new_empty(job.world_size * shard.numel())
                 try:
-                    with record_function("zero_shard::all_gather"):
-                        launch_all_gather(shard, out, job.group).wait()
+                    _gather_bucket(job, bucket, report)
                 except BaseException as err:
+                    # A gather this rank could not issue or finish (an allocation, a collective):
+                    # issuing the next ones would pair them with the other ranks' previous ones.
+                    # Stop; the other ranks' gathers then time out and raise there too.
                     failure = err
-                    raise
-                report.written = _copy_into_params(bucket, out, job.world_size)
-                report.event = record_event(job.stream)
-            except BaseException as err:
-                report.error = report.error or err
-            finally:
+                    report.error = report.error or err
+                    break
+                finally:
+                    report.done.set()
+    except BaseException as err:
+        failure = failure or err
+    finally:
+        for report in job.reports:
+            if not report.done.is_set():
+                report.error = failure or RuntimeError("the gather job ended before this bucket")
                 report.done.set()
 
 

@@ -8,6 +8,9 @@
   (``model.head(h)`` outside ``model(...)``).
 - Every module's ``state_dict`` and ``load_state_dict`` wait for all buckets: a save reads the
   latest weights (on rank 0 alone, too), and a load lands on top of them.
+- The root's forward hook waits for all buckets when its forward ends, also those of modules it
+  did not run: the next backward writes grads that the last step's CPU share may still be
+  copying to the host until its step is complete ([Note: deferred host step]).
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ def register_param_waits(
             hook = _wait_hook(gatherer, indices)
             handles.append(module.register_forward_pre_hook(hook, prepend=True))
     finish = _finish_hook(gatherer)
+    handles.append(model.register_forward_hook(finish))
     for module in model.modules():
         handles.append(module.register_state_dict_pre_hook(finish))
         handles.append(module.register_load_state_dict_pre_hook(finish))

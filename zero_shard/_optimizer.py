@@ -43,7 +43,7 @@ from ._state_dict import (
     sharded_state,
     to_dtensor,
 )
-from ._units import plan_units
+from ._units import Units, plan_units
 from ._verdict import on_every_rank
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
@@ -102,7 +102,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         bucket_mb: float = DEFAULT_BUCKET_MB,
         nonfinite: str = "skip",
         stale_params: str = "reload",
-        units: Any = None,
+        units: Units = None,
     ) -> None:
         if isinstance(optimizer, (ZeroShardOptimizer, HybridDeviceOptimizer)):
             raise TypeError(
@@ -141,28 +141,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._device = checked.trainable[0][0].device
         self._comm = self._make_comm(model, checked, stage, bucket_mb)
         self._sharded = self._comm.sharded
-        shard_groups = [
-            {
-                **self._hyperparams(g),
-                "params": [s.shard for s in self._sharded if s.group_index == g],
-            }
-            for g in range(len(self.param_groups))
-        ]
-        # Host memory differs between hosts: a rank that cannot hold its share fails all ranks.
-        self._hybrid = on_every_rank(
-            lambda: HybridDeviceOptimizer(
-                shard_groups,
-                type(optimizer),
-                policy=checked.policy,
-                **constructor_defaults(optimizer),
-            ),
-            mesh=self.mesh,
-            device=self._device,
-        )
+        self._hybrid = self._make_hybrid(optimizer, checked.policy)
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
-        handles = self._comm.install(device=self._device, overlap=overlap_param_gather)
+        handles = self._comm.install(self.mesh, device=self._device, overlap=overlap_param_gather)
         weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid, self.mesh)  # type: ignore[assignment]
         for sharded in self._sharded:
@@ -193,6 +176,25 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._module, checked.trainable, plan, group, device=self._device,
             bucket_mb=bucket_mb, stage=stage,
         )  # fmt: skip
+
+    def _make_hybrid(
+        self, optimizer: torch.optim.Optimizer, policy: OffloadPolicy
+    ) -> HybridDeviceOptimizer:
+        shard_groups = [
+            {
+                **self._hyperparams(g),
+                "params": [s.shard for s in self._sharded if s.group_index == g],
+            }
+            for g in range(len(self.param_groups))
+        ]
+        # Host memory differs between hosts: a rank that cannot hold its share fails all ranks.
+        return on_every_rank(
+            lambda: HybridDeviceOptimizer(
+                shard_groups, type(optimizer), policy=policy, **constructor_defaults(optimizer)
+            ),
+            mesh=self.mesh,
+            device=self._device,
+        )
 
     def _hyperparams(self, group_index: int) -> dict[str, Any]:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
@@ -251,8 +253,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Steps this rank's shards and gathers the new weights into the model's params.
 
         With ``overlap_param_gather`` it returns once the accelerator's share is stepped: the
-        CPU's share goes on during the next forward, whose pre-hooks wait for each bucket's CPU
-        step and gather before its layers run. An error of the CPU step then surfaces there.
+        CPU's share and the gathers go on in the background, and the next forward's unit
+        pre-hooks wait for the params each unit reads. An error of the CPU step or of a gather
+        then surfaces there. Until then the params may hold old or partly updated weights: code
+        that reads or writes them in between (an EMA, a weight constraint) calls
+        :meth:`finish_param_sync` first.
         """
         loss = None
         if closure is not None:
@@ -297,8 +302,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Refreshes every fp32 main weight (accelerator and CPU) from the model's params: call
         it on every rank after loading model weights (fine-tuning from a model-only checkpoint).
 
-        Gathers of the last step still pending complete first, into the params not written
-        since (a param loaded meanwhile keeps its loaded value); the others keep the step.
+        The last step's update reaches the params first. Weights loaded through a module's
+        ``load_state_dict`` (or DCP into ``model.state_dict()``) land after it; a param written
+        in place (``copy_``) right after ``step()``, before ``finish_param_sync()``, raised the
+        error of :meth:`finish_param_sync` here instead, as its write raced the update.
         """
         self.finish_param_sync()
         self._comm.refresh_shards(self._sharded)
@@ -511,7 +518,7 @@ def wrap(
     bucket_mb: float = DEFAULT_BUCKET_MB,
     nonfinite: str = "skip",
     stale_params: str = "reload",
-    units: Any = None,
+    units: Units = None,
 ) -> ZeroShardOptimizer:
     """Shards ``optimizer`` over the data-parallel ranks, optionally offloading to the CPU.
 

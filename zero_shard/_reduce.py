@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ class GradReducer:
     _reduced_since_reset: bool  # some reduction ran since zero_grad
     _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
     _warned_late_grads: bool
+    before_first: Callable[[], None] | None  # runs before a backward's first reduction
 
     def __init__(
         self,
@@ -78,6 +79,7 @@ class GradReducer:
         self._reduced_since_reset = False
         self._unreduced_backward = False
         self._warned_late_grads = False
+        self.before_first = None
 
     def register_hooks(self) -> list[Any]:
         """A post-accumulate-grad hook on each param; the hooks hold no reference to ``self``."""
@@ -101,6 +103,8 @@ class GradReducer:
             return
         if not self._in_backward:
             self._in_backward = True
+            if self.before_first is not None:
+                self.before_first()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.buckets[sharded.bucket].ready.add(sharded.position)
         while self._next >= 0:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from optimizers import OffloadPolicy, check_elementwise, check_param_kind
 
-from ._units import resolve_units
+from ._units import Units, resolve_units
 from ._verdict import Summary, on_every_rank
 
 __all__ = [
@@ -273,7 +273,7 @@ def check_inputs(
     mesh: DeviceMesh,
     device: torch.device,
     options: dict[str, Any],
-    units: Any = None,
+    units: Units = None,
 ) -> CheckedInputs:
     """Checks ``wrap``'s options (``offload``, ``stage``, ``bucket_mb``, ``nonfinite``,
     ``stale_params``), ``units`` and params with one verdict for every rank of the mesh: each rank

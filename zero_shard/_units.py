@@ -26,13 +26,23 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.utils.parametrize import ParametrizationList, is_parametrized
 
-__all__ = ["Unit", "UnitPlan", "default_units", "direct_params", "plan_units", "resolve_units"]
+__all__ = [
+    "Unit",
+    "UnitPlan",
+    "Units",
+    "default_units",
+    "direct_params",
+    "plan_units",
+    "resolve_units",
+]
+
+# ``wrap``'s ``units``: module classes and modules of the model; None for the default.
+Units = Iterable[type[nn.Module] | nn.Module] | type[nn.Module] | nn.Module | None
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,7 @@ def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return _outermost(model, chosen)
 
 
-def resolve_units(model: nn.Module, units: Any) -> list[tuple[str, nn.Module]]:
+def resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]:
     """The units other than the root, from ``wrap``'s ``units`` argument (``None``: default)."""
     if units is None:
         return default_units(model)

@@ -64,29 +64,35 @@ def train_against_torch(
     data: Callable[[int], tuple[Any, Any]] = batch,
     loss_fn: Callable[[nn.Module, Any, Any], torch.Tensor] | None = None,
     after_step: Callable[[nn.Module, Any, int], None] | None = None,
+    ddp: bool = False,
+    all_params_read: bool = True,
     **wrap_options: Any,
 ) -> None:
     """Trains ``build()`` with zero-shard and with torch AdamW on one process; compares the loss
-    every step and the params after every forward. ``after_step(model, opt, step)`` runs right
-    after each step, on both (``opt`` is None for the reference)."""
+    every step and, where the forward reads every param (``all_params_read``), the params after
+    every forward. ``after_step(model, opt, step)`` runs right after each step, on both (``opt``
+    is None for the reference). ``ddp``: zero-shard's model is wrapped in DDP first."""
     loss_fn = loss_fn or (lambda model, x, y: mse(model(x), y))
     torch.manual_seed(0)
     model = build()
     torch.manual_seed(0)
     ref = build()
+    net = nn.parallel.DistributedDataParallel(model) if ddp else model
     opt = zero_shard.wrap(
         torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS),
-        model,
+        net,
         offload=offload(fraction),
         bucket_mb=bucket_mb,
+        stage=1 if ddp else 2,
         **wrap_options,
     )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     for step in range(STEPS):
         x, y = data(step)
-        loss = loss_fn(model, local_slice(x, rank, world), local_slice(y, rank, world))
+        loss = loss_fn(net, local_slice(x, rank, world), local_slice(y, rank, world))
         where = f"{type(model).__name__}, step {step}, buckets {bucket_mb}, fraction {fraction}"
-        assert_params_close(model, ref, where)  # the forward waited for every param it read
+        if all_params_read:
+            assert_params_close(model, ref, where)  # the forward waited for every param it read
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -149,10 +155,12 @@ class FunctionalBlock(nn.Module):
         super().__init__()
         self.fc = nn.Linear(DIM, DIM)
         self.gate = nn.Linear(DIM, DIM)
+        self.low = nn.Linear(DIM, 2)  # 2 rows: an empty shard on the third of 3 ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The child's weight used by the parent, the child never called.
-        return x + torch.tanh(F.linear(x, self.fc.weight, self.fc.bias)) * self.gate(x)
+        h = torch.tanh(F.linear(x, self.fc.weight, self.fc.bias)) * self.gate(x)
+        return x + h + self.low(h).sum(-1, keepdim=True)
 
 
 class TiedFunctional(nn.Module):
@@ -166,9 +174,10 @@ class TiedFunctional(nn.Module):
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, DIM, bias=False)
         self.head.weight = self.embed.weight
+        self.nothing = nn.Parameter(torch.zeros(0, DIM))  # 0 rows: no rank holds any
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
+        h = self.embed(x) + self.nothing.sum()
         for block in self.blocks:
             h = block(h)
         return F.linear(self.norm(h), self.head.weight)
@@ -259,7 +268,10 @@ def each_rank_runs_its_own_expert_with_a_collective_in_forward(rank: int, world:
         return torch.stack(losses).mean()
 
     for bucket_mb in (DEFAULT_BUCKETS, ONE_PER_BUCKET):
-        train_against_torch(rank, world, Experts, bucket_mb=bucket_mb, loss_fn=loss)
+        # The other ranks' experts are not read here, and need not be current after forward.
+        train_against_torch(
+            rank, world, Experts, bucket_mb=bucket_mb, loss_fn=loss, all_params_read=False
+        )
 
 
 @case
@@ -278,6 +290,41 @@ def state_dict_on_rank_0_alone_then_barrier(rank: int, world: int) -> None:
 
     for bucket_mb in (DEFAULT_BUCKETS, ONE_PER_BUCKET):
         train_against_torch(rank, world, encoder, bucket_mb=bucket_mb, after_step=save_on_rank_0)
+
+
+@case
+def ddp_over_a_subgroup_wraps_on_its_ranks_only(rank: int, world: int) -> None:
+    # An RL-style layout: one model trained by some ranks while the others do other work; only
+    # the model's ranks call wrap, which must not wait for the others.
+    members = list(range(max(world - 1, 1)))
+    subgroup = dist.new_group(members)  # every rank makes it, as new_group requires
+    if rank in members:
+        torch.manual_seed(0)
+        model = TiedFunctional()
+        torch.manual_seed(0)
+        ref = TiedFunctional()
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=subgroup)
+        opt = zero_shard.wrap(
+            torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), ddp, stage=1,
+            bucket_mb=ONE_PER_BUCKET, offload=offload(0.5),
+        )  # fmt: skip
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+        for step in range(STEPS):
+            x, y = (t[: len(members) * 2] for t in batch(step))  # 2 rows a member
+            loss = mse(ddp(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2])
+            assert_params_close(model, ref, f"DDP over ranks {members}, step {step}")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = mse(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=subgroup)
+            torch.testing.assert_close(mean / len(members), ref_loss.detach(), **LOSS_TOL)
+        opt.finish_param_sync()
+    dist.barrier()
 
 
 # -- writes and loads right after step() -------------------------------------------------------
@@ -299,20 +346,54 @@ def weight_constraint_after_finish_param_sync(rank: int, world: int) -> None:
         )
 
 
-@case
-def weight_constraint_without_finish_param_sync_raises(rank: int, world: int) -> None:
+def stepped(rank: int, world: int, **options: Any) -> tuple[nn.Module, Any]:
+    """A model and its optimizer right after a step, its update on its way to the params."""
     torch.manual_seed(0)
     model = TiedFunctional()
     opt = zero_shard.wrap(
-        torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, bucket_mb=ONE_PER_BUCKET
-    )
+        torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, bucket_mb=ONE_PER_BUCKET,
+        **options,
+    )  # fmt: skip
     x, y = batch(0)
     mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
     opt.step()
+    return model, opt
+
+
+@case
+def writes_right_after_step_without_finish_param_sync_raise(rank: int, world: int) -> None:
+    x = local_slice(batch(1)[0], rank, world)
+    model, opt = stepped(rank, world)
     with torch.no_grad():
         model.blocks[1].fc.weight.clamp_(-0.3, 0.3)  # the update may not have landed yet
     with pytest.raises(RuntimeError, match=r"blocks\.1\.fc\.weight.*finish_param_sync"):
-        model(local_slice(x, rank, world))
+        model(x)
+    # A load through copy_, then reload_model_params: the same error, at the reload.
+    model, opt = stepped(rank, world, offload=offload(0.5))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.full_like(param, 0.1))
+    with pytest.raises(RuntimeError, match=r"were written after step\(\).*finish_param_sync"):
+        opt.reload_model_params()
+
+
+@case
+def a_failed_gather_raises_at_every_wait(rank: int, world: int) -> None:
+    # Every rank fails alike (one rank alone would leave the others' gathers to time out).
+    original = _gather.launch_all_gather
+
+    def failing(*args: Any) -> None:
+        raise RuntimeError("injected gather failure")
+
+    _gather.launch_all_gather = failing
+    try:
+        model, opt = stepped(rank, world)
+        with pytest.raises(RuntimeError, match="injected gather failure"):
+            model(local_slice(batch(1)[0], rank, world))
+        with pytest.raises(RuntimeError, match="injected gather failure"):
+            opt.finish_param_sync()  # the later buckets were never gathered: they say so too
+    finally:
+        _gather.launch_all_gather = original
 
 
 @case
@@ -433,13 +514,26 @@ def slow_gathers(seconds: float) -> Iterator[None]:
         _gather.unpack_params = original
 
 
+def read_state(model: nn.Module, opt: Any, step: int) -> None:
+    """Reads the optimizer state while the step's CPU share and gathers are in flight."""
+    if opt is not None:
+        for param in model.parameters():
+            assert int(opt.state[param]["step"]) == step + 1
+
+
 @case
 def forward_waits_for_slow_gathers(rank: int, world: int) -> None:
     with slow_gathers(0.02 if rank == 0 else 0.0):
         for fraction in (0.0, 1.0):
             train_against_torch(
-                rank, world, TiedFunctional, bucket_mb=ONE_PER_BUCKET, fraction=fraction
-            )
+                rank, world, TiedFunctional, bucket_mb=ONE_PER_BUCKET, fraction=fraction,
+                after_step=read_state,
+            )  # fmt: skip
+        # A DDP model, with a save on rank 0 alone between step and forward.
+        train_against_torch(
+            rank, world, encoder, bucket_mb=ONE_PER_BUCKET, fraction=0.5, ddp=True,
+            after_step=lambda model, opt, step: rank == 0 and model.state_dict(),
+        )  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
