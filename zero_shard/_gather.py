@@ -179,6 +179,7 @@ class ParamGatherer:
     _executor: ThreadPoolExecutor  # one thread: issues the jobs, one after the other
     _reports: list[_BucketDone] | None  # the step in flight; None: the params are current
     _waited: list[bool]  # per bucket: the current stream follows its copy into the params
+    _num_waited: int
 
     def __init__(
         self,
@@ -197,6 +198,7 @@ class ParamGatherer:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="zero_shard_gather")
         self._reports = None
         self._waited = []
+        self._num_waited = 0
         weakref.finalize(self, _shut_down, self._executor)
 
     @property
@@ -210,6 +212,7 @@ class ParamGatherer:
         self.finish()  # nothing is left from an earlier step, normally
         self._reports = [_BucketDone() for _ in self.buckets]
         self._waited = [False] * len(self.buckets)
+        self._num_waited = 0
         job = _Job(
             self.buckets,
             self._reports,
@@ -247,7 +250,8 @@ class ParamGatherer:
                 report.done.wait()
         self._stream_wait(report)
         self._waited[index] = True
-        if all(self._waited):
+        self._num_waited += 1
+        if self._num_waited == len(self.buckets):
             self._reports = None
         bucket = self.buckets[index]
         written = set(report.written) | {s.fqn for s in bucket.params if s.is_stale()}
