@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 
-__all__ = ["Bucket", "ShardedParam", "build_buckets", "fsdp_sharded_param"]
+__all__ = ["Bucket", "ShardedParam", "build_buckets", "fsdp_sharded_param", "shard_grads"]
 
 
 @dataclass
@@ -44,6 +44,11 @@ class ShardedParam:
     def is_stale(self) -> bool:
         """Whether the model param was written since zero-shard last recorded it."""
         return self.changed or self.watched._version != self.version
+
+
+def shard_grads(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
+    """The shards' grads, where they have one."""
+    return [s.shard.grad for s in records if s.shard.grad is not None]
 
 
 @dataclass

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from offload import use_device
 from optimizers import HostStep
 
-from ._buckets import Bucket, ShardedParam, build_buckets, fsdp_sharded_param
+from ._buckets import Bucket, ShardedParam, build_buckets, fsdp_sharded_param, shard_grads
 from ._gather import HostWrites, ParamGatherer
 from ._hooks import register_param_waits
 from ._reduce import GradReducer
@@ -111,7 +111,7 @@ class FSDPComm:
             sharded.shard.grad = None if grad is None else grad._local_tensor.detach()
 
     def checked_grads(self) -> list[torch.Tensor]:
-        return [s.shard.grad for s in self.sharded if s.shard.grad is not None]
+        return shard_grads(self.sharded)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -258,7 +258,7 @@ class DDPComm(_GatheredComm):
                 sharded.shard.grad = grad.detach()[spec.start_row : spec.start_row + spec.num_rows]
 
     def checked_grads(self) -> list[torch.Tensor]:
-        return [s.shard.grad for s in self.sharded if s.shard.grad is not None]
+        return shard_grads(self.sharded)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -23,7 +23,7 @@ from optimizers import (
     constructor_defaults,
 )
 
-from ._buckets import ShardedParam
+from ._buckets import ShardedParam, shard_grads
 from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._norms import clip_coefficient, global_norm, nonfinite_flag
 from ._setup import (
@@ -237,7 +237,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
         self._finalize_grads()
-        grads = self._shard_grads()
+        grads = shard_grads(self._sharded)
         norm = global_norm(grads, norm_type, self._groups, self._device)
         if self._grad_scale is not None:  # fp16 grads still carry the loss scale
             norm = norm * self._grad_scale
@@ -445,9 +445,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             stacklevel=4,
         )
 
-    def _shard_grads(self) -> list[torch.Tensor]:
-        return [s.shard.grad for s in self._sharded if s.shard.grad is not None]
-
     def _check_nonfinite(self) -> tuple[bool, torch.Tensor | None]:
         """Whether this step is skipped for infs or NaNs in the grads (the same on every rank),
         as (known now on the host: skip, the flag for the step's kernels to read instead).
@@ -497,7 +494,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         values would underflow if unscaled in fp16, and one factor must apply to all grads.
         """
         self._finalize_grads()
-        grads = self._shard_grads()
+        grads = shard_grads(self._sharded)
         found_inf.copy_(nonfinite_flag(self._checked_grads(), self._groups, self._device))
         if any(grad.dtype == torch.float16 for grad in grads):
             self._grad_scale = float(inv_scale)

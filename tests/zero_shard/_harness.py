@@ -11,6 +11,7 @@ collective timeout ends: a thread waiting forever) is killed, and its unfinished
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -18,8 +19,9 @@ import socket
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -106,6 +108,23 @@ def _join_before(context: ProcessContext, deadline: float) -> str:
     except ProcessException as err:  # a process died (the others are ended by join)
         return f"a process died: {err}"
     return "the processes exited"
+
+
+@contextlib.contextmanager
+def delayed(owner: Any, name: str, delay: Callable[[], None]) -> Iterator[None]:
+    """Calls ``delay()`` before every call of ``owner.name`` (a module's function) inside the
+    block: race tests slow one side down so that a missing wait on the other shows."""
+    original = getattr(owner, name)
+
+    def slow(*args: Any) -> Any:
+        delay()
+        return original(*args)
+
+    setattr(owner, name, slow)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def check_outcome(outcomes: dict[str, str | None], name: str) -> None:

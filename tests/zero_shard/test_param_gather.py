@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _harness import check_outcome, run_cases
+from _harness import check_outcome, delayed, run_cases
 from _models import LOSS_TOL, assert_params_close, local_slice, mean_over_ranks
 from torch import nn
 from torch.nn.utils import parametrize
@@ -66,12 +66,14 @@ def train_against_torch(
     after_step: Callable[[nn.Module, Any, int], None] | None = None,
     ddp: bool = False,
     all_params_read: bool = True,
+    units_of: Callable[[nn.Module], Any] | None = None,
     **wrap_options: Any,
 ) -> None:
     """Trains ``build()`` with zero-shard and with torch AdamW on one process; compares the loss
     every step and, where the forward reads every param (``all_params_read``), the params after
     every forward. ``after_step(model, opt, step)`` runs right after each step, on both (``opt``
-    is None for the reference). ``ddp``: zero-shard's model is wrapped in DDP first."""
+    is None for the reference). ``ddp``: zero-shard's model is wrapped in DDP first.
+    ``units_of(model)``: ``wrap``'s ``units``."""
     loss_fn = loss_fn or (lambda model, x, y: mse(model(x), y))
     torch.manual_seed(0)
     model = build()
@@ -84,6 +86,7 @@ def train_against_torch(
         offload=offload(fraction),
         bucket_mb=bucket_mb,
         stage=1 if ddp else 2,
+        units=None if units_of is None else units_of(model),
         **wrap_options,
     )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
@@ -437,34 +440,16 @@ def model_load_state_dict_right_after_step_lands_on_the_update(rank: int, world:
 
 @case
 def units_given_as_classes_modules_or_none(rank: int, world: int) -> None:
-    choices = {
-        "classes": lambda model: [FunctionalBlock],
-        "modules": lambda model: list(model.blocks),
-        "root only": lambda model: [],
-        "nested": lambda model: [nn.Linear, FunctionalBlock],
-    }
-    for name, units_of in choices.items():
-        torch.manual_seed(0)
-        model = TiedFunctional()
-        opt = zero_shard.wrap(
-            torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, bucket_mb=ONE_PER_BUCKET,
-            units=units_of(model),
-        )  # fmt: skip
-        torch.manual_seed(0)
-        ref = TiedFunctional()
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-        for step in range(3):
-            x, y = batch(step)
-            loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
-            assert_params_close(model, ref, f"units: {name}, step {step}")
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ref_loss = mse(ref(x), y)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            torch.testing.assert_close(mean_over_ranks(loss), ref_loss.detach(), **LOSS_TOL)
+    choices = [
+        lambda model: [FunctionalBlock],
+        lambda model: list(model.blocks),
+        lambda model: [],  # the root alone
+        lambda model: [nn.Linear, FunctionalBlock],  # nested: the blocks cover their Linears
+    ]
+    for units_of in choices:
+        train_against_torch(
+            rank, world, TiedFunctional, bucket_mb=ONE_PER_BUCKET, units_of=units_of
+        )
 
 
 @case
@@ -497,21 +482,10 @@ def bad_units_are_refused_on_every_rank(rank: int, world: int) -> None:
 # -- a race test for the waits ---------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def slow_gathers(seconds: float) -> Iterator[None]:
+def slow_gathers(seconds: float) -> contextlib.AbstractContextManager:
     """Every bucket's copy into the params comes ``seconds`` later: a forward that did not wait
     for it would read old weights."""
-    original = _gather.unpack_params
-
-    def slow(*args: Any) -> None:
-        time.sleep(seconds)
-        original(*args)
-
-    _gather.unpack_params = slow
-    try:
-        yield
-    finally:
-        _gather.unpack_params = original
+    return delayed(_gather, "unpack_params", lambda: time.sleep(seconds))
 
 
 def read_state(model: nn.Module, opt: Any, step: int) -> None:

@@ -8,12 +8,11 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import check_outcome, run_cases
+from _harness import check_outcome, delayed, run_cases
 from _models import (
     LOSS_TOL,
     PARAM_TOL,
@@ -130,21 +129,10 @@ def overlap_on_and_off_give_identical_params(rank: int, world: int) -> None:
         assert torch.equal(with_overlap, without)
 
 
-@contextlib.contextmanager
-def slow_cpu_steps(seconds: float) -> Iterator[None]:
+def slow_cpu_steps(seconds: float) -> contextlib.AbstractContextManager:
     """Every chunk's CPU step takes ``seconds`` longer: a forward that did not wait for it would
     read old weights."""
-    original = host_part._step_chunk
-
-    def slow(*args: object) -> None:
-        time.sleep(seconds)
-        original(*args)
-
-    host_part._step_chunk = slow
-    try:
-        yield
-    finally:
-        host_part._step_chunk = original
+    return delayed(host_part, "_step_chunk", lambda: time.sleep(seconds))
 
 
 @case
@@ -177,6 +165,9 @@ def cpu_step_runs_on_during_the_next_forward(rank: int, world: int) -> None:
         runs.append([p.detach().clone() for p in [*model.parameters(), *losses]])
     for with_overlap, without in zip(*runs, strict=True):
         assert torch.equal(with_overlap, without)
+    # The slowed steps did step: the params moved from their initial values.
+    initial = [p.detach() for p in make_model().parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(initial, runs[0], strict=False))
 
 
 @case

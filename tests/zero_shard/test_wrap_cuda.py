@@ -6,13 +6,11 @@ skipped without a GPU."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from _harness import check_outcome, run_cases
+from _harness import check_outcome, delayed, run_cases
 from _models import (
     adamw,
     global_batch,
@@ -151,22 +149,11 @@ def nonfinite_grad_skips_on_the_device(rank: int, world: int) -> None:
         assert opt.num_skipped_steps == 1, fraction
 
 
-@contextlib.contextmanager
-def slow_gather_copies(cycles: int = 2_000_000) -> Iterator[None]:
-    """The gather job's copy into the params comes about a millisecond later on its stream: a
-    forward that did not wait for it reads old params, even where the all-gather itself is quick
-    (one GPU)."""
-    original = _gather.unpack_params
-
-    def slow(*args: Any) -> None:
-        torch.cuda._sleep(cycles)  # on the current stream: the job's
-        original(*args)
-
-    _gather.unpack_params = slow
-    try:
-        yield
-    finally:
-        _gather.unpack_params = original
+def slow_gather_copies(cycles: int = 2_000_000) -> contextlib.AbstractContextManager:
+    """The gather job's copy into the params comes about a millisecond later on its stream (the
+    current one where it runs): a forward that did not wait for it reads old params, even where
+    the all-gather itself is quick (one GPU)."""
+    return delayed(_gather, "unpack_params", lambda: torch.cuda._sleep(cycles))
 
 
 def race_case(rank: int, world: int, *, fraction: float, steps: int = 12) -> str | None:
