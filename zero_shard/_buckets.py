@@ -9,8 +9,33 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
+from ._released import ReleasedGrad
 
 __all__ = ["Bucket", "ShardedParam", "build_buckets", "fsdp_sharded_param", "shard_grads"]
+
+
+@dataclass(frozen=True)
+class DTensorCounters:
+    """An FSDP2 param's two version counters, read as one.
+
+    [Note: FSDP2 versions]
+    A DTensor and its local tensor have separate version counters: an in-place op on the DTensor
+    (``param.copy_``, ``module.load_state_dict``, ``set_model_state_dict``, ``torch.nn.init``)
+    bumps the DTensor's alone (its local tensor is written below autograd), and a write into the
+    local tensor (``dcp.load`` into ``model.state_dict()``, which fills ``to_local()``) bumps the
+    local tensor's alone. A model-only load may take either route, so both are watched: each
+    counter only grows, and their sum changes exactly when one does. The local counter is read
+    through the shard, which shares it (a ``detach`` of the local tensor); FSDP2 may give an
+    empty shard a new local tensor (at its lazy init), never a non-empty one while the param
+    object stays (``FSDPComm`` checks that the shard still is the param's memory).
+    """
+
+    param: DTensor
+    shard: torch.Tensor  # a leaf sharing the param's local tensor's memory and counter
+
+    @property
+    def _version(self) -> int:
+        return self.param._version + self.shard._version
 
 
 @dataclass
@@ -29,12 +54,20 @@ class ShardedParam:
     grad_slot: torch.Tensor | None = None  # the shard's slot in the bucket's grad buffer
     version: int = 0  # the model param's version counter when zero-shard last wrote or read it
     changed: bool = False  # written by someone else since: its main weight must be reloaded
+    placeholder: ReleasedGrad | None = None  # what the param's .grad holds once its grad is
+    #                                          reduced into grad_slot ([Note: released grads])
+    released: ReleasedGrad | None = None  # the placeholder, until the next backward or step has
+    #                                       seen whether the param's .grad was cleared since
+    keeps_grad: bool = False  # its .grad was not cleared since the last reduction: the next one
+    #                           adds to grad_slot instead of writing it
 
     @property
-    def watched(self) -> torch.Tensor:
-        """The tensor whose version counter tells if the model param was written: the param, or
-        under FSDP2 its local shard (which shares the local tensor's counter)."""
-        return self.shard if isinstance(self.param, DTensor) else self.param
+    def watched(self) -> torch.Tensor | DTensorCounters:
+        """What holds the version counter that tells if the model param was written: the param,
+        or under FSDP2 the param and its local shard together (see [Note: FSDP2 versions])."""
+        if isinstance(self.param, DTensor):
+            return DTensorCounters(self.param, self.shard)
+        return self.param
 
     def record_version(self) -> None:
         """Notes that the model param holds what zero-shard knows (its main weight, rounded)."""

@@ -17,6 +17,7 @@ from ._layout import BucketLayout, ShardSpec
 
 __all__ = [
     "ReduceScaling",
+    "broadcast_tensors",
     "choose_reduce_scaling",
     "launch_all_gather",
     "launch_reduction",
@@ -188,3 +189,38 @@ def launch_reduction(
 def launch_all_gather(shard: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> Work:
     """Starts gathering every rank's ``shard`` (equal sizes) into ``out``, rank-major."""
     return _all_gather(out, shard, group=group, async_op=True)
+
+
+def broadcast_tensors(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, *, bucket_bytes: int = 64 << 20
+) -> None:
+    """Overwrites ``tensors`` (the same shapes and dtypes on every rank of ``group``, in one
+    order) with the values of the group's first rank, as DDP does at construction: packed per
+    dtype into broadcasts of up to ``bucket_bytes``."""
+    src = dist.get_global_rank(group, 0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for members in by_dtype.values():
+        chunk: list[torch.Tensor] = []
+        num_bytes = 0
+        for tensor in members:
+            size = tensor.numel() * tensor.element_size()
+            if chunk and num_bytes + size > bucket_bytes:
+                _broadcast_chunk(chunk, group, src)
+                chunk, num_bytes = [], 0
+            chunk.append(tensor)
+            num_bytes += size
+        if chunk:
+            _broadcast_chunk(chunk, group, src)
+
+
+@torch.no_grad()
+def _broadcast_chunk(chunk: list[torch.Tensor], group: dist.ProcessGroup, src: int) -> None:
+    flat = torch.cat([tensor.detach().reshape(-1) for tensor in chunk])
+    dist.broadcast(flat, src, group=group)
+    if dist.get_rank() == src:
+        return  # its tensors hold the values already
+    pieces = flat.split([tensor.numel() for tensor in chunk])
+    for tensor, piece in zip(chunk, pieces, strict=True):
+        tensor.detach().copy_(piece.view(tensor.shape))

@@ -10,13 +10,14 @@
 Each gives the optimizer the same calls: ``finalize_grads`` (each shard's ``.grad`` is its
 reduced grad), ``checked_grads`` (what the non-finite check reads), ``no_sync``, ``after_step``
 (the step's new weights reach the params), ``finish`` (they have), ``reset`` (``zero_grad``),
-``refresh_shards`` (the params' values into the shards).
+``end_window`` (a step took the grads), ``refresh_shards`` (the params' values into the shards).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from offload import use_device
 from optimizers import HostStep
@@ -95,7 +97,19 @@ class FSDPComm:
         self.buckets = []
 
     def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
-        return []
+        """Makes the model's state dicts watched as its params are (see [Note: FSDP2 versions])."""
+        record_of = {id(sharded.param): sharded for sharded in self.sharded}
+        handles = []
+        for module in self._module.modules():
+            names = {
+                name: record_of[id(param)]
+                for name, param in module._parameters.items()
+                if param is not None and id(param) in record_of
+            }
+            if names:
+                hook = functools.partial(_share_local_counters, names=names)
+                handles.append(module.register_state_dict_post_hook(hook))
+        return handles
 
     @property
     def pending(self) -> bool:
@@ -131,16 +145,53 @@ class FSDPComm:
             sharded.record_version()
 
     def finish(self) -> None:
-        pass
+        """Checks that every shard still is its param's memory: the step writes the shards, and
+        FSDP2 all-gathers from the params' local tensors."""
+        for sharded in self.sharded:
+            local = sharded.param._local_tensor
+            if sharded.shard.numel() and (
+                local.data_ptr() != sharded.shard.data_ptr() or local.shape != sharded.shard.shape
+            ):
+                raise RuntimeError(
+                    f"the local tensor of FSDP2 param {sharded.fqn!r} was replaced since the "
+                    "optimizer was built (FSDP2 does so when a param's memory changes: "
+                    "model.to(...), torch.utils.swap_tensors): the optimizer would update memory "
+                    "FSDP2 no longer reads. Change the params' memory before zero_shard.wrap, or "
+                    "wrap the torch optimizer again after"
+                )
 
     def reset(self) -> None:
         pass
+
+    def end_window(self) -> None:
+        pass  # FSDP2 owns the grads
 
     def refresh_shards(self, records: Sequence[ShardedParam]) -> None:
         pass  # the shards are the model's own memory
 
     def device_bytes(self) -> int:
         return 0
+
+
+def _share_local_counters(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    *,
+    names: dict[str, ShardedParam],
+) -> None:
+    """A state_dict post-hook: each FSDP2 param's entry (``param.detach()``, a DTensor whose local
+    tensor has a version counter of its own) gets a local tensor sharing the param's counter, so
+    that ``dcp.load`` into ``model.state_dict()``, which writes the local tensors, shows as a
+    write of the params. ``keep_vars`` entries are the params themselves and stay."""
+    for name, sharded in names.items():
+        value = state_dict.get(prefix + name)
+        if value is sharded.param or not isinstance(value, DTensor):
+            continue
+        local = value._local_tensor
+        if local.shape == sharded.shard.shape and local.data_ptr() == sharded.shard.data_ptr():
+            value._local_tensor = sharded.shard.detach()  # the same memory, and its counter
 
 
 class _GatheredComm:
@@ -266,6 +317,9 @@ class DDPComm(_GatheredComm):
             yield
 
     def reset(self) -> None:
+        pass  # the grads are the model's: zero_grad clears them
+
+    def end_window(self) -> None:
         pass
 
 
@@ -313,6 +367,9 @@ class ReplicatedComm(_GatheredComm):
 
     def reset(self) -> None:
         self.reducer.reset()
+
+    def end_window(self) -> None:
+        self.reducer.end_window()
 
 
 Comm = ReplicatedComm | DDPComm | FSDPComm

@@ -24,8 +24,10 @@ from optimizers import (
 )
 
 from ._buckets import ShardedParam, shard_grads
+from ._collectives import broadcast_tensors
 from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._norms import clip_coefficient, global_norm, nonfinite_flag
+from ._owners import claim, is_claimed
 from ._setup import (
     NONFINITE_POLICIES,
     CheckedInputs,
@@ -38,13 +40,15 @@ from ._setup import (
 from ._skips import SkipCount
 from ._state_dict import (
     ShardedStateView,
+    check_origin,
     check_saved_groups,
     local_state_dict,
     sharded_state,
+    tag_origin,
     to_dtensor,
 )
 from ._units import Units, plan_units
-from ._verdict import on_every_rank
+from ._verdict import on_any_rank, on_every_rank
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
 
@@ -60,15 +64,27 @@ def _remove_hooks(handles: list[Any]) -> None:
         handle.remove()
 
 
+def _module_tensors(module: nn.Module, device: torch.device) -> list[torch.Tensor]:
+    """The module's params and buffers on ``device``: what makes replicas equal. Params another
+    wrapper shards are equal already (and are its to write)."""
+    tensors = [p for p in module.parameters() if not is_claimed(p)] + list(module.buffers())
+    return [tensor for tensor in tensors if tensor.device == device]
+
+
+def _origin() -> tuple[int, int]:
+    """This rank and the world size: whose rows a state dict's DTensors hold."""
+    return dist.get_rank(), dist.get_world_size()
+
+
 class ZeroShardOptimizer(torch.optim.Optimizer):
     """An elementwise torch optimizer whose state is sharded over the data-parallel ranks.
 
     Built by :func:`wrap`; see there for the arguments. Each model param's fp32 main weight,
     grad and optimizer state are split by rows over the mesh (``Shard(0)``, ``torch.chunk``
     semantics, as FSDP2); this rank's rows are stepped by a :class:`HybridDeviceOptimizer`,
-    which moves ``offload.fraction`` of them to the CPU. ``param_groups`` mirror the wrapped
-    optimizer's (LR schedulers work), and ``state[param]`` shows a param's state as DTensors with
-    the param's global shape.
+    which moves ``offload.fraction`` of them to the CPU. ``param_groups`` are the wrapped
+    optimizer's own dicts (LR schedulers built on either work), and ``state[param]`` shows a
+    param's state as DTensors with the param's global shape.
     """
 
     kind: ModelKind
@@ -85,6 +101,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
     _building: bool
     _frozen: list[torch.Tensor]  # params of the groups with requires_grad=False at wrap time
+    _wrapped: weakref.ref[torch.optim.Optimizer]  # the torch optimizer: its group dicts are ours
     _warned_unfrozen: bool
     _window_norm: torch.Tensor | None  # the clip norm of the grads since the last step
     _grad_scale: float | None  # fp16: the loss scale's inverse, applied in fp32 at the step
@@ -133,12 +150,17 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._logged_stale = False
         self._end_window()
         self._building = True
-        super().__init__([dict(group) for group in optimizer.param_groups], optimizer.defaults)
+        # The wrapped optimizer's own group dicts (add_param_group keeps the dict it is given):
+        # an LR scheduler built on it before wrapping, or any edit of its groups, reaches here.
+        super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
+        self._wrapped = weakref.ref(optimizer)
         self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._warned_unfrozen = False
         self._device = checked.trainable[0][0].device
+        if self.kind is ModelKind.REPLICATED:  # DDP did the same; FSDP2's shards differ by rank
+            broadcast_tensors(_module_tensors(self._module, self._device), self.mesh.get_group())
         self._comm = self._make_comm(model, checked, stage, bucket_mb)
         self._sharded = self._comm.sharded
         self._hybrid = self._make_hybrid(optimizer, checked.policy)
@@ -150,6 +172,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self.state = ShardedStateView(self._sharded, self._hybrid, self.mesh)  # type: ignore[assignment]
         for sharded in self._sharded:
             sharded.record_version()
+        claim([sharded.param for sharded in self._sharded], self)
 
     # -- construction -----------------------------------------------------------------------
 
@@ -265,7 +288,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 loss = closure()
         # Gathers of the last step read the shards this step writes: they must be done.
         self.finish_param_sync()
-        self._check_stale()
+        self._check_stale(agree=True)
         for group_index, group in enumerate(self._hybrid.param_groups):
             group.update(self._hyperparams(group_index))
         self._finalize_grads()
@@ -280,7 +303,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._comm.after_step(host_step)
         finally:
             self._end_window()
+            self._comm.end_window()
         self._read_skips(block=False)  # at once where the device is the CPU
+        wrapped = self._wrapped()
+        if wrapped is not None:  # an LR scheduler built on it checks that it stepped
+            wrapped._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     @property
@@ -314,15 +341,28 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             sharded.record_version()
 
     @torch.no_grad()
-    def _check_stale(self) -> None:
+    def _check_stale(self, *, agree: bool = False) -> None:
         """Params written since zero-shard last did (a weight load, an init): their main weights
-        are reloaded from them (``stale_params="reload"``) or the call raises (``"error"``)."""
+        are reloaded from them (``stale_params="reload"``) or the call raises (``"error"``).
+
+        With ``agree`` (at ``step()``, which every rank calls) an FSDP2 model's ranks raise
+        together: a load in place into the local shards (DCP) writes nothing on a rank whose
+        shard of a param is empty, so that rank alone may see no write."""
         stale = [sharded for sharded in self._sharded if sharded.is_stale()]
+        raises = self.stale_params == "error"
+        if raises and agree and self.kind is ModelKind.FSDP:
+            if on_any_rank(bool(stale), mesh=self.mesh, device=self._device) and not stale:
+                raise RuntimeError(
+                    "model params were written since the optimizer last set them, on other "
+                    "ranks (a weight load?; their error names the params). Call "
+                    "opt.reload_model_params() after loading weights, or wrap with "
+                    "stale_params='reload'"
+                )
         if not stale:
             return
         names = [sharded.fqn for sharded in stale]
         shown = f"{names[:5]}{' ...' if len(names) > 5 else ''}"
-        if self.stale_params == "error":
+        if raises:
             raise RuntimeError(
                 f"model params {shown} ({len(names)} in all) were written since the optimizer "
                 "last set them (a weight load?); its fp32 main weights are older. Call "
@@ -362,6 +402,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             {**self._hyperparams(index), "params": list(fqns)}
             for index, fqns in enumerate(self._group_fqns)
         ]
+        tag_origin(state, _origin())
         return {"state": state, "param_groups": param_groups}
 
     @torch.no_grad()
@@ -391,6 +432,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _checked_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         check_saved_groups(state_dict, self._group_fqns)
+        check_origin(state_dict["state"], _origin())
         return self._local_state_dict(state_dict["state"])
 
     def _local_state_dict(self, saved: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
@@ -519,8 +561,25 @@ def wrap(
 ) -> ZeroShardOptimizer:
     """Shards ``optimizer`` over the data-parallel ranks, optionally offloading to the CPU.
 
-    Call it on every rank, after ``init_process_group`` and after the model is on its device;
-    then drop the original optimizer (its state, if any, is taken over).
+    Call it on every rank, after ``init_process_group`` and after the model is on its device.
+    The wrapper shares the optimizer's param-group dicts (an LR scheduler built on either one
+    drives both) and takes its state over, if any; step only the wrapper. One live wrapper per
+    param: wrapping the same optimizer or model again raises until the first wrapper is dropped.
+
+    As DDP does, a plain model's params and buffers are broadcast from the mesh's first rank at
+    wrap, so replicas start equal whatever each rank initialized. Buffers are not synchronized
+    after that: each rank's running statistics (BatchNorm) follow its own batches, as under
+    ``DistributedDataParallel(broadcast_buffers=False)``; use ``nn.SyncBatchNorm`` for statistics
+    over the global batch.
+
+    Grads behave as in torch: backward adds to them until they are cleared, by ``opt.zero_grad()``,
+    ``model.zero_grad()`` or ``p.grad = None``. A plain model's grads are reduced into this
+    rank's shards during backward and freed from the model, whose ``.grad`` then holds a
+    placeholder without memory: clip with :meth:`ZeroShardOptimizer.clip_grad_norm_`, read a
+    reduced grad with :meth:`ZeroShardOptimizer.main_grad`; reading the placeholder
+    (``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, ``p.grad.norm()``) raises an
+    error that says so. A DDP or FSDP2 model keeps its reduced grads, and torch's clipping works
+    there too.
 
     Args:
         optimizer: a torch optimizer of an elementwise class (AdamW, Adam, SGD, ...) over the
@@ -556,7 +615,10 @@ def wrap(
             weights: ``"reload"`` (default) reloads those from the params at the next step or
             ``state_dict()`` and logs once; ``"error"`` raises there instead. Detected by the
             params' version counters, which in-place writes (``load_state_dict``, ``copy_``,
-            ``torch.nn.init``) bump; a write through ``.data`` is not seen.
+            ``torch.nn.init``) bump; a write through ``.data`` is not seen. Under FSDP2 both the
+            DTensor's counter and its local tensor's are watched (a DCP load in place writes the
+            local tensors), and ``"error"`` costs one small all-reduce per step, read by the host,
+            so that every rank raises.
         units: the modules whose forward waits for the gathered params of their whole subtree,
             as one picks ``fully_shard`` targets: module classes (``[TransformerBlock]``) or
             modules of the model (``list(model.layers)``). The root waits for every param no unit

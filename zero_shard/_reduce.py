@@ -17,6 +17,11 @@ buffers, the current stream waits for the side stream's last event.
 
 Stage 2 reduce-scatters (each rank receives only its own segment); stage 1 all-reduces the whole
 packed buffer and keeps this rank's segment.
+
+A grad buffer accumulates over backwards as ``.grad`` does in torch, param by param: the next
+reduction adds to a param's reduced grad unless its ``.grad`` was cleared since ([Note: released
+grads]), and ``zero_grad`` clears them all. A step with no backward since the last step (grads set
+by hand, or none at all) reduces every bucket then, as grads left from before are kept.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from offload import current_stream, record_event, side_stream, use_stream, wait_
 
 from ._buckets import Bucket, ShardedParam
 from ._collectives import choose_reduce_scaling, launch_reduction, pack_grads
+from ._released import ReleasedGrad
 
 __all__ = ["GradReducer"]
 
@@ -52,7 +58,7 @@ class GradReducer:
     _event: Any  # on _stream after the last reduction; None when none is in flight (or CPU)
     _next: int  # the next bucket to reduce in this backward (they go from last to first)
     _in_backward: bool  # an end-of-backward callback is queued
-    _reduced_since_reset: bool  # some reduction ran since zero_grad
+    _reduced_in_window: bool  # some reduction ran since the last step or zero_grad
     _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
     _warned_late_grads: bool
     before_first: Callable[[], None] | None  # runs before a backward's first reduction
@@ -76,23 +82,30 @@ class GradReducer:
         self._event = None
         self._next = len(self.buckets) - 1
         self._in_backward = False
-        self._reduced_since_reset = False
+        self._reduced_in_window = False
         self._unreduced_backward = False
         self._warned_late_grads = False
         self.before_first = None
 
     def register_hooks(self) -> list[Any]:
-        """A post-accumulate-grad hook on each param; the hooks hold no reference to ``self``."""
+        """On each param, a tensor hook that takes its placeholder ``.grad`` off before autograd
+        accumulates a new grad there ([Note: released grads]), and a post-accumulate-grad hook;
+        the hooks hold no reference to ``self``."""
         this = weakref.ref(self)
         handles = []
         for bucket in self.buckets:
             for sharded in bucket.params:
+                sharded.placeholder = ReleasedGrad(sharded.param, sharded.fqn)
+
+                def incoming(grad: torch.Tensor, sharded: ShardedParam = sharded) -> None:
+                    take_grad(sharded)
 
                 def ready(param: torch.Tensor, sharded: ShardedParam = sharded) -> None:
                     reducer = this()
                     if reducer is not None:
                         reducer.on_grad_ready(sharded)
 
+                handles.append(sharded.param.register_hook(incoming))
                 handles.append(sharded.param.register_post_accumulate_grad_hook(ready))
         return handles
 
@@ -131,7 +144,8 @@ class GradReducer:
 
     @torch.no_grad()
     def _reduce(self, bucket: Bucket) -> None:
-        grads = [sharded.param.grad for sharded in bucket.params]
+        grads = [take_grad(sharded) for sharded in bucket.params]
+        kept = [bucket.has_grads and sharded.keeps_grad for sharded in bucket.params]
         for sharded, grad in zip(bucket.params, grads, strict=True):
             if grad is not None and (grad.is_sparse or grad.device != self._device):
                 raise TypeError(
@@ -152,11 +166,14 @@ class GradReducer:
             with record_function("zero_shard::pack"):
                 pack_grads(packed, layout, bucket.specs, grads, world)
             for sharded, grad in zip(bucket.params, grads, strict=True):
-                if grad is not None:
-                    if self._stream is not None:
-                        grad.record_stream(self._stream)
-                    sharded.param.grad = None  # released: the shard holds it from now on
-            direct = self._scatter and not bucket.has_grads
+                if grad is not None and self._stream is not None:
+                    grad.record_stream(self._stream)
+                # Every param's, with a local grad or not: the slot holds the grad of all ranks.
+                release(sharded)
+            adds = any(kept)
+            if adds and not all(kept):
+                _clear_slots(bucket, [not keep for keep in kept])
+            direct = self._scatter and not adds
             out = None
             if self._scatter:
                 out = bucket.grad_buffer if direct else torch.empty_like(bucket.grad_buffer)
@@ -167,41 +184,43 @@ class GradReducer:
             result = out if self._scatter else packed.view(world, -1)[self._rank]
             if scaling.post_divide is not None:
                 result.div_(scaling.post_divide)
-            if bucket.has_grads:
+            if adds:
                 bucket.grad_buffer.add_(result)
             elif not direct:
                 bucket.grad_buffer.copy_(result)
             self._event = record_event(self._stream)
         bucket.has_grads = True
         bucket.missing = bucket.missing or any(grad is None for grad in grads)
-        self._reduced_since_reset = True
+        self._reduced_in_window = True
         self._unreduced_backward = False
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Makes every shard's ``.grad`` this window's reduced grad (or ``None``), visible on the
-        current stream. Grads no backward hook reduced (no backward since ``zero_grad``: grads
-        set by hand; or a last backward inside ``no_sync()``) are reduced now, every bucket."""
-        if not self._reduced_since_reset or self._unreduced_backward:
+        """Makes every shard's ``.grad`` its reduced grad (or ``None``), visible on the current
+        stream. Grads no backward hook reduced (no backward since the last step or
+        ``zero_grad``: grads set by hand; or a last backward inside ``no_sync()``) are reduced
+        now, every bucket."""
+        if not self._reduced_in_window or self._unreduced_backward:
             self._reduce_rest()
         self._warn_late_grads()
         if self._event is not None:
             current_stream(self._device).wait_event(self._event)
             self._event = None
         for bucket in self.buckets:
+            dropped = _drop_cleared(bucket)
             present = [True] * bucket.layout.num_params
             if bucket.missing:
                 # Some rank may have lacked a grad: a param is stepped iff any rank had one. Ranks
                 # that had every grad skip this read; their answer is "all", the same as here.
                 flags = bucket.grad_buffer[bucket.layout.shard_numel :].cpu()
                 present = (flags > 0).tolist()
-            for sharded, has_grad in zip(bucket.params, present, strict=True):
-                sharded.shard.grad = sharded.grad_slot if has_grad else None
+            for sharded, has_grad, drop in zip(bucket.params, present, dropped, strict=True):
+                sharded.shard.grad = sharded.grad_slot if has_grad and not drop else None
 
     def _warn_late_grads(self) -> None:
         if self._warned_late_grads:
             return
-        late = [s.fqn for b in self.buckets for s in b.params if s.param.grad is not None]
+        late = [s.fqn for b in self.buckets for s in b.params if _holds_grad(s.param)]
         if late:
             self._warned_late_grads = True
             warnings.warn(
@@ -224,7 +243,71 @@ class GradReducer:
             bucket.ready.clear()
             for sharded in bucket.params:
                 sharded.shard.grad = None
+                sharded.released = None
+                sharded.keeps_grad = False
         self._next = len(self.buckets) - 1
         self._in_backward = False
-        self._reduced_since_reset = False
+        self._reduced_in_window = False
         self._unreduced_backward = False
+
+    def end_window(self) -> None:
+        """A step took the reduced grads: the next ``finish`` reduces again unless a backward
+        does first."""
+        self._reduced_in_window = False
+
+
+def _holds_grad(param: torch.Tensor) -> bool:
+    """Whether ``param.grad`` is a grad not yet reduced (not the placeholder of a reduced one)."""
+    return param.grad is not None and not isinstance(param.grad, ReleasedGrad)
+
+
+def take_grad(sharded: ShardedParam) -> torch.Tensor | None:
+    """The param's grad not yet reduced, if any, with its placeholder taken off ``.grad``; notes
+    whether the ``.grad`` was cleared since the last reduction ([Note: released grads])."""
+    grad = sharded.param.grad
+    if sharded.released is not None:
+        sharded.keeps_grad = grad is sharded.released and not sharded.released.zeroed
+        sharded.released = None
+    if isinstance(grad, ReleasedGrad):
+        sharded.param.grad = None
+        return None
+    return grad
+
+
+def release(sharded: ShardedParam) -> None:
+    """Puts the placeholder in the param's ``.grad``: its grad is in the grad slot."""
+    placeholder = sharded.placeholder
+    if placeholder is None:
+        raise AssertionError(f"expected a placeholder grad for {sharded.fqn}, got none")
+    placeholder.zeroed = False
+    sharded.param.grad = placeholder
+    sharded.released = placeholder
+    sharded.keeps_grad = True
+
+
+def _clear_slots(bucket: Bucket, cleared: list[bool]) -> None:
+    """Zeroes the reduced grads and presence flags of the params whose ``.grad`` was cleared."""
+    flags = bucket.grad_buffer[bucket.layout.shard_numel :]
+    for position, (sharded, clear) in enumerate(zip(bucket.params, cleared, strict=True)):
+        if clear:
+            sharded.grad_slot.zero_()
+            flags[position].zero_()
+
+
+def _drop_cleared(bucket: Bucket) -> list[bool]:
+    """Params whose ``.grad`` was cleared after their reduction, before the step: set to ``None``,
+    they are not stepped (returned True), as in torch; zeroed in place, they step zeros."""
+    dropped = [False] * bucket.layout.num_params
+    for position, sharded in enumerate(bucket.params):
+        released = sharded.released
+        if released is None:
+            continue
+        if sharded.param.grad is None:
+            take_grad(sharded)
+            dropped[position] = True
+        elif sharded.param.grad is released and released.zeroed:
+            sharded.grad_slot.zero_()
+            release(sharded)  # zeros from now on, as the param's .grad in torch
+    if any(dropped):
+        _clear_slots(bucket, dropped)
+    return dropped

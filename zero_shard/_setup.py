@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from optimizers import OffloadPolicy, check_elementwise, check_param_kind
 
+from ._owners import check_unclaimed
 from ._units import Units, resolve_units
 from ._verdict import Summary, on_every_rank
 
@@ -277,15 +278,16 @@ def check_inputs(
 ) -> CheckedInputs:
     """Checks ``wrap``'s options (``offload``, ``stage``, ``bucket_mb``, ``nonfinite``,
     ``stale_params``), ``units`` and params with one verdict for every rank of the mesh: each rank
-    checks the params it holds, and a failure on any rank raises on all (see ``_verdict``). The
-    ranks must also hold the same trainable params (FQN, shape, dtype, group), units and the
-    options that decide the collectives: the bucket layout, and thus every collective, derives
-    from them."""
+    checks the params it holds (none sharded by another live wrapper), and a failure on any rank
+    raises on all (see ``_verdict``). The ranks must also hold the same trainable params (FQN,
+    shape, dtype, group), units, buffers and the options that decide the collectives: the bucket
+    layout, and thus every collective, derives from them."""
 
     def check() -> CheckedInputs:
         policy = check_options(optimizer, **options)
         fqns = {id(p): name for name, p in module.named_parameters()}
         trainable = trainable_params(optimizer.param_groups, fqns, kind)
+        check_unclaimed([(param, fqn) for param, fqn, _ in trainable])
         check_dense_grads(module, trainable)
         if kind is ModelKind.FSDP:
             check_fsdp_layout(trainable, mesh)
@@ -309,6 +311,10 @@ def check_inputs(
                 for param, fqn, group in checked.trainable
             ]
             + [f"unit {name!r}" for name, _ in checked.units]
+            + [
+                f"buffer {name!r} of shape {tuple(buffer.shape)}, {buffer.dtype}"
+                for name, buffer in module.named_buffers()
+            ]
         )
 
     return on_every_rank(check, mesh=mesh, device=device, summarize=summarize)

@@ -25,13 +25,19 @@ from ._buckets import ShardedParam
 
 __all__ = [
     "ShardedStateView",
+    "check_origin",
     "check_saved_groups",
     "dtensor_on",
     "local_rows",
     "local_state_dict",
     "sharded_state",
+    "tag_origin",
     "to_dtensor",
 ]
+
+# The attribute naming the rank whose rows a state-dict DTensor holds, (rank, world size). It
+# travels with the DTensor through torch.save / torch.load, not into DCP (which saves the rows).
+_ORIGIN = "_zero_shard_origin"
 
 
 def _placement(sharded: ShardedParam, mesh: DeviceMesh) -> tuple[DeviceMesh, tuple[Any, ...]]:
@@ -138,12 +144,47 @@ def local_state_dict(
     return {"state": state, "param_groups": groups}
 
 
+def tag_origin(state: Mapping[str, dict[str, Any]], origin: tuple[int, int]) -> None:
+    """Marks every DTensor of ``state`` (FQN -> param state) as holding rank ``origin[0]``'s rows
+    of ``origin[1]`` ranks."""
+    for param_state in state.values():
+        for value in param_state.values():
+            if isinstance(value, DTensor):
+                setattr(value, _ORIGIN, origin)
+
+
+def check_origin(state: Mapping[str, Any], origin: tuple[int, int]) -> None:
+    """Refuses DTensors that another rank's ``state_dict()`` made (a state dict saved with
+    ``torch.save`` on rank 0 and loaded on every rank): they hold that rank's rows."""
+    for fqn, param_state in state.items():
+        for key, value in param_state.items():
+            made_by = getattr(value, _ORIGIN, origin) if isinstance(value, DTensor) else origin
+            if tuple(made_by) != tuple(origin):
+                raise ValueError(
+                    f"state {key!r} of {fqn!r} holds the rows of rank {made_by[0]} (of "
+                    f"{made_by[1]}), but this is rank {origin[0]} (of {origin[1]}): "
+                    "opt.state_dict() holds each rank's own shards, so one saved on one rank "
+                    "cannot be loaded on the others. Save and load on every rank with "
+                    "zero_shard.checkpoint.save / load (or torch.distributed.checkpoint), or "
+                    "gather a whole one with zero_shard.full_state_dict(opt) and load it with "
+                    "zero_shard.load_full_state_dict(opt, state)"
+                )
+
+
 def check_saved_groups(state_dict: Any, group_fqns: Sequence[Sequence[str]]) -> None:
     """Raises ``ValueError`` unless ``state_dict`` has this optimizer's param groups (by FQN, in
     order) and state for its params only."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("expected an optimizer state dict with 'state' and 'param_groups'")
     saved_groups = state_dict["param_groups"]
+    if any(isinstance(fqn, int) for group in saved_groups for fqn in group["params"]):
+        raise ValueError(
+            "the state dict keys its params by index, as torch.optim.Optimizer.state_dict() "
+            "does; zero-shard keys them by FQN. Load it into the torch optimizer before "
+            "wrapping it (wrap takes the state over), or key it by FQN first with "
+            "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, torch_opt, "
+            "options=StateDictOptions(full_state_dict=True))"
+        )
     if len(saved_groups) != len(group_fqns):
         raise ValueError(
             f"the state dict has {len(saved_groups)} param groups, this optimizer has "

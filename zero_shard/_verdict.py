@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from offload import use_device
 
-__all__ = ["Summary", "on_every_rank"]
+__all__ = ["Summary", "on_any_rank", "on_every_rank"]
 
 T = TypeVar("T")
 # What must be the same on every rank, one description per item: ["stage=2", "param 'w' ...", ...].
@@ -131,3 +131,14 @@ def on_every_rank(
                 "every rank"
             )
     return result
+
+
+def on_any_rank(flag: bool, *, mesh: DeviceMesh, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of ``mesh`` (all its dims): one small all-reduce per
+    dim, read by the host."""
+    if not dist.is_available() or not dist.is_initialized():
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    for group in _groups(mesh):
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())

@@ -7,6 +7,9 @@ DCP's metadata are written does rank 0 add a completion marker and move it into 
 ``<path>.previous`` is removed. A crash at any point leaves the last complete checkpoint loadable:
 at ``<path>``, or at ``<path>.previous`` during the instant between the two renames (``load``
 falls back to it). A directory without the marker is refused: its save did not finish.
+A save that fails (a write on any rank, or the commit on rank 0) fails on every rank alike, and
+an ``async_save``'s failure is raised again, on every rank, by the next ``save``, ``async_save``
+or ``load``: no rank is left waiting for another in a collective.
 
 The optimizer's state dict holds DTensors with the params' global shapes, so a checkpoint loads
 at any world size and offload fraction, and its keys are those of FSDP2 + ``torch.optim`` (an
@@ -29,9 +32,10 @@ import pickle
 import random
 import shutil
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ._optimizer import ZeroShardOptimizer
 from ._staging import Snapshotter
 from ._verdict import on_every_rank
 
@@ -52,6 +57,7 @@ __all__ = [
 ]
 
 _MARKER = ".zero_shard_complete"
+T = TypeVar("T")
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -105,13 +111,29 @@ def _state(
     return state
 
 
-def _prepare(path: str | os.PathLike) -> tuple[Path, Path, Path]:
+def _device(model: nn.Module) -> torch.device:
+    """Where the model is: object collectives over NCCL run there."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _prepare(
+    path: str | os.PathLike, device: torch.device, stage: Callable[[], T]
+) -> tuple[Path, Path, Path, T]:
+    """Waits for the last ``async_save``, clears what a crashed save left at ``<path>.partial``
+    and runs ``stage`` (the snapshot of an async save); if any of it fails on any rank (the last
+    save failed), every rank raises, and nothing is written."""
     final, partial, previous = _paths(path)
-    if _rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # a save that crashed before
-        partial.parent.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    return final, partial, previous
+
+    def prepare() -> T:
+        _finish_pending()
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # a save that crashed before
+            partial.parent.mkdir(parents=True, exist_ok=True)
+        return stage()
+
+    # Sharing the verdict is also the barrier: no rank writes before rank 0 cleared the folder.
+    staged = on_every_rank(prepare, mesh=None, device=device)
+    return final, partial, previous, staged
 
 
 def _commit(final: Path, partial: Path, previous: Path) -> None:
@@ -125,6 +147,32 @@ def _commit(final: Path, partial: Path, previous: Path) -> None:
         os.replace(final, previous)
     os.replace(partial, final)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def _commit_on_every_rank(
+    final: Path, partial: Path, previous: Path, group: dist.ProcessGroup | None
+) -> None:
+    """``_commit`` on rank 0, then every rank raises if it failed there: the others would wait
+    for rank 0 in their next collective. ``group``: the ranks, over a CPU backend."""
+    error: Exception | None = None
+    try:
+        _commit(final, partial, previous)
+    except Exception as err:
+        error = err
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    failures: list[Any] = [None] * dist.get_world_size(group)
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(failures, mine, group=group)
+    if error is not None:
+        raise error
+    if failures[0] is not None:
+        raise RuntimeError(
+            f"rank 0 could not move the checkpoint into place at {final} ({failures[0]}); the "
+            "last complete checkpoint is still there"
+        )
 
 
 def save(
@@ -145,12 +193,15 @@ def save(
         extra: picklable values saved from rank 0 (a step counter, a scheduler's state dict,
             a data-loader position), returned by ``load`` as they were.
             Each rank's random number generators are saved beside them and restored by ``load``.
+
+    An ``async_save`` still writing is waited for first; if it failed, this raises its error
+    instead (on every rank), and saves nothing.
     """
-    final, partial, previous = _prepare(path)
+    group = _checkpoint_group()
+    final, partial, previous, _ = _prepare(path, _device(model), lambda: None)
     dcp.save(_state(model, optimizer, extra), checkpoint_id=str(partial))
     _barrier()
-    _commit(final, partial, previous)
-    _barrier()
+    _commit_on_every_rank(final, partial, previous, group)
 
 
 _checkpoint_groups: dict[int, dist.ProcessGroup] = {}
@@ -169,9 +220,30 @@ def _checkpoint_group() -> dist.ProcessGroup | None:
     return _checkpoint_groups[key]
 
 
+class _PendingSave(NamedTuple):
+    """The last ``async_save``: its checkpoint's path and its background write."""
+
+    path: Path
+    future: Future
+
+
 _snapshotter = Snapshotter()
 _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_shard_save")
-_pending: Future | None = None  # the last async save
+_pending: _PendingSave | None = None
+
+
+def _finish_pending() -> None:
+    """Waits for the last ``async_save``; raises if it failed, once (the next save goes on)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return
+    error = pending.future.exception()  # waits for it
+    if error is not None:
+        raise RuntimeError(
+            f"the last async_save, to {pending.path}, failed: {type(error).__name__}: {error}. "
+            "The last complete checkpoint there (if any) is intact; save again"
+        ) from error
 
 
 def async_save(
@@ -183,28 +255,32 @@ def async_save(
 ) -> Future:
     """``save`` in the background: the state is copied to host memory now (pinned buffers, kept
     for the next save), training goes on, and a background thread writes the files and commits
-    them. Returns a future; ``.result()`` waits for it and raises what the save raised. A new
-    ``async_save`` waits for the previous one first. Collective: call it on every rank.
+    them. Returns a future; ``.result()`` waits for it and raises what the save raised.
+    Collective: call it on every rank.
+
+    A new ``async_save`` (or ``save``, or ``load``) waits for the previous one first; if that one
+    failed, it raises the failure on every rank (once) and saves nothing. A failure in the
+    background (a write, or the commit on rank 0) fails the save on every rank alike, leaving
+    the last complete checkpoint in place.
 
     The background thread's collectives run on a gloo group of zero-shard's own (made at the
     first call, on every rank): the training's process group may be NCCL only, and its own
     collectives are not interleaved with the save's.
     """
     global _pending
-    if _pending is not None:
-        wait([_pending])  # its snapshot's buffers are about to be reused
     group = _checkpoint_group()
-    final, partial, previous = _prepare(path)
-    snapshot = _snapshotter.snapshot(_state(model, optimizer, extra))
+    # The snapshot reuses the last one's buffers: _prepare waits for its write first.
+    final, partial, previous, snapshot = _prepare(
+        path, _device(model), lambda: _snapshotter.snapshot(_state(model, optimizer, extra))
+    )
 
     def write() -> None:
         dcp.save(snapshot, checkpoint_id=str(partial), process_group=group)
         _barrier(group)
-        _commit(final, partial, previous)
-        _barrier(group)
+        _commit_on_every_rank(final, partial, previous, group)
 
-    _pending = _writer.submit(write)
-    return _pending
+    _pending = _PendingSave(final, _writer.submit(write))
+    return _pending.future
 
 
 def _resolve(path: str | os.PathLike) -> Path:
@@ -279,6 +355,12 @@ def _check_optimizer(path: Path, saved: dict[str, Any], optim_state: dict[str, A
             f"the checkpoint at {path} holds no optimizer state (it was saved with "
             "optimizer=None); load it with optimizer=None, then call opt.reload_model_params()"
         )
+    if not optim_state["state"] and any(key.startswith("optim.state.") for key in saved):
+        raise ValueError(
+            f"the checkpoint at {path} holds optimizer state, but this optimizer has none to load "
+            "it into: it is of another optimizer class, or one whose state is created at its "
+            "first step (SGD with dampening, NAdam, ASGD, ...): take one step, then load"
+        )
     num_groups = len({key.split(".")[2] for key in saved if key.startswith("optim.param_groups.")})
     if num_groups != len(optim_state["param_groups"]):
         raise ValueError(
@@ -329,6 +411,41 @@ def _load_plan(
     return resolved, state
 
 
+def _create_state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Creates the state of a torch optimizer's params that have none (it has not stepped yet),
+    for a checkpoint to be loaded into, as torch's ``set_optimizer_state_dict`` does: one step
+    with zero grads at lr 0, which leaves the params as they are. Returns those params."""
+    if optimizer is None or isinstance(optimizer, ZeroShardOptimizer):
+        return []  # its state is made at construction
+    groups = optimizer.param_groups
+    params = [param for group in groups for param in group["params"]]
+    missing = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
+    if not missing:
+        return []
+    grads = [param.grad for param in params]
+    lrs = [group.get("lr") for group in groups]
+    try:
+        for param in params:  # only the params without state step
+            param.grad = None
+        for param in missing:
+            param.grad = torch.zeros_like(param)
+        for group, lr in zip(groups, lrs, strict=True):
+            if lr is not None:
+                group["lr"] = torch.zeros_like(lr) if torch.is_tensor(lr) else 0.0
+        optimizer.step()
+    except BaseException:
+        for param in missing:  # as it was
+            optimizer.state.pop(param, None)
+        raise
+    finally:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        for group, lr in zip(groups, lrs, strict=True):
+            if lr is not None:
+                group["lr"] = lr
+    return [param for param in missing if optimizer.state.get(param)]
+
+
 def load(
     path: str | os.PathLike,
     *,
@@ -343,12 +460,26 @@ def load(
     another model (``ValueError`` naming the FQNs: missing, unknown, or of other shapes) before
     anything is loaded, on every rank. Each rank's random number generators are restored when
     the checkpoint has this rank's (``restore_rng``).
+
+    ``optimizer`` may also be a plain torch optimizer (the checkpoint saved from one over the same
+    model); one that has not stepped yet gets its state created first, as
+    ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` does, and loaded. An
+    ``async_save`` still writing is waited for first (its failure raises here).
     """
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    resolved, state = on_every_rank(
-        lambda: _load_plan(path, model, optimizer), mesh=None, device=device
-    )
-    dcp.load(state, checkpoint_id=str(resolved))
+    created: list[torch.Tensor] = []
+
+    def plan() -> tuple[Path, dict[str, Any]]:
+        _finish_pending()  # an async save may be writing this very checkpoint
+        created.extend(_create_state(optimizer))
+        return _load_plan(path, model, optimizer)
+
+    try:
+        resolved, state = on_every_rank(plan, mesh=None, device=_device(model))
+        dcp.load(state, checkpoint_id=str(resolved))
+    except BaseException:  # DCP's CheckpointException is not an Exception
+        for param in created:  # refused or failed: the optimizer has no state again
+            optimizer.state.pop(param, None)  # type: ignore[union-attr]
+        raise
     # The model first: the optimizer's load then takes the params as they are and sets them to
     # its main weights (loading the model after would mark every param as changed under it).
     model.load_state_dict(state["model"])

@@ -1,0 +1,417 @@
+"""The habits users bring from DDP and torch.optim, on 2 and 3 CPU processes (gloo): each gives
+torch's result (single-process torch AdamW with the same habit, compared every step) or a clear
+error on every rank. Grads cleared the model's way, steps without backward, torch's clipping,
+replicas built with per-rank seeds, schedulers built before wrapping, wrapping twice, and
+optimizer state dicts saved on one rank."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import check_outcome, run_cases
+from _models import (
+    LOSS_TOL,
+    adamw,
+    assert_params_close,
+    global_batch,
+    local_slice,
+    make_model,
+    mean_over_ranks,
+    mse,
+)
+from torch import nn
+
+import zero_shard
+from zero_shard import OffloadPolicy
+
+CASES = {}
+STEPS = 4
+TINY_BUCKETS = 0.0008  # MiB: the test model's params fill several buckets
+SIDE_ROWS = 2  # rows of the global batch that use the model's `side` layer (rank 0's alone)
+
+
+def case(function):  # type: ignore[no-untyped-def]
+    CASES[function.__name__] = function
+    return function
+
+
+def offload(fraction: float) -> OffloadPolicy | None:
+    return (
+        None if fraction == 0 else OffloadPolicy(fraction=fraction, num_threads=1, chunk_numel=16)
+    )
+
+
+# -- grads ---------------------------------------------------------------------------------------
+
+Clear = Callable[[nn.Module, torch.optim.Optimizer], None]
+
+
+def clear_out_layer_by_hand(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model.out.weight.grad = None  # the rest keeps accumulating
+
+
+# How users clear grads between steps (None: they never do, and grads accumulate over steps).
+CLEARS: dict[str, Clear | None] = {
+    "opt.zero_grad()": lambda model, opt: opt.zero_grad(),
+    "opt.zero_grad(set_to_none=False)": lambda model, opt: opt.zero_grad(set_to_none=False),
+    "model.zero_grad()": lambda model, opt: model.zero_grad(),
+    "model.zero_grad(set_to_none=False)": lambda model, opt: model.zero_grad(set_to_none=False),
+    "p.grad = None": lambda model, opt: [setattr(p, "grad", None) for p in model.parameters()],
+    "out.weight.grad = None": clear_out_layer_by_hand,
+    "never": None,
+}
+
+
+def backward_in_micro_batches(
+    model: nn.Module, opt: zero_shard.ZeroShardOptimizer, x: torch.Tensor, y: torch.Tensor,
+    rank: int, *, no_sync: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Two equal micro-batches, the first inside ``no_sync()`` if asked: the sum of their halved
+    losses is the local mean loss. The side layer sees rank 0's first rows only."""
+    half = x.shape[0] // 2
+    total = torch.zeros(())
+    for index, rows in enumerate((slice(0, half), slice(half, None))):
+        first_rows = SIDE_ROWS if rank == 0 and index == 0 else 0
+        with opt.no_sync() if no_sync and index == 0 else contextlib.nullcontext():
+            loss = mse(model(x[rows], first_rows=first_rows), y[rows]) / 2
+            loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def train_with_habit(rank: int, world: int, clear: Clear | None, *, stage: int, no_sync: bool,
+                     fraction: float) -> None:  # fmt: skip
+    model, ref = make_model(with_side=True), make_model(with_side=True)
+    opt = zero_shard.wrap(adamw(model), model, stage=stage, offload=offload(fraction),
+                          bucket_mb=TINY_BUCKETS)  # fmt: skip
+    ref_opt = adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        loss = backward_in_micro_batches(
+            model, opt, local_slice(x, rank, world), local_slice(y, rank, world), rank,
+            no_sync=no_sync,
+        )  # fmt: skip
+        opt.step()
+        ref_loss = mse(ref(x, first_rows=SIDE_ROWS), y)
+        ref_loss.backward()
+        ref_opt.step()
+        if clear is not None:
+            clear(model, opt)
+            clear(ref, ref_opt)
+        torch.testing.assert_close(mean_over_ranks(loss), ref_loss.detach(), **LOSS_TOL)
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"step {step}")
+
+
+@case
+def grads_cleared_the_ways_torch_users_clear_them(rank: int, world: int) -> None:
+    for name, clear in CLEARS.items():
+        for stage, no_sync, fraction in ((2, False, 0.0), (2, True, 0.5), (1, True, 0.0)):
+            try:
+                train_with_habit(
+                    rank, world, clear, stage=stage, no_sync=no_sync, fraction=fraction
+                )
+            except AssertionError as err:
+                raise AssertionError(f"{name}, stage {stage}, no_sync {no_sync}: {err}") from err
+
+
+@case
+def steps_without_a_backward_in_between(rank: int, world: int) -> None:
+    # A second step with the grads left as they are steps them again, as torch does; grads
+    # cleared between backward and step leave no grad (None: not stepped) or zeros (stepped).
+    between: dict[str, Clear] = {
+        "again": lambda model, opt: None,
+        "model.zero_grad()": lambda model, opt: model.zero_grad(),
+        "model.zero_grad(set_to_none=False)": lambda model, opt: model.zero_grad(False),
+    }
+    for name, clear in between.items():
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        ref_opt = adamw(ref)
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            mse(ref(x), y).backward()
+            if step % 2:
+                clear(model, opt)
+                clear(ref, ref_opt)
+            for optimizer in (opt, ref_opt):
+                optimizer.step()
+                optimizer.step()  # no backward since: the same grads (or none) again
+                optimizer.zero_grad()
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f"{name}, step {step}")
+
+
+# -- clipping ------------------------------------------------------------------------------------
+
+
+@case
+def torch_clipping_of_released_grads_raises_and_names_the_call_that_clips(
+    rank: int, world: int
+) -> None:
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    grad = model.inp.weight.grad
+    assert grad is not None and grad.shape == model.inp.weight.shape  # a placeholder
+    assert "main_grad" in repr(grad)
+    reads: list[Callable[[], object]] = [
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0),
+        lambda: model.inp.weight.grad.norm(),
+        lambda: model.inp.weight.grad.mul_(0.5),
+    ]
+    for read in reads:
+        with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_.*opt\.main_grad"):
+            read()
+    # The raising calls changed nothing: the step equals torch's with the clip that works.
+    ref = make_model()
+    ref_opt = adamw(ref)
+    mse(ref(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    torch.testing.assert_close(opt.clip_grad_norm_(0.05), ref_norm, **LOSS_TOL)
+    opt.step()
+    ref_opt.step()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "after the clipped step")
+
+
+def fsdp2(model: nn.Module, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model.inp, model.mid, model.out):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@case
+def torch_clipping_and_model_zero_grad_on_ddp_and_fsdp2_models(rank: int, world: int) -> None:
+    # DDP and FSDP2 keep the reduced grads on the params (FSDP2's as DTensors): torch's clip sees
+    # the global grads there, and model.zero_grad() clears them. References: DDP's grads are
+    # the whole batch's, so one process with torch AdamW; FSDP2 with torch AdamW.
+    for kind in ("ddp", "fsdp2"):
+        model, ref = make_model(), make_model()
+        if kind == "ddp":
+            net = nn.parallel.DistributedDataParallel(model)
+        else:
+            net, ref = fsdp2(model, world), fsdp2(ref, world)
+        opt = zero_shard.wrap(adamw(model), net, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        ref_opt = adamw(ref)
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            norm = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            opt.step()
+            net.zero_grad()
+            ref_x, ref_y = (
+                (x, y)
+                if kind == "ddp"
+                else (local_slice(x, rank, world), local_slice(y, rank, world))
+            )
+            mse(ref(ref_x), ref_y).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ref_opt.step()
+            ref.zero_grad()
+            torch.testing.assert_close(norm, ref_norm, **LOSS_TOL)
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"{kind} with torch's clipping")
+
+
+# -- replicas ------------------------------------------------------------------------------------
+
+
+class NetWithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model(seed=torch.initial_seed())  # the caller's seed
+        self.register_buffer("shift", torch.randn(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.shift
+
+
+def net_with_buffer(seed: int) -> NetWithBuffer:
+    torch.manual_seed(seed)
+    return NetWithBuffer()
+
+
+@case
+def replicas_built_with_per_rank_seeds_start_from_rank_0s(rank: int, world: int) -> None:
+    model, ref = net_with_buffer(seed=100 + rank), net_with_buffer(seed=100)
+    assert rank == 0 or not torch.equal(model.shift, ref.shift)
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    assert torch.equal(model.shift, ref.shift)
+    assert_params_close(model, ref, "right after wrap", exact=True)
+    ref_opt = adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "after training")
+
+
+# -- one optimizer, one set of param groups ------------------------------------------------------
+
+
+def lr_schedule_run(rank: int, world: int, *, before_wrap: bool) -> None:
+    model, ref = make_model(), make_model()
+    torch_opt = adamw(model)
+    sched = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.5)
+    opt = zero_shard.wrap(torch_opt, model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    if not before_wrap:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert all(
+        ours is theirs
+        for ours, theirs in zip(opt.param_groups, torch_opt.param_groups, strict=True)
+    )
+    ref_opt = adamw(ref)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+            sched.step()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    opt.finish_param_sync()
+    assert_params_close(model, ref, f"scheduler built {'before' if before_wrap else 'after'} wrap")
+
+
+@case
+def lr_schedulers_built_before_or_after_wrap_drive_the_wrapper(rank: int, world: int) -> None:
+    lr_schedule_run(rank, world, before_wrap=True)
+    lr_schedule_run(rank, world, before_wrap=False)
+
+
+@case
+def wrapping_twice_is_refused_until_the_first_wrapper_is_dropped(rank: int, world: int) -> None:
+    model = make_model()
+    torch_opt = adamw(model)
+    opt = zero_shard.wrap(torch_opt, model, bucket_mb=TINY_BUCKETS)
+    for again in (
+        lambda: zero_shard.wrap(torch_opt, model),
+        lambda: zero_shard.wrap(adamw(model), model),
+    ):
+        with pytest.raises(RuntimeError, match="already sharded by a live ZeroShardOptimizer"):
+            again()
+    del opt
+    ref = make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)  # the first one is gone
+    ref_opt = adamw(ref)
+    for step in range(2):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "the second wrapper")
+
+
+@case
+def two_wrappers_over_disjoint_params_of_one_model(rank: int, world: int) -> None:
+    # Two optimizers over one model (say, other settings for the last layer) both train it.
+    model, ref = make_model(), make_model()
+    head = [model.out.weight, model.out.bias]
+    body = [p for p in model.parameters() if all(p is not h for h in head)]
+    opts = [
+        zero_shard.wrap(torch.optim.AdamW(params, lr=1e-2), model, bucket_mb=TINY_BUCKETS)
+        for params in (body, head)
+    ]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for opt in opts:
+        opt.finish_param_sync()
+    assert_params_close(model, ref, "two wrappers")
+
+
+# -- optimizer state dicts -----------------------------------------------------------------------
+
+
+def shared_path(rank: int) -> str:
+    """A file name every rank agrees on (made by rank 0)."""
+    box = [os.path.join(tempfile.mkdtemp(), "optim.pt") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@case
+def a_state_dict_saved_on_rank_0_is_refused_on_every_rank(rank: int, world: int) -> None:
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    for step in range(2):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    path = shared_path(rank)
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    dist.barrier()
+    before = {k: v.full_tensor() for k, v in opt.state_dict()["state"]["inp.weight"].items()
+              if hasattr(v, "full_tensor")}  # fmt: skip
+    loaded = torch.load(path, weights_only=False)
+    # Rank 0's own rows would load on rank 0: the others' refusal refuses there too.
+    with pytest.raises(ValueError, match=r"rows of rank 0.*zero_shard\.full_state_dict"):
+        opt.load_state_dict(loaded)
+    # A torch optimizer's state dict, keyed by index, says how to load one.
+    ref = make_model()
+    ref_opt = adamw(ref)
+    mse(ref(global_batch(0)[0]), global_batch(0)[1]).backward()
+    ref_opt.step()
+    with pytest.raises(ValueError, match="keys its params by index.*get_optimizer_state_dict"):
+        opt.load_state_dict(ref_opt.state_dict())
+    after = opt.state_dict()["state"]["inp.weight"]
+    for key, value in before.items():
+        assert torch.equal(after[key].full_tensor(), value), key  # the refusals changed nothing
+    # The way the message gives loads it: the torch optimizer's state, keyed by FQN.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    by_fqn = get_optimizer_state_dict(ref, ref_opt, options=StateDictOptions(full_state_dict=True))
+    opt.load_state_dict(by_fqn)
+    loaded_state = opt.state_dict()["state"]["inp.weight"]
+    ref_state = ref_opt.state[ref.inp.weight]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded_state[key].full_tensor(), ref_state[key]), key
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
+def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
+    return run_cases(CASES, request.param)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed(outcomes: dict[str, str | None], name: str) -> None:
+    check_outcome(outcomes, name)
