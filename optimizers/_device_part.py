@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._layout import PieceSpec
 from ._records import ParamRecord, Piece, flat_param
@@ -35,7 +36,7 @@ class DevicePart:
         records: Sequence[ParamRecord],
         specs: Sequence[PieceSpec],
         groups: Sequence[dict[str, Any]],
-        cls: type[torch.optim.Optimizer],
+        optimizer_spec: OptimizerSpec,
         device: torch.device,
         impl: str,
     ) -> None:
@@ -55,7 +56,7 @@ class DevicePart:
         if not sub_groups:
             self.optimizer = None
             return
-        self.optimizer = build_sub_optimizer(cls, sub_groups, device.type, impl)
+        self.optimizer = build_sub_optimizer(optimizer_spec, sub_groups, device.type, impl)
         for (_, group_specs), mains, sub_group in zip(
             ordered, mains_per_group, self.optimizer.param_groups, strict=True
         ):

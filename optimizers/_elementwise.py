@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 
 __all__ = [
     "IMPL_KEYS",
+    "OptimizerSpec",
     "StateLayout",
     "check_elementwise",
     "constructor_defaults",
@@ -98,6 +100,36 @@ def implementation_kwargs(cls: type[torch.optim.Optimizer], device_type: str) ->
 
 
 @dataclass(frozen=True)
+class OptimizerSpec:
+    """How the user's optimizer is constructed: its class and constructor arguments.
+
+    Every sub-optimizer (and the state probe) is built as ``cls(groups, **kwargs)`` plus the
+    device's implementation flags, never from the groups alone: some constructors use an argument
+    themselves rather than through the param groups (Adagrad fills its ``sum`` state with
+    ``initial_accumulator_value`` in ``__init__``), and a sub-optimizer built with the class's
+    defaults would start from other values than the user's optimizer.
+    """
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: Mapping[str, Any]  # constructor keyword arguments, implementation flags left out
+
+    @classmethod
+    def of(
+        cls, optimizer_cls: type[torch.optim.Optimizer], kwargs: Mapping[str, Any]
+    ) -> OptimizerSpec:
+        """The spec of ``optimizer_cls(params, **kwargs)``; ``IMPL_KEYS`` are dropped (each device
+        sets its own)."""
+        return cls(optimizer_cls, {k: v for k, v in kwargs.items() if k not in IMPL_KEYS})
+
+    def build(
+        self, groups: Sequence[dict[str, Any]], impl_kwargs: Mapping[str, Any]
+    ) -> torch.optim.Optimizer:
+        """``cls`` over ``groups`` (implementation flags in them dropped), with ``impl_kwargs``."""
+        clean = [{k: v for k, v in group.items() if k not in IMPL_KEYS} for group in groups]
+        return self.cls(clean, **self.kwargs, **impl_kwargs)
+
+
+@dataclass(frozen=True)
 class StateLayout:
     """The per-parameter state an optimizer keeps, learned by stepping it once on a probe."""
 
@@ -105,19 +137,19 @@ class StateLayout:
     scalar_keys: tuple[str, ...]  # one value per param ("step", ...)
 
 
-def probe_state_layout(
-    cls: type[torch.optim.Optimizer], hyperparams: dict[str, Any]
-) -> StateLayout:
-    """Steps ``cls`` once on a small CPU probe and sorts the state it creates.
+def probe_state_layout(spec: OptimizerSpec, hyperparams: dict[str, Any]) -> StateLayout:
+    """Steps the optimizer once on a small CPU probe with the hyperparameters of one param group
+    and sorts the state it creates.
 
     Raises ``NotImplementedError`` if any state is neither param-shaped nor a scalar (such an
     optimizer is not elementwise whatever it declares).
     """
+    cls = spec.cls
     probe = torch.zeros(3, 2)
     probe.grad = torch.full_like(probe, 1e-3)
-    group = {k: v for k, v in hyperparams.items() if k not in IMPL_KEYS and k != "params"}
+    group = {k: v for k, v in hyperparams.items() if k != "params"}
     group["params"] = [probe]
-    optimizer = cls([group], **implementation_kwargs(cls, "cpu"))
+    optimizer = spec.build([group], implementation_kwargs(cls, "cpu"))
     optimizer.step()
     elementwise, scalars = [], []
     for key, value in optimizer.state[probe].items():

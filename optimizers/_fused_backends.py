@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ._elementwise import IMPL_KEYS, implementation_kwargs
+from ._elementwise import OptimizerSpec, implementation_kwargs
 
 __all__ = ["build_sub_optimizer"]
 
@@ -43,18 +43,17 @@ def _build_fused_adam(impl: str, cls: type, groups: list[dict[str, Any]]) -> tor
 
 
 def build_sub_optimizer(
-    cls: type[torch.optim.Optimizer],
+    spec: OptimizerSpec,
     groups: list[dict[str, Any]],
     device_type: str,
     impl: str = "torch",
 ) -> torch.optim.Optimizer:
-    """Builds ``cls`` over ``groups`` (param lists plus hyperparameters) for ``device_type``.
+    """Builds the user's optimizer over ``groups`` (param lists plus hyperparameters) for
+    ``device_type``, with the user's constructor arguments.
 
-    Implementation flags in the groups (``fused``, ``foreach``, ...) are replaced by the fastest
-    correct choice for the device; the math (lr, betas, weight decay...) is kept.
+    Implementation flags (``fused``, ``foreach``, ...) are replaced by the fastest correct choice
+    for the device; the math (lr, betas, weight decay, initial state...) is kept.
     """
     if impl != "torch" and device_type != "cpu":
-        return _build_fused_adam(impl, cls, groups)
-    impl_kwargs = implementation_kwargs(cls, device_type)
-    clean = [{k: v for k, v in group.items() if k not in IMPL_KEYS} for group in groups]
-    return cls(clean, **impl_kwargs)
+        return _build_fused_adam(impl, spec.cls, groups)
+    return spec.build(groups, implementation_kwargs(spec.cls, device_type))

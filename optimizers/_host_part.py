@@ -51,6 +51,7 @@ from offload import (
 )
 
 from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies
+from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._host_step import ChunkJob, HostStep
 from ._layout import ChunkSpec
@@ -119,7 +120,7 @@ class HostPart:
         records: Sequence[ParamRecord],
         specs: Sequence[ChunkSpec],
         groups: Sequence[dict[str, Any]],
-        cls: type[torch.optim.Optimizer],
+        optimizer_spec: OptimizerSpec,
         device: torch.device,
         *,
         pin_memory: bool,
@@ -127,6 +128,7 @@ class HostPart:
         num_state_tensors: int,
         kernel: CpuAdamKernel | None,
     ) -> None:
+        cls = optimizer_spec.cls
         kernels = [
             kernel
             if kernel is not None and fused_kernel_applies(cls, groups[s.group_index], s.dtype)
@@ -152,7 +154,7 @@ class HostPart:
             group_specs = [
                 (i, s, kernels[i]) for i, s in enumerate(specs) if s.group_index == group_index
             ]
-            self._build_group(records, group_specs, groups[group_index], cls)
+            self._build_group(records, group_specs, groups[group_index], optimizer_spec)
         self._chunks_of = {}
         for chunk in self.chunks:
             for record, _ in chunk.pieces:
@@ -175,7 +177,7 @@ class HostPart:
         records: Sequence[ParamRecord],
         group_specs: list[tuple[int, ChunkSpec, CpuAdamKernel | None]],
         group: dict[str, Any],
-        cls: type[torch.optim.Optimizer],
+        optimizer_spec: OptimizerSpec,
     ) -> None:
         main_flat = torch.empty(sum(s.numel for _, s, _ in group_specs), dtype=torch.float32)
         grad_numel = sum(s.numel for _, s, k in group_specs if _needs_grad_buffer(s, k))
@@ -198,7 +200,9 @@ class HostPart:
             for piece_spec in spec.pieces:
                 pieces_main.append(_slice(main, offset, piece_spec.numel))
                 offset += piece_spec.numel
-            optimizer = build_sub_optimizer(cls, [{"params": pieces_main, **hyper}], "cpu")
+            optimizer = build_sub_optimizer(
+                optimizer_spec, [{"params": pieces_main, **hyper}], "cpu"
+            )
             pieces, offset = [], 0
             for piece_spec, piece_main in zip(spec.pieces, pieces_main, strict=True):
                 piece = Piece(

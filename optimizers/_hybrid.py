@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -17,6 +18,7 @@ from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies, load_cpu_adam
 from ._device_part import DevicePart
 from ._elementwise import (
     IMPL_KEYS,
+    OptimizerSpec,
     StateLayout,
     check_elementwise,
     constructor_defaults,
@@ -28,10 +30,10 @@ from ._layout import ChunkSpec, ParamInfo, plan_layout
 from ._policy import OffloadPolicy
 from ._records import ParamRecord, flat_grad, flat_param
 from ._state import (
+    StateView,
     check_saved_state,
-    gather_main,
-    gather_state,
     init_state,
+    record_state,
     scatter_state,
 )
 
@@ -74,8 +76,23 @@ def check_param_kind(param: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} has dtype {param.dtype}; params must be floating point")
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    # A DTensor exists only once its module was imported: no import (and its cost) otherwise.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def _check_param(param: torch.Tensor, index: int, device: torch.device) -> None:
     name = f"param {index} (shape {tuple(param.shape)})"
+    # Not in check_param_kind: zero_shard checks FSDP2's params with it, which are DTensors.
+    if _is_dtensor(param):
+        raise TypeError(
+            f"{name} is a DTensor (placements {param.placements} on {param.device_mesh}): "
+            "HybridDeviceOptimizer steps one process's plain tensors. For a model sharded or "
+            "replicated over ranks (FSDP2's fully_shard, a DeviceMesh), build the torch "
+            "optimizer and call zero_shard.wrap(optimizer, model), which shards the optimizer "
+            "over the ranks"
+        )
     check_param_kind(param, name)
     if param.device != device:
         raise ValueError(
@@ -86,6 +103,49 @@ def _check_param(param: torch.Tensor, index: int, device: torch.device) -> None:
         raise ValueError(
             f"{name} is not contiguous; make it contiguous "
             "(param.data = param.data.contiguous()) before building the optimizer"
+        )
+
+
+def _check_unique(
+    params: Iterable[torch.Tensor | tuple[str, torch.Tensor]],
+    index: int,
+    groups: Sequence[dict[str, Any]],
+) -> None:
+    """Raises if a param of the new group ``index`` is twice in it or in one of ``groups``."""
+    group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
+    seen: set[int] = set()
+    for param in params:
+        if isinstance(param, tuple):  # (name, param), as from named_parameters()
+            param = param[1]
+        if id(param) in seen:
+            raise ValueError(
+                f"a param of shape {tuple(param.shape)} appears twice in param group {index}; "
+                "pass each param once"
+            )
+        seen.add(id(param))
+        if id(param) in group_of:
+            raise ValueError(
+                f"a param of shape {tuple(param.shape)} is in param groups "
+                f"{group_of[id(param)]} and {index}; put each param in one group"
+            )
+
+
+def _check_impl_flags(groups: Sequence[dict[str, Any]]) -> None:
+    """Refuses ``differentiable=True`` and warns that ``capturable=True`` is not honoured; the
+    other implementation flags (``foreach``, ``fused``) only choose a kernel, chosen per device."""
+    if any(group.get("differentiable") for group in groups):
+        raise NotImplementedError(
+            "differentiable=True is not supported: HybridDeviceOptimizer steps fp32 copies of the "
+            "params under torch.no_grad(), so autograd cannot follow the update; leave "
+            "differentiable=False, or differentiate through the plain torch optimizer"
+        )
+    if any(group.get("capturable") for group in groups):
+        warnings.warn(
+            "capturable=True is ignored: HybridDeviceOptimizer's step cannot be captured in a "
+            "CUDA graph (the CPU's share is stepped by the host); each device uses its fastest "
+            "kernel. Pass capturable=False to silence this",
+            UserWarning,
+            stacklevel=3,
         )
 
 
@@ -115,7 +175,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         offload_fraction: share of elements on the CPU, in [0, 1]; default 0. Shorthand for
             ``policy=OffloadPolicy(fraction=...)``.
         policy: full offload settings (pinning, threads, chunk size, accelerator kernel).
-        **optimizer_kwargs: hyperparameters for ``optimizer_cls`` (lr, betas, weight_decay...).
+        **optimizer_kwargs: ``optimizer_cls``'s constructor arguments (lr, betas, weight_decay,
+            initial_accumulator_value...). The sub-optimizers of both devices are built with them,
+            so the trajectory is ``optimizer_cls``'s. Implementation flags (``foreach``,
+            ``fused``) are chosen per device, the math is kept; ``capturable=True`` is ignored
+            with a warning and ``differentiable=True`` refused.
+
+    ``optimizer.state[param]`` is the param's state as :meth:`param_state` shows it (``{}`` for a
+    frozen param or one without state yet); it is read-only.
 
     Example:
         >>> model = torch.nn.Linear(8, 8)
@@ -127,12 +194,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     policy: OffloadPolicy
     optimizer_cls: type[torch.optim.Optimizer]
+    state: StateView  # type: ignore[assignment]
+    _optimizer_spec: OptimizerSpec  # how every sub-optimizer is constructed
     _records: list[ParamRecord] | None  # one per param over all groups; None while building
     _device: DevicePart
     _host: HostPart
     _layouts: list[StateLayout]  # per param group: the state the optimizer keeps per param
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
     _warned_ignored: bool
+    _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over, until
+    #                                                     the first step marks it stepped
 
     def __init__(
         self,
@@ -155,12 +226,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             )
         self.policy = policy
         self.optimizer_cls = optimizer_cls
+        self._optimizer_spec = OptimizerSpec.of(optimizer_cls, optimizer_kwargs)
         self._records = None
         self._warned_ignored = False
+        self._wrapped = None
         # The class's own constructor checks the hyperparameters and supplies their defaults.
         defaults = optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults
         super().__init__(params, defaults)
+        _check_impl_flags(self.param_groups)
         self._build()
+        self.state = StateView(self._records, self._host.settle)
 
     @classmethod
     def wrap(
@@ -172,24 +247,47 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ) -> HybridDeviceOptimizer:
         """Builds a HybridDeviceOptimizer from an optimizer the user already made.
 
-        Takes its class, defaults, param groups (per-group lr, weight decay...) and any state it
-        has (main weights then come from the model params). Drop the original afterwards
-        (``opt = HybridDeviceOptimizer.wrap(opt, offload_fraction=0.5)``) so its state is freed.
+        Takes its class and constructor arguments (its ``defaults``), its param groups and any
+        state it has (main weights then come from the model params; its ``state`` is emptied
+        afterwards, so it is not held twice).
+
+        The param groups are shared, not copied: ``hybrid.param_groups[i] is
+        optimizer.param_groups[i]``, so an LR scheduler built on ``optimizer`` before wrapping
+        still sets the lr the hybrid steps with. The hybrid's steps count as ``optimizer``'s for
+        such a scheduler (no "lr_scheduler.step() before optimizer.step()" warning). Step only
+        the hybrid from then on; hooks registered on ``optimizer`` do not run.
+
+        Args:
+            optimizer: a torch optimizer of an elementwise class (see ``check_elementwise``).
+            offload_fraction: as for the constructor; default 0.
+            policy: as for the constructor.
+
+        Example:
+            >>> model = torch.nn.Linear(8, 8)
+            >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            >>> opt = HybridDeviceOptimizer.wrap(opt, offload_fraction=0.5)
+            >>> model(torch.randn(2, 8)).sum().backward()
+            >>> opt.step(); sched.step()
+            >>> opt.param_groups[0]["lr"]
+            0.0005
         """
         if isinstance(optimizer, HybridDeviceOptimizer):
             raise TypeError("the optimizer is already a HybridDeviceOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        groups = [dict(group) for group in optimizer.param_groups]
+        saved = optimizer.state_dict() if optimizer.state else None
         hybrid = cls(
-            groups,
+            optimizer.param_groups,
             type(optimizer),
             offload_fraction=offload_fraction,
             policy=policy,
             **constructor_defaults(optimizer),
         )
-        if optimizer.state:
-            hybrid.load_state_dict(optimizer.state_dict())
+        if saved is not None:
+            hybrid.load_state_dict(saved)
+            optimizer.state.clear()
+        hybrid._wrapped = weakref.ref(optimizer)
         return hybrid
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -199,23 +297,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 "with every param group (carry the state over with state_dict/load_state_dict)"
             )
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        index = len(self.param_groups)
-        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-        seen: set[int] = set()
-        for param in params:
-            if id(param) in seen:
-                raise ValueError(
-                    f"a param of shape {tuple(param.shape)} appears twice in param group {index}; "
-                    "pass each param once"
-                )
-            seen.add(id(param))
-            if id(param) in group_of:
-                raise ValueError(
-                    f"a param of shape {tuple(param.shape)} is in param groups "
-                    f"{group_of[id(param)]} and {index}; put each param in one group"
-                )
-        super().add_param_group({**param_group, "params": params})
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # torch refuses sets (their order varies between runs)
+            params = list(params)  # read a generator once
+        # The group itself is kept, as torch does: wrap() shares the wrapped optimizer's groups.
+        param_group["params"] = params
+        _check_unique(params, len(self.param_groups), self.param_groups)
+        super().add_param_group(param_group)
 
     def _build(self) -> None:
         records = [
@@ -233,13 +322,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.policy.fraction,
             self.policy.chunk_numel,
         )
-        layouts = [probe_state_layout(self.optimizer_cls, group) for group in self.param_groups]
+        layouts = [probe_state_layout(self._optimizer_spec, group) for group in self.param_groups]
         threads = resolve_thread_budget(self.policy.num_threads) if layout.host_chunks else None
         self._host = HostPart(
             trainable,
             layout.host_chunks,
             self.param_groups,
-            self.optimizer_cls,
+            self._optimizer_spec,
             device,
             pin_memory=self.policy.pin_memory,
             threads=threads,
@@ -250,7 +339,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             trainable,
             layout.device_pieces,
             self.param_groups,
-            self.optimizer_cls,
+            self._optimizer_spec,
             device,
             self.policy.device_impl,
         )
@@ -427,6 +516,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if found_inf is not None:
             self._check_found_inf(found_inf)
         self._host.settle()
+        self._mark_stepped()
         self._sync_hyperparams()
         # A non-contiguous grad is copied to a temporary here, which the D2H stream reads: the
         # HostStep holds it until its chunks are completed, after the worker saw those copies end.
@@ -440,6 +530,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pending.wait()
             raise
         return pending
+
+    def _mark_stepped(self) -> None:
+        # torch's LR schedulers warn at their first step unless the optimizer they were built on
+        # has `_opt_called` set, which only a call through its scheduler-patched `step` does:
+        # launch_step() bypasses that on this optimizer, and wrap()'s original is never stepped.
+        self._opt_called = True
+        if self._wrapped is not None:
+            wrapped = self._wrapped()
+            if wrapped is not None:
+                wrapped._opt_called = True  # type: ignore[attr-defined]
+            self._wrapped = None
 
     def _check_found_inf(self, found_inf: torch.Tensor) -> None:
         device = self._records[0].param.device
@@ -509,14 +610,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _record_state(self, record: ParamRecord) -> dict[str, Any]:
         self._host.settle()  # the worker may be writing it
-        if record.ignored:
-            return {}
-        param_state = gather_state(record)
-        if param_state is None:
-            return {}
-        if record.param.dtype != torch.float32:
-            param_state["main_param"] = gather_main(record)
-        return param_state
+        return record_state(record)
 
     def param_state(self, param: torch.Tensor) -> dict[str, Any]:
         """One param's state as ``state_dict()`` shows it (``{}`` before it has any): tensors in

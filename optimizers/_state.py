@@ -9,7 +9,7 @@ longer than a chunk) shows a CPU copy of the concatenation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,10 +18,12 @@ from ._elementwise import StateLayout
 from ._records import ParamRecord, Piece
 
 __all__ = [
+    "StateView",
     "check_saved_state",
     "gather_main",
     "gather_state",
     "init_state",
+    "record_state",
     "scatter_state",
 ]
 
@@ -110,6 +112,58 @@ def gather_state(record: ParamRecord) -> dict[str, Any] | None:
 def gather_main(record: ParamRecord) -> torch.Tensor:
     """The parameter's fp32 main weight, in the parameter's shape."""
     return _join([piece.main for piece in record.pieces], record.param.shape)
+
+
+def record_state(record: ParamRecord) -> dict[str, Any]:
+    """The parameter's state as ``state_dict()`` shows it, ``{}`` if it has none (a frozen param,
+    or one not stepped yet by an optimizer that creates its state at the first step); plus
+    ``main_param`` (fp32) for low-precision params. The caller settles any step in flight."""
+    state = gather_state(record)
+    if state is None:
+        return {}
+    if record.param.dtype != torch.float32:
+        state["main_param"] = gather_main(record)
+    return state
+
+
+class StateView(Mapping[torch.Tensor, dict[str, Any]]):
+    """``optimizer.state`` as torch users read it: model param -> its state (``record_state``).
+
+    As from torch's ``defaultdict``, a param without state reads as ``{}`` (a frozen param, one
+    not stepped yet, a tensor not in the optimizer); only params with state are iterated, counted
+    and ``in`` it. Each read builds the dict afresh (views of the live state where the param is in
+    one piece, else copies), so it is read-only: state is changed through ``load_state_dict``.
+    """
+
+    def __init__(self, records: Sequence[ParamRecord], settle: Callable[[], None]) -> None:
+        self._records = {record.param: record for record in records}
+        self._settle = settle  # completes a step in flight: the worker may be writing state
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        record = self._records.get(param)
+        if record is None:
+            return {}
+        self._settle()
+        return record_state(record)
+
+    def __contains__(self, param: object) -> bool:
+        record = self._records.get(param)  # type: ignore[call-overload]
+        if record is None:
+            return False
+        self._settle()
+        return any(piece.state for piece in record.pieces)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter([param for param in self._records if param in self])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __setitem__(self, param: torch.Tensor, value: Any) -> None:
+        raise TypeError(
+            "HybridDeviceOptimizer.state is read-only (it is built from the state each device "
+            "keeps); change state with load_state_dict(...)"
+        )
 
 
 def check_saved_state(record: ParamRecord, saved: dict[str, Any]) -> None:

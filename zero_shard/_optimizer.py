@@ -167,6 +167,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
+            optimizer.state.clear()  # not held twice (a scheduler may keep the optimizer alive)
         handles = self._comm.install(self.mesh, device=self._device, overlap=overlap_param_gather)
         weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid, self.mesh)  # type: ignore[assignment]
@@ -563,7 +564,8 @@ def wrap(
 
     Call it on every rank, after ``init_process_group`` and after the model is on its device.
     The wrapper shares the optimizer's param-group dicts (an LR scheduler built on either one
-    drives both) and takes its state over, if any; step only the wrapper. One live wrapper per
+    drives both) and takes its state over, if any (emptying the optimizer's ``state``); step
+    only the wrapper. One live wrapper per
     param: wrapping the same optimizer or model again raises until the first wrapper is dropped.
 
     As DDP does, a plain model's params and buffers are broadcast from the mesh's first rank at

@@ -220,7 +220,10 @@ class ShardedStateView(Mapping):
         for record in self._sharded:
             if record.param is param:
                 return sharded_state(record, self._hybrid(), self._mesh)
-        raise KeyError(f"a param of shape {tuple(param.shape)} is not optimized here")
+        return {}  # a frozen param (or another tensor): no state, as torch's defaultdict shows
+
+    def __contains__(self, param: object) -> bool:
+        return any(known is param for known in self)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         hybrid = self._hybrid()

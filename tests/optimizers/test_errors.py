@@ -10,6 +10,7 @@ import torch
 from _parity import groups_of, make_params
 
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
+from optimizers._elementwise import OptimizerSpec
 from optimizers._fused_backends import build_sub_optimizer
 
 
@@ -105,9 +106,9 @@ def test_missing_fused_backend() -> None:
     # Neither apex nor TransformerEngine is installed in CI or on the GPU machines.
     group = [{"params": params()[:1], "lr": 1e-3}]
     with pytest.raises(ImportError, match="needs apex.optimizers, which is not installed"):
-        build_sub_optimizer(torch.optim.AdamW, group, "cuda", "apex")
+        build_sub_optimizer(OptimizerSpec.of(torch.optim.AdamW, {}), group, "cuda", "apex")
     with pytest.raises(ValueError, match="Adam and AdamW only, got SGD"):
-        build_sub_optimizer(torch.optim.SGD, group, "cuda", "te")
+        build_sub_optimizer(OptimizerSpec.of(torch.optim.SGD, {}), group, "cuda", "te")
 
 
 def test_add_param_group_after_construction() -> None:

@@ -306,6 +306,37 @@ def lr_schedulers_built_before_or_after_wrap_drive_the_wrapper(rank: int, world:
 
 
 @case
+def a_stepped_torch_optimizer_is_taken_over_and_frozen_params_have_no_state(
+    rank: int, world: int
+) -> None:
+    model, ref = make_model(), make_model()
+    for net in (model, ref):
+        net.mid.bias.requires_grad_(False)  # frozen, but in the optimizer's groups
+    torch_opt, ref_opt = adamw(model), adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        if step < 2:  # the torch optimizer trains first, on the whole batch on every rank
+            mse(model(x), y).backward()
+            torch_opt.step()
+            torch_opt.zero_grad()
+        if step == 2:
+            opt = zero_shard.wrap(torch_opt, model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+            assert not torch_opt.state  # taken over, not held twice
+        if step >= 2:
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "after the take-over")
+    assert opt.state[model.mid.bias] == {} and model.mid.bias not in opt.state
+    assert int(opt.state[model.inp.weight]["step"]) == STEPS
+    assert len(opt.state) == len(ref_opt.state) == 5
+
+
+@case
 def wrapping_twice_is_refused_until_the_first_wrapper_is_dropped(rank: int, world: int) -> None:
     model = make_model()
     torch_opt = adamw(model)

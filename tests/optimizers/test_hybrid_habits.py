@@ -1,0 +1,429 @@
+"""Habits of torch.optim users: HybridDeviceOptimizer behaves as the torch optimizer it wraps.
+
+Each parity test runs the same params, seed and grads through a plain torch optimizer (the
+reference, torch's default single-tensor loop on fp32 params) and through the hybrid, and compares
+the params at every step within OTHER_KERNEL (see _parity: the hybrid runs torch's fused CPU
+kernels where they exist, which round differently by about an ulp per operation).
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _parity import OTHER_KERNEL, fp32_copies
+
+from optimizers import HybridDeviceOptimizer, OffloadPolicy, check_param_kind
+
+FRACTIONS = [0.0, 0.5, 1.0]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+# 49 elements in chunks of 8: at fraction 0.5 a param is cut between the devices, and params
+# between chunks.
+SHAPES = [(5, 7), (3,), (11,)]
+CHUNK_NUMEL = 8
+NUM_STEPS = 4
+
+# Constructor arguments, each of which changes the trajectory (or, for the implementation flags,
+# must not).
+CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adagrad-initial_accumulator_value": (
+        torch.optim.Adagrad,
+        {"lr": 0.1, "initial_accumulator_value": 0.1},
+    ),
+    "adagrad-lr_decay": (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.05, "weight_decay": 0.1}),
+    "asgd": (torch.optim.ASGD, {"lr": 0.05, "t0": 2, "lambd": 1e-2, "alpha": 0.5}),
+    "rprop": (torch.optim.Rprop, {"lr": 0.05, "etas": (0.3, 1.5), "step_sizes": (1e-4, 0.2)}),
+    "adadelta": (torch.optim.Adadelta, {"lr": 0.5, "rho": 0.5, "eps": 1e-5}),
+    "rmsprop-centered-momentum": (
+        torch.optim.RMSprop,
+        {"lr": 1e-2, "alpha": 0.9, "centered": True, "momentum": 0.5},
+    ),
+    "nadam": (
+        torch.optim.NAdam,
+        {"lr": 1e-2, "momentum_decay": 0.01, "decoupled_weight_decay": True, "weight_decay": 0.1},
+    ),
+    "radam": (torch.optim.RAdam, {"lr": 1e-2, "decoupled_weight_decay": True, "weight_decay": 0.1}),
+    "adamax": (torch.optim.Adamax, {"lr": 1e-2, "betas": (0.5, 0.9)}),
+    "sgd-nesterov": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "nesterov": True}),
+    "sgd-dampening": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.3}),
+    "sgd-maximize-weight_decay": (
+        torch.optim.SGD,
+        {"lr": 1e-2, "momentum": 0.5, "maximize": True, "weight_decay": 0.1},
+    ),
+    "adam-amsgrad-maximize": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "maximize": True}),
+    "adamw-tensor-lr-betas": (
+        torch.optim.AdamW,
+        {"lr": torch.tensor(1e-2), "betas": (torch.tensor(0.8), torch.tensor(0.99))},
+    ),
+    "adam-foreach-false": (torch.optim.Adam, {"lr": 1e-2, "foreach": False}),
+    "adamw-fused-true": (torch.optim.AdamW, {"lr": 1e-2, "fused": True}),
+}
+# The optimizers that create a param's state at its first step (or, Adagrad, at construction
+# for every param), in torch and in the hybrid alike. Adam, AdamW, Adamax, RAdam, RMSprop,
+# Adadelta and SGD without dampening get theirs at the hybrid's construction instead (zeros,
+# which is what their first step starts from).
+LAZY_CASES = ["adagrad-initial_accumulator_value", "asgd", "rprop", "nadam", "sgd-dampening"]
+
+
+def make_params(seed: int = 0, device: str = "cpu") -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen).to(device)) for shape in SHAPES]
+
+
+def torch_kwargs(kwargs: dict[str, Any], device: str) -> dict[str, Any]:
+    """``kwargs`` for a plain torch optimizer on ``device``: on CUDA, torch's default (foreach)
+    kernels refuse a tensor lr or betas unless capturable; its fused kernels take them."""
+    flat = [
+        v for value in kwargs.values() for v in (value if isinstance(value, tuple) else [value])
+    ]
+    if device == "cuda" and any(torch.is_tensor(v) for v in flat):
+        return {**kwargs, "fused": True}
+    return kwargs
+
+
+def policy(fraction: float, **kwargs: Any) -> OffloadPolicy:
+    return OffloadPolicy(fraction=fraction, chunk_numel=CHUNK_NUMEL, num_threads=1, **kwargs)
+
+
+def two_groups(params: list[torch.Tensor], lr: float | torch.Tensor) -> list[dict[str, Any]]:
+    """The second group overrides the lr, as per-group settings do."""
+    return [{"params": params[:2]}, {"params": params[2:], "lr": float(lr) / 2}]
+
+
+def step_both(
+    opt: torch.optim.Optimizer,
+    ref_opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    refs: list[torch.Tensor],
+    gen: torch.Generator,
+    without_grad: frozenset[int] = frozenset(),
+) -> None:
+    """The same fresh grads for both (none for the params in ``without_grad``), then a step."""
+    for index, (param, ref) in enumerate(zip(params, refs, strict=True)):
+        if index in without_grad:
+            param.grad = ref.grad = None
+            continue
+        grad = torch.randn(param.shape, generator=gen)
+        param.grad, ref.grad = grad.to(param.device, copy=True), grad.to(ref.device, copy=True)
+    opt.step()
+    ref_opt.step()
+
+
+def assert_params_match(params: list[torch.Tensor], refs: list[torch.Tensor], where: str) -> None:
+    for index, (param, ref) in enumerate(zip(params, refs, strict=True)):
+        torch.testing.assert_close(
+            param.detach().cpu(), ref.detach().cpu(), rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1],
+            msg=f"{where}: param {index}",
+        )  # fmt: skip
+
+
+def assert_state_matches(
+    opt: HybridDeviceOptimizer,
+    ref_opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    refs: list[torch.Tensor],
+) -> None:
+    """``opt.state[p]`` has torch's keys and values (read after the checks that count state:
+    reading torch's defaultdict adds the param to it)."""
+    for index, (param, ref) in enumerate(zip(params, refs, strict=True)):
+        mine, theirs = opt.state[param], ref_opt.state[ref]
+        assert mine.keys() == theirs.keys(), f"param {index}: {mine.keys()} != {theirs.keys()}"
+        for key, value in theirs.items():
+            torch.testing.assert_close(
+                torch.as_tensor(mine[key]).float().cpu(), torch.as_tensor(value).float().cpu(),
+                rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1], msg=f"param {index}: {key}",
+            )  # fmt: skip
+
+
+def indices_with_state(state: Any, params: list[torch.Tensor]) -> list[int]:
+    """Positions in ``params`` of the params ``state`` iterates, in its order."""
+    position = {id(param): index for index, param in enumerate(params)}
+    return [position[id(param)] for param in state]
+
+
+# -- 1. constructor arguments reach both devices --------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("build", ["constructor", "wrap"])
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_constructor_arguments_give_torchs_trajectory(
+    case: str, fraction: float, build: str, device: str
+) -> None:
+    cls, kwargs = CASES[case]
+    params = make_params(device=device)
+    refs = fp32_copies(params)
+    ref_opt = cls(two_groups(refs, kwargs["lr"]), **torch_kwargs(kwargs, device))
+    if build == "wrap":
+        user_opt = cls(two_groups(params, kwargs["lr"]), **torch_kwargs(kwargs, device))
+        opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(fraction))
+    else:
+        groups = two_groups(params, kwargs["lr"])
+        opt = HybridDeviceOptimizer(groups, cls, policy=policy(fraction), **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"step {step}")
+    assert_state_matches(opt, ref_opt, params, refs)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_adagrad_initial_sum_comes_from_the_constructor_as_in_torch(fraction: float) -> None:
+    # torch's Adagrad fills `sum` from its constructor argument, whatever a group says.
+    params = make_params()
+    refs = fp32_copies(params)
+
+    def groups(tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
+        return [{"params": tensors[:2], "initial_accumulator_value": 0.5}, {"params": tensors[2:]}]
+
+    kwargs = {"lr": 0.1, "initial_accumulator_value": 0.2}
+    ref_opt = torch.optim.Adagrad(groups(refs), **kwargs)
+    opt = HybridDeviceOptimizer(
+        groups(params), torch.optim.Adagrad, policy=policy(fraction), **kwargs
+    )
+    assert_state_matches(opt, ref_opt, params, refs)  # before any step
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"step {step}")
+
+
+# -- 2. wrap() shares the param groups; LR schedulers ---------------------------------------------
+
+
+def test_wrap_shares_the_param_groups_and_leaves_them_as_they_were() -> None:
+    params = make_params()
+    user_opt = torch.optim.AdamW(two_groups(params, 1e-2), lr=1e-2, weight_decay=0.1)
+    before = [{k: v for k, v in group.items() if k != "params"} for group in user_opt.param_groups]
+    before_params = [list(group["params"]) for group in user_opt.param_groups]
+    opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(0.5))
+    assert len(opt.param_groups) == len(user_opt.param_groups) == 2
+    for group, user_group, old, old_params in zip(
+        opt.param_groups, user_opt.param_groups, before, before_params, strict=True
+    ):
+        assert group is user_group
+        assert {k: v for k, v in user_group.items() if k != "params"} == old  # no key added
+        assert all(a is b for a, b in zip(user_group["params"], old_params, strict=True))
+    user_opt.param_groups[1]["lr"] = 1e-3  # an edit of the original reaches the hybrid's step
+    for param in params:
+        param.grad = torch.ones_like(param)
+    opt.step()
+    assert {sub["lr"] for sub, group in opt._sub_groups() if group is opt.param_groups[1]} == {1e-3}
+
+
+def test_wrap_takes_the_state_over() -> None:
+    params = make_params()
+    user_opt = torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.3)
+    expected = {index: dict(user_opt.state[p]) for index, p in enumerate(params)}
+    opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(0.5))
+    assert not user_opt.state, "the original still holds a second copy of the state"
+    for index, param in enumerate(params):
+        assert torch.equal(opt.state[param]["sum"], expected[index]["sum"])
+
+
+def lr_of(opt: torch.optim.Optimizer) -> list[float]:
+    return [float(group["lr"]) for group in opt.param_groups]
+
+
+def scheduler_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+
+
+@pytest.mark.parametrize("when", ["built_before_wrap", "built_on_the_hybrid"])
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_lr_scheduler_gives_torchs_schedule(fraction: float, when: str) -> None:
+    params = make_params()
+    refs = fp32_copies(params)
+    ref_opt = torch.optim.AdamW(two_groups(refs, 1e-2), lr=1e-2, weight_decay=0.1)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
+    user_opt = torch.optim.AdamW(two_groups(params, 1e-2), lr=1e-2, weight_decay=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if when == "built_before_wrap":
+            sched = torch.optim.lr_scheduler.StepLR(user_opt, 1, gamma=0.5)
+            opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(fraction))
+        else:
+            opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(fraction))
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(NUM_STEPS):
+            step_both(opt, ref_opt, params, refs, gen)
+            sched.step()
+            ref_sched.step()
+            assert lr_of(opt) == lr_of(ref_opt), f"step {step}"
+            assert_params_match(params, refs, f"step {step}")
+    assert lr_of(opt) == [1e-2 * 0.5**NUM_STEPS, 5e-3 * 0.5**NUM_STEPS]
+    assert not scheduler_warnings(caught)
+
+
+def test_launch_step_counts_as_a_step_for_lr_schedulers() -> None:
+    opt = HybridDeviceOptimizer(make_params(), torch.optim.AdamW, policy=policy(0.5), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.launch_step().wait()
+        sched.step()
+    assert not scheduler_warnings(caught)
+    assert lr_of(opt) == [5e-3]
+
+
+# -- 3. DTensor params -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_process_group() -> Iterator[None]:
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed without a process group already set up")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_params_point_to_zero_shard_wrap(one_process_group: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    param = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+    with pytest.raises(
+        TypeError, match=r"param 0 .* is a DTensor.*zero_shard\.wrap\(optimizer, model\)"
+    ):
+        HybridDeviceOptimizer([param], torch.optim.AdamW, lr=1e-3)
+    check_param_kind(param, "param 'fc.weight'")  # zero_shard's check takes FSDP2's DTensors
+
+
+# -- 4. optimizer.state ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_state_of_a_frozen_param_is_empty_as_in_torch(fraction: float) -> None:
+    params = make_params()
+    refs = fp32_copies(params)
+    for tensor in (params[1], refs[1]):
+        tensor.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2)
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(fraction), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        step_both(opt, ref_opt, params, refs, gen, without_grad=frozenset({1}))
+        assert_params_match(params, refs, f"step {step}")
+    assert (
+        indices_with_state(opt.state, params) == indices_with_state(ref_opt.state, refs) == [0, 2]
+    )
+    assert len(opt.state) == len(ref_opt.state) == 2
+    assert sorted(opt.state_dict()["state"]) == sorted(ref_opt.state_dict()["state"])
+    assert params[1] not in opt.state and params[0] in opt.state
+    assert opt.state[params[1]] == {}
+    assert len(opt.state) == 2  # reading it did not add it
+    assert_state_matches(opt, ref_opt, params, refs)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("case", LAZY_CASES)
+def test_state_of_a_param_without_grads_is_torchs(case: str, fraction: float) -> None:
+    cls, kwargs = CASES[case]
+    params = make_params()
+    refs = fp32_copies(params)
+    ref_opt = cls(refs, **kwargs)
+    opt = HybridDeviceOptimizer(params, cls, policy=policy(fraction), **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        step_both(opt, ref_opt, params, refs, gen, without_grad=frozenset({1}))
+        assert_params_match(params, refs, f"step {step}")
+    expected = indices_with_state(ref_opt.state, refs)
+    assert indices_with_state(opt.state, params) == expected
+    assert len(opt.state) == len(expected)
+    assert sorted(opt.state_dict()["state"]) == sorted(ref_opt.state_dict()["state"])
+    assert_state_matches(opt, ref_opt, params, refs)
+
+
+def test_state_is_read_only() -> None:
+    params = make_params()
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(0.5), lr=1e-2)
+    with pytest.raises(TypeError, match="read-only.*load_state_dict"):
+        opt.state[params[0]] = {}
+    assert opt.state[torch.zeros(2)] == {}  # not in the optimizer: {} as from torch's defaultdict
+
+
+# -- 5. other habits ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_group_edits_reach_both_devices_as_in_torch(fraction: float) -> None:
+    params = make_params()
+    refs = fp32_copies(params)
+    ref_opt = torch.optim.AdamW(two_groups(refs, 1e-2), lr=1e-2)
+    opt = HybridDeviceOptimizer(
+        two_groups(params, 1e-2), torch.optim.AdamW, policy=policy(fraction, cpu_kernel="torch"),
+        lr=1e-2,
+    )  # fmt: skip
+    edits = {
+        1: {"lr": 3e-2, "betas": (0.5, 0.9)},
+        2: {"eps": 1e-3, "weight_decay": 0.3},
+        3: {"maximize": True},
+    }
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        for group, ref_group in zip(opt.param_groups, ref_opt.param_groups, strict=True):
+            group.update(edits.get(step, {}))
+            ref_group.update(edits.get(step, {}))
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"step {step}")
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_named_parameters_as_in_torch(fraction: float) -> None:
+    params = make_params()
+    refs = fp32_copies(params)
+    ref_opt = torch.optim.AdamW([(f"p{i}", p) for i, p in enumerate(refs)], lr=1e-2)
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    opt = HybridDeviceOptimizer(named, torch.optim.AdamW, policy=policy(fraction), lr=1e-2)
+    assert opt.param_groups[0]["param_names"] == ref_opt.param_groups[0]["param_names"]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"step {step}")
+
+
+def test_group_dicts_are_the_optimizers_as_in_torch() -> None:
+    groups = two_groups(make_params(), 1e-2)
+    opt = HybridDeviceOptimizer(groups, torch.optim.AdamW, lr=1e-2)
+    assert all(a is b for a, b in zip(opt.param_groups, groups, strict=True))
+
+
+def test_a_group_with_a_set_of_params_is_refused_as_in_torch() -> None:
+    with pytest.raises(TypeError, match="ordered collections"):
+        HybridDeviceOptimizer([{"params": set(make_params())}], torch.optim.AdamW, lr=1e-2)
+
+
+def test_differentiable_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="differentiable=True is not supported"):
+        HybridDeviceOptimizer(make_params(), torch.optim.AdamW, lr=1e-2, differentiable=True)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_capturable_is_ignored_with_a_warning(fraction: float) -> None:
+    params = make_params()
+    refs = fp32_copies(params)
+    ref_opt = torch.optim.Adam(refs, lr=1e-2)
+    with pytest.warns(UserWarning, match="capturable=True is ignored"):
+        opt = HybridDeviceOptimizer(
+            params, torch.optim.Adam, policy=policy(fraction), lr=1e-2, capturable=True
+        )
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"step {step}")
