@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
-from ._released import ReleasedGrad
+from ._released import GradWatch
 
 __all__ = ["Bucket", "ShardedParam", "build_buckets", "fsdp_sharded_param", "shard_grads"]
 
@@ -54,12 +54,8 @@ class ShardedParam:
     grad_slot: torch.Tensor | None = None  # the shard's slot in the bucket's grad buffer
     version: int = 0  # the model param's version counter when zero-shard last wrote or read it
     changed: bool = False  # written by someone else since: its main weight must be reloaded
-    placeholder: ReleasedGrad | None = None  # what the param's .grad holds once its grad is
-    #                                          reduced into grad_slot ([Note: released grads])
-    released: ReleasedGrad | None = None  # the placeholder, until the next backward or step has
-    #                                       seen whether the param's .grad was cleared since
-    keeps_grad: bool = False  # its .grad was not cleared since the last reduction: the next one
-    #                           adds to grad_slot instead of writing it
+    watch: GradWatch | None = None  # whether the param's .grad was cleared since its grad was
+    #                                 reduced (replicated models; [Note: released grads])
 
     @property
     def watched(self) -> torch.Tensor | DTensorCounters:

@@ -8,7 +8,7 @@
   zero-shard steps are the params' local tensors, written in place.
 
 Each gives the optimizer the same calls: ``finalize_grads`` (each shard's ``.grad`` is its
-reduced grad), ``checked_grads`` (what the non-finite check reads), ``no_sync``, ``after_step``
+reduced grad; ``reduce=False``: with no collective), ``checked_grads`` (what the non-finite check reads), ``no_sync``, ``after_step``
 (the step's new weights reach the params), ``finish`` (they have), ``reset`` (``zero_grad``),
 ``end_window`` (a step took the grads), ``refresh_shards`` (the params' values into the shards).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -119,7 +120,7 @@ class FSDPComm:
     def need_order(self) -> list[int] | None:
         return None
 
-    def finalize_grads(self) -> None:
+    def finalize_grads(self, *, reduce: bool = True) -> None:
         for sharded in self.sharded:
             grad = sharded.param.grad
             sharded.shard.grad = None if grad is None else grad._local_tensor.detach()
@@ -299,7 +300,7 @@ class DDPComm(_GatheredComm):
             ddp.module, trainable, plan, group, bucket_mb=bucket_mb, with_grad_buffers=False
         )
 
-    def finalize_grads(self) -> None:
+    def finalize_grads(self, *, reduce: bool = True) -> None:
         for sharded in self.sharded:
             grad = sharded.param.grad
             if grad is None:
@@ -348,10 +349,18 @@ class ReplicatedComm(_GatheredComm):
         # must be complete first (the gathers waited for every CPU chunk), whatever the forward
         # waited for (see [Note: deferred host step]).
         self.reducer.before_first = self.gatherer.finish
-        return handles + self.reducer.register_hooks()
+        reducer = weakref.ref(self.reducer)
 
-    def finalize_grads(self) -> None:
-        self.reducer.finish()
+        def before_forward(module: nn.Module, args: Any) -> None:
+            alive = reducer()
+            if alive is not None:
+                alive.forget_aborted_backward()
+
+        aborted = self._module.register_forward_pre_hook(before_forward)
+        return [*handles, aborted, *self.reducer.register_hooks()]
+
+    def finalize_grads(self, *, reduce: bool = True) -> None:
+        self.reducer.finish(reduce=reduce)
 
     def checked_grads(self) -> list[torch.Tensor]:
         # Each bucket's reduced grads in one piece: its gaps and padding hold zeros.

@@ -167,13 +167,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
-            optimizer.state.clear()  # not held twice (a scheduler may keep the optimizer alive)
         handles = self._comm.install(self.mesh, device=self._device, overlap=overlap_param_gather)
         weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid, self.mesh)  # type: ignore[assignment]
         for sharded in self._sharded:
             sharded.record_version()
         claim([sharded.param for sharded in self._sharded], self)
+        optimizer.state.clear()  # taken over: not held twice (a scheduler may keep it alive)
 
     # -- construction -----------------------------------------------------------------------
 
@@ -287,6 +287,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        wrapped = self._wrapped()
+        if wrapped is not None:  # an LR scheduler built on it checks that it stepped
+            wrapped._opt_called = True  # type: ignore[attr-defined]
         # Gathers of the last step read the shards this step writes: they must be done.
         self.finish_param_sync()
         self._check_stale(agree=True)
@@ -306,9 +309,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._end_window()
             self._comm.end_window()
         self._read_skips(block=False)  # at once where the device is the CPU
-        wrapped = self._wrapped()
-        if wrapped is not None:  # an LR scheduler built on it checks that it stepped
-            wrapped._opt_called = True  # type: ignore[attr-defined]
         return loss
 
     @property
@@ -444,11 +444,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def main_grad(self, param: torch.Tensor) -> DTensor | None:
         """The param's reduced grad as a DTensor (``Shard(0)`` over the mesh, the param's
-        global shape), or ``None`` if it has none; valid between ``clip_grad_norm_``/``step``
-        and ``zero_grad``. Under fp16 loss scaling it still carries the scale until the step."""
+        global shape), or ``None`` if it has none; valid from the end of a backward (one outside
+        ``no_sync()``) until ``zero_grad``. It communicates nothing: any rank may call it. Under
+        fp16 loss scaling it still carries the scale until the step."""
         for sharded in self._sharded:
             if sharded.param is param:
-                self._finalize_grads()
+                self._finalize_grads(reduce=False)  # no collective: any rank may call it
                 grad = sharded.shard.grad
                 return None if grad is None else to_dtensor(sharded, grad, self.mesh)
         raise KeyError(f"a param of shape {tuple(param.shape)} is not optimized here")
@@ -467,10 +468,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._grad_scale = None
         self._checked_by_scaler = False
 
-    def _finalize_grads(self) -> None:
-        """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream."""
+    def _finalize_grads(self, *, reduce: bool = True) -> None:
+        """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream;
+        ``reduce=False``: without reducing grads left unreduced (no collective)."""
         self._warn_unfrozen()
-        self._comm.finalize_grads()
+        self._comm.finalize_grads(reduce=reduce)
 
     def _checked_grads(self) -> list[torch.Tensor]:
         """What the non-finite check reads (few large tensors where grads are in buckets)."""
@@ -565,8 +567,8 @@ def wrap(
     Call it on every rank, after ``init_process_group`` and after the model is on its device.
     The wrapper shares the optimizer's param-group dicts (an LR scheduler built on either one
     drives both) and takes its state over, if any (emptying the optimizer's ``state``); step
-    only the wrapper. One live wrapper per
-    param: wrapping the same optimizer or model again raises until the first wrapper is dropped.
+    only the wrapper. One live wrapper per param: wrapping the same optimizer or model again
+    raises until the first wrapper is dropped.
 
     As DDP does, a plain model's params and buffers are broadcast from the mesh's first rank at
     wrap, so replicas start equal whatever each rank initialized. Buffers are not synchronized

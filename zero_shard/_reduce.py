@@ -39,7 +39,7 @@ from offload import current_stream, record_event, side_stream, use_stream, wait_
 
 from ._buckets import Bucket, ShardedParam
 from ._collectives import choose_reduce_scaling, launch_reduction, pack_grads
-from ._released import ReleasedGrad
+from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad
 
 __all__ = ["GradReducer"]
 
@@ -62,6 +62,7 @@ class GradReducer:
     _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
     _warned_late_grads: bool
     before_first: Callable[[], None] | None  # runs before a backward's first reduction
+    _accumulators: list[Any]  # the params' grad accumulators (autograd nodes) the hooks are on
 
     def __init__(
         self,
@@ -86,28 +87,45 @@ class GradReducer:
         self._unreduced_backward = False
         self._warned_late_grads = False
         self.before_first = None
+        self._accumulators = []
 
     def register_hooks(self) -> list[Any]:
-        """On each param, a tensor hook that takes its placeholder ``.grad`` off before autograd
-        accumulates a new grad there ([Note: released grads]), and a post-accumulate-grad hook;
-        the hooks hold no reference to ``self``."""
+        """On each param, a pre-hook on its grad accumulator that takes the placeholder ``.grad``
+        off before autograd accumulates into it ([Note: released grads]), and a
+        post-accumulate-grad hook; the hooks hold no reference to ``self``."""
         this = weakref.ref(self)
-        handles = []
+        handles: list[Any] = []
         for bucket in self.buckets:
             for sharded in bucket.params:
-                sharded.placeholder = ReleasedGrad(sharded.param, sharded.fqn)
+                watch = GradWatch(sharded.param, ReleasedGrad(sharded.param, sharded.fqn))
+                sharded.watch = watch
+                with torch.enable_grad():  # the accumulator is made on first use; keep it alive
+                    accumulator = sharded.param.view_as(sharded.param).grad_fn.next_functions[0][0]
+                self._accumulators.append(accumulator)
 
-                def incoming(grad: torch.Tensor, sharded: ShardedParam = sharded) -> None:
-                    take_grad(sharded)
+                def incoming(grad_outputs: Any, watch: GradWatch = watch) -> None:
+                    watch.before_accumulate()
 
                 def ready(param: torch.Tensor, sharded: ShardedParam = sharded) -> None:
+                    sharded.watch.after_accumulate()
                     reducer = this()
                     if reducer is not None:
                         reducer.on_grad_ready(sharded)
 
-                handles.append(sharded.param.register_hook(incoming))
+                handles.append(accumulator.register_prehook(incoming))
                 handles.append(sharded.param.register_post_accumulate_grad_hook(ready))
+        handles.append(PlaceholderRemoval([s.watch for b in self.buckets for s in b.params]))
         return handles
+
+    def forget_aborted_backward(self) -> None:
+        """A forward (outside any backward) while a backward's end never came: that backward
+        raised midway. Its buckets left unreduced are forgotten (their grads stay on the params,
+        as torch leaves them), so the next backward reduces every bucket afresh."""
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._in_backward = False
+            self._next = len(self.buckets) - 1
+            for bucket in self.buckets:
+                bucket.ready.clear()
 
     def on_grad_ready(self, sharded: ShardedParam) -> None:
         """Hook: the param's grad is complete for this backward; reduce what is ready."""
@@ -144,8 +162,9 @@ class GradReducer:
 
     @torch.no_grad()
     def _reduce(self, bucket: Bucket) -> None:
-        grads = [take_grad(sharded) for sharded in bucket.params]
-        kept = [bucket.has_grads and sharded.keeps_grad for sharded in bucket.params]
+        taken = [sharded.watch.take() for sharded in bucket.params]
+        grads = [grad for grad, _ in taken]
+        kept = [bucket.has_grads and keep for _, keep in taken]
         for sharded, grad in zip(bucket.params, grads, strict=True):
             if grad is not None and (grad.is_sparse or grad.device != self._device):
                 raise TypeError(
@@ -169,7 +188,7 @@ class GradReducer:
                 if grad is not None and self._stream is not None:
                     grad.record_stream(self._stream)
                 # Every param's, with a local grad or not: the slot holds the grad of all ranks.
-                release(sharded)
+                sharded.watch.release()
             adds = any(kept)
             if adds and not all(kept):
                 _clear_slots(bucket, [not keep for keep in kept])
@@ -195,19 +214,19 @@ class GradReducer:
         self._unreduced_backward = False
 
     @torch.no_grad()
-    def finish(self) -> None:
+    def finish(self, *, reduce: bool = True) -> None:
         """Makes every shard's ``.grad`` its reduced grad (or ``None``), visible on the current
-        stream. Grads no backward hook reduced (no backward since the last step or
-        ``zero_grad``: grads set by hand; or a last backward inside ``no_sync()``) are reduced
-        now, every bucket."""
-        if not self._reduced_in_window or self._unreduced_backward:
+        stream. With ``reduce``, grads no backward hook reduced (no backward since the last step
+        or ``zero_grad``: grads set by hand, or kept; or a last backward inside ``no_sync()``)
+        are reduced now, every bucket: collective. Without, it communicates nothing."""
+        if reduce and (not self._reduced_in_window or self._unreduced_backward):
             self._reduce_rest()
         self._warn_late_grads()
         if self._event is not None:
             current_stream(self._device).wait_event(self._event)
             self._event = None
         for bucket in self.buckets:
-            dropped = _drop_cleared(bucket)
+            dropped = _clear_after_reduction(bucket)
             present = [True] * bucket.layout.num_params
             if bucket.missing:
                 # Some rank may have lacked a grad: a param is stepped iff any rank had one. Ranks
@@ -215,18 +234,21 @@ class GradReducer:
                 flags = bucket.grad_buffer[bucket.layout.shard_numel :].cpu()
                 present = (flags > 0).tolist()
             for sharded, has_grad, drop in zip(bucket.params, present, dropped, strict=True):
-                sharded.shard.grad = sharded.grad_slot if has_grad and not drop else None
+                stepped = has_grad and not drop
+                sharded.shard.grad = sharded.grad_slot if stepped else None
+                if not has_grad:
+                    sharded.watch.drop()  # no rank had one: None, as torch's .grad
 
     def _warn_late_grads(self) -> None:
         if self._warned_late_grads:
             return
-        late = [s.fqn for b in self.buckets for s in b.params if _holds_grad(s.param)]
+        late = [s.fqn for b in self.buckets for s in b.params if s.watch.holds_unreduced_grad()]
         if late:
             self._warned_late_grads = True
             warnings.warn(
                 f"params {late[:3]}{' ...' if len(late) > 3 else ''} got a .grad after backward "
-                "had reduced the grads; zero-shard steps the reduced grads and ignores these. "
-                "Change grads through the optimizer (clip_grad_norm_) or before backward ends.",
+                "had reduced the grads; this step uses the reduced grads, not these (the next "
+                "backward adds to them). Change grads through the optimizer (clip_grad_norm_).",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -243,8 +265,7 @@ class GradReducer:
             bucket.ready.clear()
             for sharded in bucket.params:
                 sharded.shard.grad = None
-                sharded.released = None
-                sharded.keeps_grad = False
+                sharded.watch.forget()
         self._next = len(self.buckets) - 1
         self._in_backward = False
         self._reduced_in_window = False
@@ -256,35 +277,6 @@ class GradReducer:
         self._reduced_in_window = False
 
 
-def _holds_grad(param: torch.Tensor) -> bool:
-    """Whether ``param.grad`` is a grad not yet reduced (not the placeholder of a reduced one)."""
-    return param.grad is not None and not isinstance(param.grad, ReleasedGrad)
-
-
-def take_grad(sharded: ShardedParam) -> torch.Tensor | None:
-    """The param's grad not yet reduced, if any, with its placeholder taken off ``.grad``; notes
-    whether the ``.grad`` was cleared since the last reduction ([Note: released grads])."""
-    grad = sharded.param.grad
-    if sharded.released is not None:
-        sharded.keeps_grad = grad is sharded.released and not sharded.released.zeroed
-        sharded.released = None
-    if isinstance(grad, ReleasedGrad):
-        sharded.param.grad = None
-        return None
-    return grad
-
-
-def release(sharded: ShardedParam) -> None:
-    """Puts the placeholder in the param's ``.grad``: its grad is in the grad slot."""
-    placeholder = sharded.placeholder
-    if placeholder is None:
-        raise AssertionError(f"expected a placeholder grad for {sharded.fqn}, got none")
-    placeholder.zeroed = False
-    sharded.param.grad = placeholder
-    sharded.released = placeholder
-    sharded.keeps_grad = True
-
-
 def _clear_slots(bucket: Bucket, cleared: list[bool]) -> None:
     """Zeroes the reduced grads and presence flags of the params whose ``.grad`` was cleared."""
     flags = bucket.grad_buffer[bucket.layout.shard_numel :]
@@ -294,20 +286,20 @@ def _clear_slots(bucket: Bucket, cleared: list[bool]) -> None:
             flags[position].zero_()
 
 
-def _drop_cleared(bucket: Bucket) -> list[bool]:
+def _clear_after_reduction(bucket: Bucket) -> list[bool]:
     """Params whose ``.grad`` was cleared after their reduction, before the step: set to ``None``,
     they are not stepped (returned True), as in torch; zeroed in place, they step zeros."""
     dropped = [False] * bucket.layout.num_params
     for position, sharded in enumerate(bucket.params):
-        released = sharded.released
-        if released is None:
+        cleared = sharded.watch.cleared_after_reduction()
+        if cleared is None:
             continue
-        if sharded.param.grad is None:
-            take_grad(sharded)
+        if cleared:
+            sharded.watch.forget()
             dropped[position] = True
-        elif sharded.param.grad is released and released.zeroed:
+        else:
             sharded.grad_slot.zero_()
-            release(sharded)  # zeros from now on, as the param's .grad in torch
+            sharded.watch.release()  # zeros from now on, as the param's .grad in torch
     if any(dropped):
         _clear_slots(bucket, dropped)
     return dropped

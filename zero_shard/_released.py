@@ -8,23 +8,33 @@ wrong with ``.grad = None``: code that reads grads sees none and does nothing
 clearing grads the model's way (``model.zero_grad()``, ``p.grad = None``, ``zero_()``) cannot be
 told from not clearing them, so the next backward's grads would be added to this one's.
 
-So after each reduction every param of the bucket holds a :class:`ReleasedGrad` instead
-(whether this rank had a grad for it or not: the shard holds the grad of all ranks): a tensor of
-the grad's shape, dtype and device with no memory. Clearing it is seen (set to ``None``, replaced, or zeroed in place), and
-the next reduction then writes the param's reduced grad instead of adding to it, as torch's
-next backward writes a cleared ``.grad``. Any other use (a read, an in-place update) raises an
-error that says where the grad went. A tensor hook on the param takes the placeholder off
-before autograd accumulates the next backward's grad into ``.grad``.
+So after each reduction every param of the bucket holds a :class:`ReleasedGrad` instead (whether
+this rank had a grad for it or not: the shard holds the grad of all ranks), a tensor of the
+grad's shape, dtype and device with no memory; at the step, a param no rank had a grad for gets
+``None`` back, as in torch. Any use of it other than clearing (a read, an in-place update) raises
+an error that says where the grad went; dtype and device conversions (``model.half()``) give
+another placeholder.
+
+A :class:`GradWatch` per param tells whether its ``.grad`` was cleared since the last reduction,
+param by param, as torch's accumulation would see it: it records what ``.grad`` holds if nobody
+touched it (the placeholder, or the local grad a backward inside ``no_sync()`` accumulated, with
+its version counter) and compares before each accumulation and at the reduction. Not cleared:
+the reduction adds to the param's reduced grad; cleared: it writes it. A placeholder zeroed in
+place (``zero_grad(set_to_none=False)``) counts as a zero grad: cleared, and stepped, as torch
+steps zeros. The placeholder is taken off ``.grad`` by a pre-hook on the param's grad
+accumulator, which runs before autograd accumulates a backward's grad there (and not for
+``torch.autograd.grad``, which accumulates nothing).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ReleasedGrad"]
+__all__ = ["GradWatch", "PlaceholderRemoval", "ReleasedGrad"]
 
 _ZEROING = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
 
@@ -37,12 +47,14 @@ class ReleasedGrad(torch.Tensor):
     zeroed: bool
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, fqn: str) -> ReleasedGrad:
+    def __new__(
+        cls, param: torch.Tensor, fqn: str, device: torch.device | None = None
+    ) -> ReleasedGrad:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False
+            cls, param.shape, dtype=param.dtype, device=device or param.device, requires_grad=False
         )
 
-    def __init__(self, param: torch.Tensor, fqn: str) -> None:
+    def __init__(self, param: torch.Tensor, fqn: str, device: torch.device | None = None) -> None:
         self.fqn = fqn
         self.zeroed = False
 
@@ -56,7 +68,14 @@ class ReleasedGrad(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        tensors = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if func is torch.ops.aten._to_copy.default:  # nn.Module._apply converts grads too
+            like = args[0]
+            dtype, device = kwargs.get("dtype") or like.dtype, kwargs.get("device") or like.device
+            return ReleasedGrad(
+                torch.empty(like.shape, dtype=dtype, device="meta"), like.fqn, device
+            )
         if func in _ZEROING:
             for tensor in tensors:
                 if isinstance(tensor, ReleasedGrad):
@@ -78,3 +97,91 @@ class ReleasedGrad(torch.Tensor):
             f"ReleasedGrad({self.fqn!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}: reduced into zero-shard's shards; see opt.main_grad)"
         )
+
+
+@dataclass
+class GradWatch:
+    """Whether a param's ``.grad`` was cleared since its grad was last reduced; see [Note: released
+    grads]."""
+
+    param: torch.Tensor
+    placeholder: ReleasedGrad
+    expected: torch.Tensor | None = None  # what .grad holds if nobody cleared it since the last
+    #                                       reduction: the placeholder, or the local grad that
+    #                                       backwards accumulated since; None: nothing held
+    expected_version: int = 0  # expected's version counter then (zero_() bumps it)
+    kept: bool = False  # not cleared since the last reduction: the next one adds to it
+
+    def _intact(self) -> bool:
+        grad = self.param.grad
+        if grad is None or grad is not self.expected:
+            return False
+        if isinstance(grad, ReleasedGrad):
+            return not grad.zeroed
+        return grad._version == self.expected_version
+
+    def before_accumulate(self) -> None:
+        """A backward is about to accumulate into ``.grad``: judge it, take the placeholder off."""
+        self.kept = self.kept and self._intact()
+        if isinstance(self.param.grad, ReleasedGrad):
+            self.param.grad = None
+
+    def after_accumulate(self) -> None:
+        """A backward accumulated into ``.grad`` (inside ``no_sync()``, it stays there)."""
+        self.expected = self.param.grad
+        self.expected_version = self.expected._version
+
+    def take(self) -> tuple[torch.Tensor | None, bool]:
+        """At the reduction: (the grad to reduce, or None; whether to add to the reduced one).
+        A zeroed placeholder is a zero grad (without memory), as torch's zeroed ``.grad``."""
+        self.kept = self.kept and self._intact()
+        grad = self.param.grad
+        if isinstance(grad, ReleasedGrad):
+            self.param.grad = None
+            if not grad.zeroed:
+                return None, self.kept
+            return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape), False
+        return grad, self.kept
+
+    def release(self) -> None:
+        """The grad is reduced into the shard: the placeholder stands in for it."""
+        self.placeholder.zeroed = False
+        self.param.grad = self.placeholder
+        self.expected = self.placeholder
+        self.kept = True
+
+    def cleared_after_reduction(self) -> bool | None:
+        """Between the reduction and the step: None if ``.grad`` still holds the reduced grad;
+        True if it was set to None (or replaced); False if the placeholder was zeroed in place."""
+        if self.expected is not self.placeholder or self._intact():
+            return None
+        return self.param.grad is not self.placeholder
+
+    def drop(self) -> None:
+        """No rank had a grad for the param since it was last cleared: ``.grad`` is None, as in
+        torch."""
+        if self.param.grad is self.placeholder:
+            self.param.grad = None
+        self.forget()
+
+    def forget(self) -> None:
+        """``zero_grad``: no reduced grad is held (a zeroed placeholder stays: a zero grad)."""
+        self.expected = None
+        self.kept = False
+
+    def holds_unreduced_grad(self) -> bool:
+        """Whether ``.grad`` holds a grad no reduction took (accumulated inside ``no_sync()``, or
+        set by hand)."""
+        return self.param.grad is not None and not isinstance(self.param.grad, ReleasedGrad)
+
+
+class PlaceholderRemoval:
+    """A hook handle of sorts: when the optimizer's hooks are removed (it was dropped), the
+    params' placeholders go too, so that the model outlives it as a plain torch model."""
+
+    def __init__(self, watches: list[GradWatch]) -> None:
+        self._watches = watches
+
+    def remove(self) -> None:
+        for watch in self._watches:
+            watch.drop()

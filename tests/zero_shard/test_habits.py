@@ -7,6 +7,7 @@ optimizer state dicts saved on one rank."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 import warnings
@@ -46,6 +47,25 @@ def offload(fraction: float) -> OffloadPolicy | None:
     return (
         None if fraction == 0 else OffloadPolicy(fraction=fraction, num_threads=1, chunk_numel=16)
     )
+
+
+def train_with_torch(
+    model: nn.Module, opt: zero_shard.ZeroShardOptimizer, ref: nn.Module, rank: int, world: int,
+    *, where: str,
+) -> None:  # fmt: skip
+    """Trains ``model`` with ``opt`` on this rank's slices and ``ref`` with torch AdamW on the
+    whole batches, ``STEPS`` steps; compares the params at the end."""
+    ref_opt = adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, where)
 
 
 # -- grads ---------------------------------------------------------------------------------------
@@ -148,6 +168,102 @@ def steps_without_a_backward_in_between(rank: int, world: int) -> None:
                 optimizer.zero_grad()
             opt.finish_param_sync()
             assert_params_close(model, ref, f"{name}, step {step}")
+
+
+def other_loss(model: nn.Module, step: int) -> torch.Tensor:
+    x, y = global_batch(100 + step)
+    return mse(model(x[:4]), y[:4])
+
+
+@case
+def clears_around_autograd_grad_and_no_sync_micro_batches(rank: int, world: int) -> None:
+    # torch.autograd.grad between steps accumulates nothing (a clear after it is still seen);
+    # a clear after a no_sync() micro-batch drops that micro-batch and what was carried over.
+    for stage in (1, 2):
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(adamw(model), model, stage=stage, bucket_mb=TINY_BUCKETS)
+        ref_opt = adamw(ref)
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+            if step % 2:
+                # Grads carried over from the last step (never cleared), a micro-batch thrown
+                # away after backward inside no_sync(), then the batch.
+                with opt.no_sync():
+                    mse(model(xs), ys).backward()
+                model.zero_grad()
+                ref.zero_grad()
+            else:
+                for net in (model, ref):
+                    torch.autograd.grad(other_loss(net, step), list(net.parameters()))
+                    net.zero_grad()
+            mse(model(xs), ys).backward()
+            mse(ref(x), y).backward()
+            opt.step()
+            ref_opt.step()
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f"stage {stage}, step {step}")
+
+
+@case
+def zeroed_grads_are_stepped_as_zeros_and_unused_params_have_none(rank: int, world: int) -> None:
+    # zero_grad(set_to_none=False) leaves zeros, which torch steps (AdamW's moments and weight
+    # decay move the params) even with no backward, or when the param is not used again.
+    model, ref = make_model(with_side=True), make_model(with_side=True)
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        side_rows = SIDE_ROWS if step == 0 else 0  # `side` is used at the first step only
+        if step != 2:  # no backward at all at step 2
+            local = model(local_slice(x, rank, world), first_rows=side_rows if rank == 0 else 0)
+            mse(local, local_slice(y, rank, world)).backward()
+            mse(ref(x, first_rows=side_rows), y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"step {step}")
+        # `never` had no grad on any rank: None, as in torch (not a placeholder).
+        assert model.never.weight.grad is None and ref.never.weight.grad is None
+        opt.zero_grad(set_to_none=False)
+        ref_opt.zero_grad(set_to_none=False)
+
+
+@case
+def main_grad_on_one_rank_alone_communicates_nothing(rank: int, world: int) -> None:
+    model, ref = make_model(), make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        mse(ref(x), y).backward()
+        if rank == 0:  # logging on rank 0, before and after the step
+            assert opt.main_grad(model.inp.weight) is not None
+        opt.step()
+        if rank == 0:
+            local = opt.main_grad(model.inp.weight).to_local()
+            rows = ref.inp.weight.grad[: local.shape[0]]
+            torch.testing.assert_close(local, rows, **LOSS_TOL)
+        ref_opt.step()
+        for optimizer in (opt, ref_opt):
+            optimizer.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "after logging on rank 0")
+
+
+@case
+def placeholders_convert_with_the_model_and_go_with_the_optimizer(rank: int, world: int) -> None:
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    model.double()  # nn.Module._apply converts the grads too
+    assert model.inp.weight.grad.dtype == torch.float64
+    del opt
+    gc.collect()
+    assert all(p.grad is None for p in model.parameters())  # a plain torch model again
+    torch.optim.AdamW(model.parameters()).step()
 
 
 # -- clipping ------------------------------------------------------------------------------------
@@ -253,17 +369,7 @@ def replicas_built_with_per_rank_seeds_start_from_rank_0s(rank: int, world: int)
     opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
     assert torch.equal(model.shift, ref.shift)
     assert_params_close(model, ref, "right after wrap", exact=True)
-    ref_opt = adamw(ref)
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-        mse(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    opt.finish_param_sync()
-    assert_params_close(model, ref, "after training")
+    train_with_torch(model, opt, ref, rank, world, where="after training")
 
 
 # -- one optimizer, one set of param groups ------------------------------------------------------
@@ -350,17 +456,7 @@ def wrapping_twice_is_refused_until_the_first_wrapper_is_dropped(rank: int, worl
     del opt
     ref = make_model()
     opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)  # the first one is gone
-    ref_opt = adamw(ref)
-    for step in range(2):
-        x, y = global_batch(step)
-        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-        mse(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    opt.finish_param_sync()
-    assert_params_close(model, ref, "the second wrapper")
+    train_with_torch(model, opt, ref, rank, world, where="the second wrapper")
 
 
 @case

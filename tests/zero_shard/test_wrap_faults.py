@@ -5,6 +5,8 @@ raises, and inputs that deserve a clear error."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -155,31 +157,40 @@ def nan_on_the_last_rank_under_inf_norm_clipping_skips_everywhere(rank: int, wor
 
 @case
 def a_backward_that_raises_leaves_nothing_behind(rank: int, world: int) -> None:
-    model, ref = make_model(), make_model()
-    opt = zero_shard.wrap(adamw(model), model, offload=OffloadPolicy(fraction=0.5, num_threads=1),
-                          bucket_mb=TINY_BUCKETS)  # fmt: skip
-    ref_opt = adamw(ref)
-    for step in range(5):
-        x, y = global_batch(step)
-        handle = None
-        if step == 1:  # raises late in backward, after later buckets were reduced
+    # The batch is dropped, as a training loop does after an OOM, by any way of clearing grads.
+    clears: dict[str, Callable[[torch.nn.Module, Any], None]] = {
+        "opt.zero_grad()": lambda model, opt: opt.zero_grad(),
+        "model.zero_grad()": lambda model, opt: model.zero_grad(),
+        "p.grad = None": lambda model, opt: [setattr(p, "grad", None) for p in model.parameters()],
+    }
+    for name, clear in clears.items():
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=OffloadPolicy(fraction=0.5, num_threads=1),
+            bucket_mb=TINY_BUCKETS,
+        )  # fmt: skip
+        ref_opt = adamw(ref)
+        for step in range(5):
+            x, y = global_batch(step)
+            handle = None
+            if step in (1, 3):  # raises late in backward, after later buckets were reduced
 
-            def fail(grad: torch.Tensor) -> torch.Tensor:
-                raise RuntimeError("simulated out of memory")
+                def fail(grad: torch.Tensor) -> torch.Tensor:
+                    raise RuntimeError("simulated out of memory")
 
-            handle = model.inp.weight.register_hook(fail)
-        try:
-            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-        except RuntimeError as err:
-            assert "simulated" in str(err)
-            handle.remove()
-            opt.zero_grad()  # the batch is dropped, as a training loop does after an OOM
-            continue
-        opt.step()
-        opt.zero_grad()
-        step_reference(ref, ref_opt, x, y)
-    opt.finish_param_sync()
-    assert_params_close(model, ref, "after a failed backward")
+                handle = model.inp.weight.register_hook(fail)
+            try:
+                mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            except RuntimeError as err:
+                assert "simulated" in str(err)
+                handle.remove()
+                clear(model, opt)
+                continue
+            opt.step()
+            opt.zero_grad()
+            step_reference(ref, ref_opt, x, y)
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"after failed backwards, cleared by {name}")
 
 
 @case
