@@ -8,9 +8,10 @@
   zero-shard steps are the params' local tensors, written in place.
 
 Each gives the optimizer the same calls: ``finalize_grads`` (each shard's ``.grad`` is its
-reduced grad; ``reduce=False``: with no collective), ``checked_grads`` (what the non-finite check reads), ``no_sync``, ``after_step``
-(the step's new weights reach the params), ``finish`` (they have), ``reset`` (``zero_grad``),
-``end_window`` (a step took the grads), ``refresh_shards`` (the params' values into the shards).
+reduced grad; ``reduce=False``: with no collective), ``checked_grads`` (what the non-finite
+check reads), ``no_sync``, ``after_step`` (the step's new weights reach the params), ``finish``
+(they have), ``reset`` (``zero_grad``), ``end_window`` (a step took the grads),
+``refresh_shards`` (the params' values into the shards).
 """
 
 from __future__ import annotations

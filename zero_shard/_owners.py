@@ -13,7 +13,8 @@ import torch
 __all__ = ["check_unclaimed", "claim", "is_claimed"]
 
 # id(param) -> (the param, the wrapper that shards it), both weakly: a dropped wrapper or param
-# frees its entries.
+# frees its entries. A registry across wrappers, not one wrapper's state, so keyed by identity
+# (a WeakKeyDictionary would compare tensors with ==, elementwise).
 _OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
 
 
