@@ -37,9 +37,9 @@ def _no_event_wait(self) -> None:  # type: ignore[no-untyped-def]
 def step_does_not_wait_for_reductions(rank: int, world: int) -> None:
     finish = _reduce.GradReducer.finish
 
-    def finish_without_wait(self) -> None:  # type: ignore[no-untyped-def]
+    def finish_without_wait(self, **options) -> None:  # type: ignore[no-untyped-def]
         _no_event_wait(self)
-        finish(self)
+        finish(self, **options)
 
     _reduce.GradReducer.finish = finish_without_wait
     _check_fails(rank, world)
@@ -48,6 +48,8 @@ def step_does_not_wait_for_reductions(rank: int, world: int) -> None:
 def _check_fails(rank: int, world: int) -> None:
     try:
         failure = race_case(rank, world, fraction=0.0)
+    except (TypeError, AttributeError):  # the patch no longer fits the code: not a race
+        raise
     except Exception as err:  # garbage params can also end in skipped (non-finite) steps
         failure = f"raised {type(err).__name__}: {err}"
     assert failure is not None, "the race test PASSED with a wait removed: it cannot see it"
