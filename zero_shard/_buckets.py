@@ -173,7 +173,9 @@ def fsdp_sharded_param(param: torch.Tensor, fqn: str, group_index: int) -> Shard
     if len(shard_dims) != 1 or shard_dims[0][1].dim != 0:
         raise NotImplementedError(
             f"param {fqn!r} has placements {param.placements}; zero-shard supports FSDP2 params "
-            "sharded along dim 0 over one mesh dim (FSDP2's default; HSDP's replicate dim is fine)"
+            "sharded along dim 0 over one mesh dim (FSDP2's default; HSDP's replicate dim is "
+            "fine). Sharding over a second mesh dim (FSDP2 with tensor parallelism) is not "
+            "supported yet"
         )
     mesh_dim = shard_dims[0][0]
     mesh = param.device_mesh

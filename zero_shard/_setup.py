@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from optimizers import OffloadPolicy, check_elementwise, check_param_kind
@@ -50,18 +51,68 @@ class ModelKind(enum.Enum):
     FSDP = "fsdp"  # FSDP2 (fully_shard): params are sharded DTensors; nothing to communicate
 
 
+_NO_TENSOR_PARALLEL = (
+    "tensor parallelism (parallelize_module, DTensor params that FSDP2 does not manage) is not "
+    "supported yet: zero-shard takes plain params (a replicated or DDP model) or FSDP2's, sharded "
+    "along dim 0 over one mesh dim"
+)
+
+
+def _layout(param: DTensor) -> str:
+    names = param.device_mesh.mesh_dim_names
+    return f"placements {tuple(param.placements)} on a mesh of shape " + (
+        f"{tuple(param.device_mesh.shape)}" + (f" {names}" if names else "")
+    )
+
+
+def _check_fsdp_managed(model: nn.Module) -> None:
+    """Refuses DTensor params outside every FSDP2 module: a DTensor is FSDP2's only if FSDP2
+    manages it, never by guess (a column-parallel layer's Shard(0) looks like FSDP2's)."""
+    managed = {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        for param in module.parameters()
+    }
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor) and id(param) not in managed:
+            raise ValueError(
+                f"param {name!r} is a DTensor with {_layout(param)}: " + _NO_TENSOR_PARALLEL
+            )
+
+
+def _check_not_localized(module: nn.Module) -> None:
+    """Refuses tensor-parallel params that DDP (with ``device_mesh``) turned into local tensors
+    (torch marks them ``_st_info``): each rank holds another slice under the same name, and the
+    module swaps them for DTensors at every forward."""
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor) or hasattr(param, "_st_info"):
+            raise ValueError(
+                f"param {name!r} is a tensor-parallel shard (a DTensor, or one DDP turned into a "
+                f"local tensor for its device_mesh): {_NO_TENSOR_PARALLEL}"
+            )
+
+
 def unwrap_model(model: nn.Module) -> tuple[nn.Module, ModelKind]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, nn.parallel.DistributedDataParallel):
+        _check_not_localized(model.module)
         return model.module, ModelKind.DDP
     dtensors = [isinstance(p, DTensor) for p in model.parameters() if p.requires_grad]
     if dtensors and all(dtensors):
+        _check_fsdp_managed(model)
         return model, ModelKind.FSDP
-    if any(dtensors):
+    if not any(dtensors):
+        _check_not_localized(model)
+    else:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        sharded = next(n for n, p in named if isinstance(p, DTensor))
+        plain = next(n for n, p in named if not isinstance(p, DTensor))
         raise ValueError(
-            "some trainable params of the model are DTensors and some are not; under FSDP2 call "
-            "fully_shard on the root module too, so that every param is sharded"
+            f"some trainable params of the model are DTensors ({sharded!r}) and some are not "
+            f"({plain!r}); under FSDP2 call fully_shard on the root module too, so that every "
+            f"param is sharded. If the DTensors come from tensor parallelism: {_NO_TENSOR_PARALLEL}"
         )
     return model, ModelKind.REPLICATED
 
@@ -239,12 +290,13 @@ def trainable_params(
 
 def check_fsdp_layout(trainable: list[Trainable], mesh: DeviceMesh) -> None:
     """Every FSDP2 param sharded alike, over ``mesh``."""
-    placements = trainable[0][0].placements
+    first, first_fqn, _ = trainable[0]
     for param, fqn, _ in trainable:
-        if param.device_mesh != mesh or param.placements != placements:
+        if param.device_mesh != mesh or param.placements != first.placements:
             raise ValueError(
-                f"param {fqn!r} is sharded on another mesh or with other placements than the "
-                "first param; zero-shard expects one FSDP2 layout for all"
+                f"param {fqn!r} has {_layout(param)}, but param {first_fqn!r} has "
+                f"{_layout(first)}: zero-shard expects one FSDP2 layout for all params. "
+                f"Layouts that differ by param come from tensor parallelism: {_NO_TENSOR_PARALLEL}"
             )
 
 

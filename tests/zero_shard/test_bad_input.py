@@ -14,6 +14,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -22,6 +23,7 @@ from _harness import check_outcome, run_cases
 from _models import Net, adamw, global_batch, local_slice, make_model, mse
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 
 import zero_shard
 from offload import _host_memory, _pinned
@@ -51,6 +53,43 @@ def offload_that_is_not_a_policy(rank: int, world: int) -> None:
     for fraction in (-0.1, 1.5, math.nan):  # refused where the policy is made, before any wrap
         with pytest.raises(ValueError, match=rf"must be in \[0, 1\].*got {fraction}"):
             OffloadPolicy(fraction=fraction)
+
+
+@case
+def tensor_parallel_layouts_are_refused_naming_tensor_parallelism(rank: int, world: int) -> None:
+    # Until zero-shard supports them, never taken for FSDP2 (a column-parallel Shard(0) looks
+    # like FSDP2's and trained with ungathered data-parallel grads) or for plain params (DDP's
+    # device_mesh turns TP params into local slices under the global names).
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+
+    def tensor_parallel(plan: dict[str, Any]) -> nn.Module:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        return parallelize_module(model, mesh["tp"], plan)
+
+    pair = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    models = {
+        "all column-parallel": lambda: tensor_parallel(
+            {"0": ColwiseParallel(output_layouts=Shard(-1)), "2": ColwiseParallel()}
+        ),
+        "column then row parallel": lambda: tensor_parallel(pair),
+        "one layer parallel": lambda: tensor_parallel({"0": ColwiseParallel()}),
+        "FSDP2 + TP": lambda: fully_shard(tensor_parallel(pair), mesh=mesh["dp"]),
+        "DDP + TP": lambda: nn.parallel.DistributedDataParallel(
+            tensor_parallel(pair), device_mesh=mesh["dp"]
+        ),
+    }
+    for name, build in models.items():
+        model = build()
+        with pytest.raises((ValueError, NotImplementedError), match="tensor parallelism") as err:
+            zero_shard.wrap(torch.optim.AdamW(model.parameters()), model)
+        assert "'0.weight'" in str(err.value) or "'2.weight'" in str(err.value), name
 
 
 @case
