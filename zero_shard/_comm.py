@@ -11,7 +11,8 @@ Each gives the optimizer the same calls: ``finalize_grads`` (each shard's ``.gra
 reduced grad; ``reduce=False``: with no collective), ``checked_grads`` (what the non-finite
 check reads), ``no_sync``, ``after_step`` (the step's new weights reach the params), ``finish``
 (they have), ``reset`` (``zero_grad``), ``end_window`` (a step took the grads),
-``refresh_shards`` (the params' values into the shards).
+``grads_marker`` (changes when the grads do), ``refresh_shards`` (the params' values into the
+shards).
 """
 
 from __future__ import annotations
@@ -86,6 +87,17 @@ def gather_group(mesh: DeviceMesh, device: torch.device) -> dist.ProcessGroup:
     return dist.new_group(mine, use_local_synchronization=True, **options)
 
 
+def grads_marker(records: Sequence[ShardedParam]) -> Any:
+    """What changes when the model's grads do (a backward, a clear, an in-place edit): each
+    param's ``.grad`` object and the version counter of its memory."""
+    marker = []
+    for sharded in records:
+        grad = sharded.param.grad
+        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        marker.append(None if grad is None else (id(grad), local._version))
+    return tuple(marker)
+
+
 class FSDPComm:
     """An FSDP2 model: FSDP2 communicates; the shards are its params' local tensors."""
 
@@ -128,6 +140,9 @@ class FSDPComm:
 
     def checked_grads(self) -> list[torch.Tensor]:
         return shard_grads(self.sharded)
+
+    def grads_marker(self) -> Any:
+        return grads_marker(self.sharded)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -313,6 +328,9 @@ class DDPComm(_GatheredComm):
     def checked_grads(self) -> list[torch.Tensor]:
         return shard_grads(self.sharded)
 
+    def grads_marker(self) -> Any:
+        return grads_marker(self.sharded)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         with self._ddp.no_sync():
@@ -366,6 +384,9 @@ class ReplicatedComm(_GatheredComm):
     def checked_grads(self) -> list[torch.Tensor]:
         # Each bucket's reduced grads in one piece: its gaps and padding hold zeros.
         return [b.grad_buffer[: b.layout.shard_numel] for b in self.buckets]
+
+    def grads_marker(self) -> Any:
+        return self.reducer.num_changes
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -104,6 +104,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _wrapped: weakref.ref[torch.optim.Optimizer]  # the torch optimizer: its group dicts are ours
     _warned_unfrozen: bool
     _window_norm: torch.Tensor | None  # the clip norm of the grads since the last step
+    _clipped_marker: Any  # the comm's grads_marker() right after that clip
     _grad_scale: float | None  # fp16: the loss scale's inverse, applied in fp32 at the step
     _checked_by_scaler: bool  # GradScaler checked these grads for infs already
 
@@ -270,6 +271,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if grads:
             torch._foreach_mul_(grads, coefficient)
         self._window_norm = norm
+        self._clipped_marker = self._comm.grads_marker()
         return norm
 
     @torch.no_grad()
@@ -296,6 +298,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         for group_index, group in enumerate(self._hybrid.param_groups):
             group.update(self._hyperparams(group_index))
         self._finalize_grads()
+        if self._window_norm is not None and self._comm.grads_marker() != self._clipped_marker:
+            self._window_norm = None  # grads changed since the clip: its norm is not theirs
         self._read_skips(block=True)  # the last step's verdict, on the host long since
         try:
             skip, found_inf = self._check_nonfinite()
@@ -465,6 +469,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _end_window(self) -> None:
         self._window_norm = None
+        self._clipped_marker = None
         self._grad_scale = None
         self._checked_by_scaler = False
 

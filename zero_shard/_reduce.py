@@ -63,6 +63,7 @@ class GradReducer:
     _warned_late_grads: bool
     before_first: Callable[[], None] | None  # runs before a backward's first reduction
     _accumulators: list[Any]  # the params' grad accumulators (autograd nodes) the hooks are on
+    num_changes: int  # reductions, and clears seen after one, so far: the grads changed if it did
 
     def __init__(
         self,
@@ -88,6 +89,7 @@ class GradReducer:
         self._warned_late_grads = False
         self.before_first = None
         self._accumulators = []
+        self.num_changes = 0
 
     def register_hooks(self) -> list[Any]:
         """On each param, a pre-hook on its grad accumulator that takes the placeholder ``.grad``
@@ -163,8 +165,9 @@ class GradReducer:
     @torch.no_grad()
     def _reduce(self, bucket: Bucket) -> None:
         taken = [sharded.watch.take() for sharded in bucket.params]
-        grads = [grad for grad, _ in taken]
-        kept = [bucket.has_grads and keep for _, keep in taken]
+        grads = [each.grad for each in taken]
+        kept = [bucket.has_grads and each.kept for each in taken]
+        zeroed = [each.zeroed for each in taken]
         for sharded, grad in zip(bucket.params, grads, strict=True):
             if grad is not None and (grad.is_sparse or grad.device != self._device):
                 raise TypeError(
@@ -184,6 +187,8 @@ class GradReducer:
             )
             with record_function("zero_shard::pack"):
                 pack_grads(packed, layout, bucket.specs, grads, world)
+                if any(zeroed):
+                    _flag_zeroed_as_before(packed, bucket, zeroed, world)
             for sharded, grad in zip(bucket.params, grads, strict=True):
                 if grad is not None and self._stream is not None:
                     grad.record_stream(self._stream)
@@ -209,7 +214,8 @@ class GradReducer:
                 bucket.grad_buffer.copy_(result)
             self._event = record_event(self._stream)
         bucket.has_grads = True
-        bucket.missing = bucket.missing or any(grad is None for grad in grads)
+        bucket.missing = bucket.missing or any(g is None for g in grads) or any(zeroed)
+        self.num_changes += 1
         self._reduced_in_window = True
         self._unreduced_backward = False
 
@@ -226,7 +232,8 @@ class GradReducer:
             current_stream(self._device).wait_event(self._event)
             self._event = None
         for bucket in self.buckets:
-            dropped = _clear_after_reduction(bucket)
+            dropped, changed = _clear_after_reduction(bucket)
+            self.num_changes += changed
             present = [True] * bucket.layout.num_params
             if bucket.missing:
                 # Some rank may have lacked a grad: a param is stepped iff any rank had one. Ranks
@@ -286,14 +293,31 @@ def _clear_slots(bucket: Bucket, cleared: list[bool]) -> None:
             flags[position].zero_()
 
 
-def _clear_after_reduction(bucket: Bucket) -> list[bool]:
+def _flag_zeroed_as_before(
+    packed: torch.Tensor, bucket: Bucket, zeroed: list[bool], world_size: int
+) -> None:
+    """A zeroed placeholder is a zero grad where the param had a grad (its flag after the last
+    reduction, still in the grad buffer), and no grad where no rank had one: torch's zero_grad
+    zeroes a grad, and leaves a None one None."""
+    layout = bucket.layout
+    flags = packed.view(world_size, layout.segment_numel)[:, layout.shard_numel :]
+    before = bucket.grad_buffer[layout.shard_numel :]
+    for position, is_zeroed in enumerate(zeroed):
+        if is_zeroed:
+            flags[:, position] = (before[position] > 0).to(flags.dtype)
+
+
+def _clear_after_reduction(bucket: Bucket) -> tuple[list[bool], bool]:
     """Params whose ``.grad`` was cleared after their reduction, before the step: set to ``None``,
-    they are not stepped (returned True), as in torch; zeroed in place, they step zeros."""
+    they are not stepped (returned True), as in torch; zeroed in place, they step zeros. Also
+    returns whether any was cleared."""
     dropped = [False] * bucket.layout.num_params
+    changed = False
     for position, sharded in enumerate(bucket.params):
         cleared = sharded.watch.cleared_after_reduction()
         if cleared is None:
             continue
+        changed = True
         if cleared:
             sharded.watch.forget()
             dropped[position] = True
@@ -302,4 +326,5 @@ def _clear_after_reduction(bucket: Bucket) -> list[bool]:
             sharded.watch.release()  # zeros from now on, as the param's .grad in torch
     if any(dropped):
         _clear_slots(bucket, dropped)
-    return dropped
+        bucket.missing = True  # their flags are 0 now: read them at every finish until reset
+    return dropped, changed

@@ -28,13 +28,13 @@ accumulator, which runs before autograd accumulates a backward's grad there (and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["GradWatch", "PlaceholderRemoval", "ReleasedGrad"]
+__all__ = ["GradWatch", "PlaceholderRemoval", "ReleasedGrad", "Taken"]
 
 _ZEROING = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
 
@@ -99,6 +99,14 @@ class ReleasedGrad(torch.Tensor):
         )
 
 
+class Taken(NamedTuple):
+    """A param's grad as a reduction takes it."""
+
+    grad: torch.Tensor | None  # to reduce (None: no new grad here)
+    kept: bool  # add it to the reduced grad held, instead of writing it
+    zeroed: bool  # a zeroed placeholder: zeros, present where a grad was before
+
+
 @dataclass
 class GradWatch:
     """Whether a param's ``.grad`` was cleared since its grad was last reduced; see [Note: released
@@ -111,6 +119,11 @@ class GradWatch:
     #                                       backwards accumulated since; None: nothing held
     expected_version: int = 0  # expected's version counter then (zero_() bumps it)
     kept: bool = False  # not cleared since the last reduction: the next one adds to it
+    dtype: torch.dtype = field(init=False)  # the param's, at wrap
+    device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dtype, self.device = self.param.dtype, self.param.device
 
     def _intact(self) -> bool:
         grad = self.param.grad
@@ -128,20 +141,29 @@ class GradWatch:
 
     def after_accumulate(self) -> None:
         """A backward accumulated into ``.grad`` (inside ``no_sync()``, it stays there)."""
+        param = self.param
+        if param.dtype != self.dtype or param.device != self.device:
+            raise RuntimeError(
+                f"param {self.placeholder.fqn!r} is {param.dtype} on {param.device} now, but was "
+                f"{self.dtype} on {self.device} when the optimizer was wrapped "
+                "(model.half(), model.to(...)): the optimizer's shards and hooks are of the old "
+                "params. Convert the model before zero_shard.wrap, or wrap a new optimizer after"
+            )
         self.expected = self.param.grad
         self.expected_version = self.expected._version
 
-    def take(self) -> tuple[torch.Tensor | None, bool]:
-        """At the reduction: (the grad to reduce, or None; whether to add to the reduced one).
-        A zeroed placeholder is a zero grad (without memory), as torch's zeroed ``.grad``."""
+    def take(self) -> Taken:
+        """At the reduction: the grad to reduce and whether to add it to the reduced one. A
+        zeroed placeholder is a zero grad (without memory), as torch's zeroed ``.grad``."""
         self.kept = self.kept and self._intact()
         grad = self.param.grad
         if isinstance(grad, ReleasedGrad):
             self.param.grad = None
             if not grad.zeroed:
-                return None, self.kept
-            return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape), False
-        return grad, self.kept
+                return Taken(None, self.kept, zeroed=False)
+            zeros = torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+            return Taken(zeros, kept=False, zeroed=True)
+        return Taken(grad, self.kept, zeroed=False)
 
     def release(self) -> None:
         """The grad is reduced into the shard: the placeholder stands in for it."""
@@ -151,11 +173,14 @@ class GradWatch:
         self.kept = True
 
     def cleared_after_reduction(self) -> bool | None:
-        """Between the reduction and the step: None if ``.grad`` still holds the reduced grad;
-        True if it was set to None (or replaced); False if the placeholder was zeroed in place."""
+        """Between the reduction and the step: True if ``.grad`` was set to None; False if the
+        placeholder was zeroed in place; None otherwise (it holds the reduced grad, or a grad
+        set by hand, which this step does not use: the reducer warns)."""
         if self.expected is not self.placeholder or self._intact():
             return None
-        return self.param.grad is not self.placeholder
+        if self.param.grad is None:
+            return True
+        return False if self.param.grad is self.placeholder else None
 
     def drop(self) -> None:
         """No rank had a grad for the param since it was last cleared: ``.grad`` is None, as in

@@ -230,6 +230,88 @@ def zeroed_grads_are_stepped_as_zeros_and_unused_params_have_none(rank: int, wor
 
 
 @case
+def clears_between_backward_and_step_with_clip_or_main_grad_between(rank: int, world: int) -> None:
+    # A clear after backward, then clip / main_grad (each reads the grads), then the step; and
+    # zero_grad(set_to_none=False) on params no rank used (torch leaves those None).
+    model, ref = make_model(with_side=True), make_model(with_side=True)
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        for net, optimizer, xs, ys in (
+            (model, opt, local_slice(x, rank, world), local_slice(y, rank, world)),
+            (ref, ref_opt, x, y),
+        ):
+            mse(net(xs), ys).backward()  # `side` and `never` unused
+            if step % 2:
+                optimizer.zero_grad(set_to_none=False)
+                mse(net(xs), ys).backward()
+            net.out.weight.grad = None
+            if optimizer is opt:
+                if rank == 0:
+                    opt.main_grad(model.inp.weight)
+                opt.clip_grad_norm_(1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"step {step}")
+
+
+@case
+def a_clip_norm_is_not_the_verdict_once_the_grads_change(rank: int, world: int) -> None:
+    model, ref = make_model(), make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    x, y = global_batch(0)
+    xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+    inf_target = torch.full_like(ys, float("inf"))
+    # A non-finite backward, clipped (a NaN norm), cleared, then a finite one: stepped.
+    mse(model(xs), inf_target).backward()
+    assert not torch.isfinite(opt.clip_grad_norm_(1.0))
+    model.zero_grad()
+    mse(model(xs), ys).backward()
+    opt.step()
+    opt.zero_grad()
+    mse(ref(x), y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "the finite backward after the cleared one")
+    # A finite backward, clipped, cleared, then a non-finite one: skipped, nothing changed.
+    before = [p.detach().clone() for p in model.parameters()]
+    mse(model(xs), ys).backward()
+    assert torch.isfinite(opt.clip_grad_norm_(1.0))
+    model.zero_grad()
+    mse(model(xs), inf_target).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+        assert opt.num_skipped_steps == 1
+    opt.finish_param_sync()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@case
+def a_grad_set_by_hand_after_backward_is_warned_and_the_reduced_one_steps(
+    rank: int, world: int
+) -> None:
+    model, ref = make_model(), make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    model.out.weight.grad = torch.ones_like(model.out.weight)
+    with pytest.warns(RuntimeWarning, match="this step uses the reduced grads"):
+        opt.step()
+    mse(ref(x), y).backward()
+    ref_opt.step()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "the reduced grads stepped")
+
+
+@case
 def main_grad_on_one_rank_alone_communicates_nothing(rank: int, world: int) -> None:
     model, ref = make_model(), make_model()
     opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
@@ -260,9 +342,13 @@ def placeholders_convert_with_the_model_and_go_with_the_optimizer(rank: int, wor
     mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
     model.double()  # nn.Module._apply converts the grads too
     assert model.inp.weight.grad.dtype == torch.float64
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match="is torch.float64 on cpu now.*wrap a new optimizer"):
+        mse(model(local_slice(x, rank, world).double()), local_slice(y, rank, world)).backward()
     del opt
     gc.collect()
-    assert all(p.grad is None for p in model.parameters())  # a plain torch model again
+    # No placeholder is left (the grads the failed backward accumulated stay, as in torch).
+    assert all(p.grad is None or type(p.grad) is torch.Tensor for p in model.parameters())
     torch.optim.AdamW(model.parameters()).step()
 
 
