@@ -223,11 +223,12 @@ class ShardedStateView(Mapping):
         return {}  # a frozen param (or another tensor): no state, as torch's defaultdict shows
 
     def __contains__(self, param: object) -> bool:
-        return any(known is param for known in self)
+        hybrid = self._hybrid()
+        return any(r.param is param and r.shard in hybrid.state for r in self._sharded)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        hybrid = self._hybrid()
-        return iter([r.param for r in self._sharded if hybrid.param_state(r.shard)])
+        hybrid = self._hybrid()  # whether a shard has state, without building it
+        return iter([r.param for r in self._sharded if r.shard in hybrid.state])
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
