@@ -92,7 +92,7 @@ class Bucket:
     #                                   one flag per param; None when grads arrive reduced (DDP)
     ready: set[int] = field(default_factory=set)  # positions whose grad hook fired this backward
     has_grads: bool = False  # grad_buffer holds a reduction since zero_grad: the next one adds
-    missing: bool = False  # since zero_grad, this rank lacked the grad of some param here
+    missing: bool = False  # since the grads were last written whole, some param lacked one here
 
     @property
     def specs(self) -> list[ShardSpec]:

@@ -214,7 +214,9 @@ class GradReducer:
                 bucket.grad_buffer.copy_(result)
             self._event = record_event(self._stream)
         bucket.has_grads = True
-        bucket.missing = bucket.missing or any(g is None for g in grads) or any(zeroed)
+        # A rewritten bucket forgets what was missing before: its flags are this reduction's.
+        missing_now = any(g is None for g in grads) or any(zeroed)
+        bucket.missing = (bucket.missing and adds) or missing_now
         self.num_changes += 1
         self._reduced_in_window = True
         self._unreduced_backward = False

@@ -352,6 +352,43 @@ def placeholders_convert_with_the_model_and_go_with_the_optimizer(rank: int, wor
     torch.optim.AdamW(model.parameters()).step()
 
 
+@case
+def a_stock_transformer_trained_with_ddp_habits(rank: int, world: int) -> None:
+    # nn.TransformerEncoder (its attention reads out_proj.weight itself), with the habits of a
+    # DDP + torch.optim loop: a scheduler built before wrapping, torch's clip tried first (it
+    # raises), model.zero_grad() to clear. Dropout 0: the reference runs other batch rows.
+    def encoder() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+    model, ref = encoder(), encoder()
+    torch_opt, ref_opt = (
+        torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-3) for m in (model, ref)
+    )
+    sched = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.7)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
+    opt = zero_shard.wrap(torch_opt, model, offload=offload(0.5))
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(12, 5, 8, generator=gen), torch.randn(12, 5, 8, generator=gen)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        norm = opt.clip_grad_norm_(0.5)
+        opt.step()
+        model.zero_grad()
+        sched.step()
+        mse(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref.zero_grad()
+        ref_sched.step()
+        torch.testing.assert_close(norm, ref_norm, **LOSS_TOL)
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "nn.TransformerEncoder with DDP habits")
+
+
 # -- clipping ------------------------------------------------------------------------------------
 
 
