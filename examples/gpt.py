@@ -16,6 +16,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 
 VOCAB_SIZE = 256  # one token per byte
@@ -87,17 +96,20 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(
                 f"d_model ({config.d_model}) must be divisible by num_heads ({config.num_heads})"
             )
-        self.num_heads = config.num_heads
+        self.head_dim = config.d_model // config.num_heads
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, dim // self.num_heads)
+        batch, seq, _ = x.shape
+        # qkv's rows go head by head (a head's q, k and v together), so that a column-parallel
+        # split (``parallelize``) gives each tensor-parallel rank whole heads: -1 heads is all of
+        # them, or this rank's.
+        qkv = self.qkv(x).view(batch, seq, -1, 3, self.head_dim)
         # (batch, seq, head, head_dim) -> (batch, head, seq, head_dim), as SDPA expects.
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=2))
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -148,6 +160,46 @@ class GPT(nn.Module):
             else:
                 x = block(x)
         return self.head(self.ln_final(x))
+
+
+def parallelize(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+    """Tensor parallelism over ``tp_mesh`` (Megatron-LM's layout, in torch's
+    ``parallelize_module``): column-parallel ``qkv`` and first MLP layer, row-parallel ``proj``
+    and second MLP layer, row-parallel (vocab-split) embeddings, and sequence parallelism between
+    them (the norms and residuals hold this rank's positions). The tied head is split as the
+    token embedding is, and tied again. Compose with FSDP2 over the data-parallel dim after."""
+    config, size = model.config, tp_mesh.size()
+    for name, value in (("num_heads", config.num_heads), ("seq_len", config.seq_len),
+                        ("vocab size", VOCAB_SIZE)):  # fmt: skip
+        if value % size:
+            raise ValueError(f"{name} {value} must divide over {size} tensor-parallel ranks")
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "token_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "ln_final": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    model.head.weight = model.token_emb.weight  # both Shard(0) over the vocab
+    gather_sequence = PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+    )
+    block_plan = {
+        "ln_attn": SequenceParallel(),
+        "attn": gather_sequence,
+        "attn.qkv": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_mlp": SequenceParallel(),
+        "mlp": gather_sequence,
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, block_plan)
+    return model
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -13,13 +13,16 @@ Run it from the repository root (after ``pip install -e ".[examples]"``)::
     torchrun --nproc-per-node 2 examples/train_gpt.py # two ranks (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 2 examples/train_gpt.py --device cuda --preset 1b --offload-fraction 1
     python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 50 --resume
+    torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2  # FSDP2 + tensor parallel, dp 2 x tp 2
 
 Without torchrun it runs as a single rank (a one-process group). ``--optimizer adamw`` trains the
 same model with plain ``torch.optim.AdamW`` instead (fp32 params, autocast to ``--dtype``; DDP on
 several ranks): the reference that zero-shard's loss curve is compared with.
 ``--optimizer megatron-hdo`` steps the same bf16 model with Megatron-Core's HybridDeviceOptimizer
 at ``--offload-fraction`` (one GPU, ``pip install megatron-core``; see ``megatron_hdo.py``): the
-peer that zero-shard's speed is compared with. ``--help`` lists every flag.
+peer that zero-shard's speed is compared with. ``--tp N`` splits each layer over N ranks
+(tensor parallelism, ``gpt.parallelize``) on a ``("dp", "tp")`` mesh, shards the rest with FSDP2
+over ``dp``, and wraps that model's AdamW with zero-shard. ``--help`` lists every flag.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from gpt import (
     PRESETS,
     cross_entropy,
     global_batch,
+    parallelize,
     read_stdlib_bytes,
     split_train_val,
     split_windows,
@@ -52,6 +56,8 @@ from gpt import (
 )
 from reporting import PHASES, Log, PhaseTimer, ProgressBar, peak_memory_bytes, plot
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_shard
@@ -73,10 +79,19 @@ class Ranks:
     rank: int
     world_size: int
     device: torch.device
+    tp: int = 1  # ranks per tensor-parallel group: consecutive ranks, on a ("dp", "tp") mesh
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
 
 
 @contextlib.contextmanager
-def process_group(device_type: str) -> Iterator[Ranks]:
+def process_group(device_type: str, tp: int = 1) -> Iterator[Ranks]:
     """Joins torchrun's process group, or makes a one-process group when run without torchrun.
 
     GPUs get ``"cpu:gloo,cuda:nccl"``: NCCL for training, gloo for CPU tensors (checkpoints).
@@ -105,14 +120,15 @@ def process_group(device_type: str) -> Iterator[Ranks]:
         device_id=device if device.type != "cpu" else None,
     )
     try:
-        yield Ranks(dist.get_rank(), dist.get_world_size(), device)
+        yield Ranks(dist.get_rank(), dist.get_world_size(), device, tp)
     finally:
         dist.destroy_process_group()
 
 
 def rows_of_rank(windows: torch.Tensor, ranks: Ranks) -> torch.Tensor:
-    per_rank = len(windows) // ranks.world_size
-    return windows[ranks.rank * per_rank : (ranks.rank + 1) * per_rank]
+    """This data-parallel rank's rows (the ranks of one tensor-parallel group take the same)."""
+    per_rank = len(windows) // ranks.dp_size
+    return windows[ranks.dp_rank * per_rank : (ranks.dp_rank + 1) * per_rank]
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -173,6 +189,15 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             groups, offload_fraction=args.offload_fraction, lr=args.lr, betas=betas
         )
     else:
+        if ranks.tp > 1:  # tensor parallel, then FSDP2 over the data-parallel dim (torchtitan's)
+            mesh = init_device_mesh(
+                ranks.device.type, (ranks.dp_size, ranks.tp), mesh_dim_names=("dp", "tp")
+            )
+            model = parallelize(model, mesh["tp"])
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh["dp"])
+            model = fully_shard(model, mesh=mesh["dp"])
+            groups = weight_decay_groups(model, weight_decay=0.1)
         adamw = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
         policy = zero_shard.OffloadPolicy(fraction=args.offload_fraction, num_threads=args.threads)
         optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
@@ -548,6 +573,8 @@ def describe_optimizer(args: argparse.Namespace) -> str:
         return "plain torch AdamW"
     if args.optimizer == "megatron-hdo":
         return f"Megatron-Core HybridDeviceOptimizer, offload fraction {args.offload_fraction}"
+    if args.tp > 1:
+        return f"zero-shard on FSDP2 + tp {args.tp}, offload fraction {args.offload_fraction}"
     return f"zero-shard stage {args.stage}, offload fraction {args.offload_fraction}"
 
 
@@ -580,6 +607,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(needs megatron-core)")  # fmt: skip
     add("--offload-fraction", type=float, default=0.5, help="share on the CPU (default 0.5)")
     add("--stage", type=int, choices=[1, 2], default=2)
+    add("--tp", type=int, default=1, help="tensor-parallel ranks per layer (default 1): a "
+        "(dp, tp) mesh, FSDP2 over dp; zero-shard only")  # fmt: skip
     add("--threads", type=int, help="CPU optimizer threads per rank (megatron-hdo: torch's "
         "intra-op threads); default: cores / ranks")  # fmt: skip
     add("--checkpoint-activations", action="store_true", help="recompute in backward")
@@ -613,10 +642,15 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if args.batch_size % (world_size * args.micro_batches):
+    if args.tp < 1 or world_size % args.tp:
+        parser.error(f"--tp must be at least 1 and divide the {world_size} rank(s), got {args.tp}")
+    if args.tp > 1 and args.optimizer != "zero-shard":
+        parser.error("--tp runs with --optimizer zero-shard only")
+    dp_size = world_size // args.tp
+    if args.batch_size % (dp_size * args.micro_batches):
         parser.error(
-            f"--batch-size {args.batch_size} must divide evenly over {world_size} rank(s) x "
-            f"{args.micro_batches} micro-batch(es)"
+            f"--batch-size {args.batch_size} must divide evenly over {dp_size} data-parallel "
+            f"rank(s) x {args.micro_batches} micro-batch(es)"
         )
     if not 0.0 <= args.offload_fraction <= 1.0:
         parser.error(f"--offload-fraction must be in [0, 1], got {args.offload_fraction}")
@@ -654,7 +688,7 @@ def check_megatron_args(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Trains as the flags in ``argv`` say; returns the log (``"summary"``, ``"steps"``, ...)."""
     args = parse_args(argv)
-    with process_group(torch.device(args.device).type) as ranks:
+    with process_group(torch.device(args.device).type, args.tp) as ranks:
         return train(args, ranks)
 
 

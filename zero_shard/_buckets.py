@@ -7,11 +7,21 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 from ._released import GradWatch
 
-__all__ = ["Bucket", "ShardedParam", "build_buckets", "fsdp_sharded_param", "shard_grads"]
+__all__ = [
+    "Bucket",
+    "ShardedParam",
+    "build_buckets",
+    "counted_here",
+    "fsdp_sharded_param",
+    "local_region",
+    "norm_grads",
+    "shard_grads",
+]
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,7 @@ class ShardedParam:
     shard: torch.Tensor  # leaf in the model dtype holding the rows this rank owns: what the
     #                      HybridDeviceOptimizer steps (a view of the bucket's shard buffer, or of
     #                      the FSDP2 param's local tensor)
-    spec: ShardSpec  # the rows it owns (under FSDP2: along the mesh dim FSDP2 shards over)
+    spec: ShardSpec | None  # the rows it owns; None under FSDP2 (the DTensor's placements say)
     bucket: int = -1  # index of its bucket; -1 under FSDP2
     position: int = -1  # its place inside the bucket
     grad_slot: torch.Tensor | None = None  # the shard's slot in the bucket's grad buffer
@@ -56,6 +66,9 @@ class ShardedParam:
     changed: bool = False  # written by someone else since: its main weight must be reloaded
     watch: GradWatch | None = None  # whether the param's .grad was cleared since its grad was
     #                                 reduced (replicated models; [Note: released grads])
+    counted: bool = True  # this rank's shard counts in global norms: False where the param is
+    #                       replicated over a mesh dim the norm sums over and this rank is not
+    #                       that dim's first (tensor parallelism's replicated norms and biases)
 
     @property
     def watched(self) -> torch.Tensor | DTensorCounters:
@@ -78,6 +91,11 @@ class ShardedParam:
 def shard_grads(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
     """The shards' grads, where they have one."""
     return [s.shard.grad for s in records if s.shard.grad is not None]
+
+
+def norm_grads(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
+    """The shards' grads that count in a global norm: each element once over all ranks."""
+    return [s.shard.grad for s in records if s.counted and s.shard.grad is not None]
 
 
 @dataclass
@@ -164,28 +182,47 @@ def build_buckets(
     return sharded, buckets
 
 
-def fsdp_sharded_param(param: torch.Tensor, fqn: str, group_index: int) -> ShardedParam:
-    """The record of an FSDP2 (DTensor) param, whose shard is a leaf sharing the memory of the
-    param's local tensor: the sharded storage FSDP2 all-gathers from, never a copy."""
-    shard_dims = [
-        (dim, placement) for dim, placement in enumerate(param.placements) if placement.is_shard()
-    ]
-    if len(shard_dims) != 1 or shard_dims[0][1].dim != 0:
-        raise NotImplementedError(
-            f"param {fqn!r} has placements {param.placements}; zero-shard supports FSDP2 params "
-            "sharded along dim 0 over one mesh dim (FSDP2's default; HSDP's replicate dim is "
-            "fine). Sharding over a second mesh dim (FSDP2 with tensor parallelism) is not "
-            "supported yet"
-        )
-    mesh_dim = shard_dims[0][0]
+def local_region(param: DTensor) -> tuple[slice, ...]:
+    """Where this rank's local tensor of ``param`` lies in the full tensor: one slice per dim.
+    Torch's own offsets, for every layout FSDP2 (with tensor parallelism: ``_StridedShard``) and
+    ``parallelize_module`` make, uneven shards included."""
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+
+
+def counted_here(param: DTensor, reduced_dims: Sequence[int]) -> bool:
+    """Whether this rank's shard of ``param`` counts in a sum over ``reduced_dims``: each
+    element once, so a param replicated over one of them counts on that dim's first rank."""
     mesh = param.device_mesh
-    spec = shard_spec(param.shape, mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim))
+    return all(
+        mesh.get_local_rank(dim) == 0
+        for dim in reduced_dims
+        if param.placements[dim].is_replicate()
+    )
+
+
+def fsdp_sharded_param(
+    param: DTensor, fqn: str, group_index: int, reduced_dims: Sequence[int]
+) -> ShardedParam:
+    """The record of an FSDP2 (DTensor) param, whose shard is a leaf sharing the memory of the
+    param's local tensor: the sharded storage FSDP2 all-gathers from, never a copy. Any layout
+    ``check_fsdp_layout`` accepts: the optimizer is elementwise, so the local tensor steps alone,
+    whatever rows and columns of the param it holds."""
     local = param._local_tensor
-    if tuple(local.shape) != spec.local_shape(param.shape) or not local.is_contiguous():
-        raise ValueError(
-            f"param {fqn!r}'s local shard has shape {tuple(local.shape)} (contiguous: "
-            f"{local.is_contiguous()}); expected a contiguous {spec.local_shape(param.shape)}, "
-            "the torch.chunk rows FSDP2 gives by default"
+    expected = tuple(region.stop - region.start for region in local_region(param))
+    if tuple(local.shape) != expected or not local.is_contiguous():
+        raise AssertionError(
+            f"expected param {fqn!r}'s local tensor contiguous of shape {expected}, got "
+            f"{tuple(local.shape)} (checked at wrap)"
         )
     shard = local.detach().requires_grad_(True)
-    return ShardedParam(param=param, fqn=fqn, group_index=group_index, shard=shard, spec=spec)
+    return ShardedParam(
+        param=param,
+        fqn=fqn,
+        group_index=group_index,
+        shard=shard,
+        spec=None,
+        counted=counted_here(param, reduced_dims),
+    )

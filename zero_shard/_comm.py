@@ -105,9 +105,11 @@ class FSDPComm:
     buckets: list[Bucket]  # none
     _module: nn.Module
 
-    def __init__(self, module: nn.Module, trainable: Sequence[Trainable]) -> None:
+    def __init__(
+        self, module: nn.Module, trainable: Sequence[Trainable], reduced_dims: Sequence[int]
+    ) -> None:
         self._module = module
-        self.sharded = [fsdp_sharded_param(p, fqn, g) for p, fqn, g in trainable]
+        self.sharded = [fsdp_sharded_param(p, fqn, g, reduced_dims) for p, fqn, g in trainable]
         self.buckets = []
 
     def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
@@ -136,6 +138,15 @@ class FSDPComm:
     def finalize_grads(self, *, reduce: bool = True) -> None:
         for sharded in self.sharded:
             grad = sharded.param.grad
+            if grad is not None and grad.placements != sharded.param.placements:
+                # FSDP2 leaves grads laid out as their params (with tensor parallelism too); a
+                # partial or otherwise placed grad would step the local tensor with other values.
+                raise RuntimeError(
+                    f"the grad of FSDP2 param {sharded.fqn!r} has placements {grad.placements}, "
+                    f"the param {sharded.param.placements}: zero-shard steps each local tensor "
+                    "with its own local grad, so they must match; set .grad to a DTensor laid "
+                    "out as its param"
+                )
             sharded.shard.grad = None if grad is None else grad._local_tensor.detach()
 
     def checked_grads(self) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from optimizers import (
     constructor_defaults,
 )
 
-from ._buckets import ShardedParam, shard_grads
+from ._buckets import ShardedParam, norm_grads, shard_grads
 from ._collectives import broadcast_tensors
 from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._norms import clip_coefficient, global_norm, nonfinite_flag
@@ -35,6 +35,7 @@ from ._setup import (
     check_inputs,
     first_device,
     resolve_mesh,
+    sharded_dims,
     unwrap_model,
 )
 from ._skips import SkipCount
@@ -187,7 +188,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                     "stage=1 has no effect on an FSDP2 model: FSDP2 reduce-scatters its grads",
                     stacklevel=4,
                 )
-            return FSDPComm(self._module, checked.trainable)
+            return FSDPComm(self._module, checked.trainable, sharded_dims(self._module, self.mesh))
         plan = plan_units(self._module, checked.units)
         group = self.mesh.get_group()
         if self.kind is ModelKind.DDP:
@@ -263,7 +264,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
         self._finalize_grads()
         grads = shard_grads(self._sharded)
-        norm = global_norm(grads, norm_type, self._groups, self._device)
+        norm = global_norm(norm_grads(self._sharded), norm_type, self._groups, self._device)
         if self._grad_scale is not None:  # fp16 grads still carry the loss scale
             norm = norm * self._grad_scale
         coefficient = clip_coefficient(norm, float(max_norm))

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from optimizers import OffloadPolicy, check_elementwise, check_param_kind
 
+from ._buckets import local_region
 from ._owners import check_unclaimed
 from ._units import Units, resolve_units
 from ._verdict import Summary, on_every_rank
@@ -33,6 +34,7 @@ __all__ = [
     "check_options",
     "first_device",
     "resolve_mesh",
+    "sharded_dims",
     "trainable_params",
     "unwrap_model",
 ]
@@ -52,9 +54,9 @@ class ModelKind(enum.Enum):
 
 
 _NO_TENSOR_PARALLEL = (
-    "tensor parallelism (parallelize_module, DTensor params that FSDP2 does not manage) is not "
-    "supported yet: zero-shard takes plain params (a replicated or DDP model) or FSDP2's, sharded "
-    "along dim 0 over one mesh dim"
+    "tensor parallelism is supported under FSDP2 (parallelize_module, then fully_shard over the "
+    "data-parallel dim of the mesh); a tensor-parallel model without FSDP2 (replicated or under "
+    "DDP over the data-parallel dim) is not supported yet"
 )
 
 
@@ -222,14 +224,11 @@ def resolve_mesh(
         first = next(p for p in model.parameters() if p.requires_grad)
         if mesh is not None and mesh != first.device_mesh:
             raise ValueError(
-                "mesh differs from the mesh of the FSDP2 params; leave mesh=None under FSDP2"
+                "mesh differs from the mesh of the FSDP2 params; leave mesh=None under FSDP2 "
+                "(with tensor parallelism too: the params' data x tensor-parallel mesh is used)"
             )
-        groups = [
-            first.device_mesh.get_group(dim)
-            for dim, placement in enumerate(first.placements)
-            if placement.is_shard()
-        ]
-        return first.device_mesh, groups
+        mesh = first.device_mesh
+        return mesh, [mesh.get_group(dim) for dim in sharded_dims(model, mesh)]
     ddp_group = model.process_group if kind is ModelKind.DDP else None
     if mesh is None:
         mesh = default_mesh(device, ddp_group)
@@ -289,15 +288,45 @@ def trainable_params(
 
 
 def check_fsdp_layout(trainable: list[Trainable], mesh: DeviceMesh) -> None:
-    """Every FSDP2 param sharded alike, over ``mesh``."""
+    """Every FSDP2 param on ``mesh`` (1-D, HSDP's 2-D, or FSDP2's data-parallel dim with tensor
+    parallelism's), none partial, each local tensor contiguous where torch places it."""
     first, first_fqn, _ = trainable[0]
     for param, fqn, _ in trainable:
-        if param.device_mesh != mesh or param.placements != first.placements:
+        if param.device_mesh != mesh:
             raise ValueError(
                 f"param {fqn!r} has {_layout(param)}, but param {first_fqn!r} has "
-                f"{_layout(first)}: zero-shard expects one FSDP2 layout for all params. "
-                f"Layouts that differ by param come from tensor parallelism: {_NO_TENSOR_PARALLEL}"
+                f"{_layout(first)}: zero-shard expects every param on one mesh (FSDP2's, or the "
+                "2-D data x tensor-parallel mesh that fully_shard and parallelize_module share)"
             )
+        if any(placement.is_partial() for placement in param.placements):
+            raise ValueError(
+                f"param {fqn!r} has {_layout(param)}: a param with partial values cannot be "
+                "stepped shard by shard; params may be sharded (Shard, FSDP2's _StridedShard) or "
+                "replicated over each mesh dim"
+            )
+        local = param._local_tensor
+        expected = tuple(region.stop - region.start for region in local_region(param))
+        if tuple(local.shape) != expected or not local.is_contiguous():
+            raise ValueError(
+                f"param {fqn!r} has {_layout(param)} and a local tensor of shape "
+                f"{tuple(local.shape)} (contiguous: {local.is_contiguous()}); expected a "
+                f"contiguous {expected}, where torch places this rank's shard (FSDP2's default "
+                "dim-0 sharding, with parallelize_module's layouts)"
+            )
+
+
+def sharded_dims(model: nn.Module, mesh: DeviceMesh) -> list[int]:
+    """The dims of ``mesh`` over which some trainable param of ``model`` is sharded: global norms
+    and non-finite checks are reduced over them (the others hold copies)."""
+    return sorted(
+        {
+            dim
+            for param in model.parameters()
+            if param.requires_grad and isinstance(param, DTensor) and param.device_mesh == mesh
+            for dim, placement in enumerate(param.placements)
+            if not placement.is_replicate()
+        }
+    )
 
 
 def check_dense_grads(module: nn.Module, trainable: list[Trainable]) -> None:

@@ -21,7 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from optimizers import HybridDeviceOptimizer
 
-from ._buckets import ShardedParam
+from ._buckets import ShardedParam, local_region
 
 __all__ = [
     "ShardedStateView",
@@ -79,8 +79,9 @@ def to_dtensor(
 
 
 def local_rows(sharded: ShardedParam, value: Any, mesh: DeviceMesh) -> Any:
-    """This rank's rows of a param-shaped ``value`` (a full tensor, or a DTensor of any layout);
-    anything else is returned as it is."""
+    """This rank's part of a param-shaped ``value`` (a full tensor, or a DTensor of any layout):
+    its rows, or under FSDP2 the part its local tensor holds; anything else is returned as it
+    is."""
     param = sharded.param
     if isinstance(value, DTensor):
         if value.shape != param.shape:
@@ -91,6 +92,8 @@ def local_rows(sharded: ShardedParam, value: Any, mesh: DeviceMesh) -> Any:
         value = value.full_tensor()
     if not torch.is_tensor(value) or value.dim() == 0 or value.shape != param.shape:
         return value
+    if isinstance(param, DTensor):
+        return value[local_region(param)]
     spec = sharded.spec
     return value[spec.start_row : spec.start_row + spec.num_rows]
 

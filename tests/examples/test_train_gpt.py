@@ -142,6 +142,24 @@ def test_stop_after_and_resume_equals_the_straight_run(
         run_in_process(tmp_path / "bad", "--stop-after", str(NUM_STEPS + 1))
 
 
+def test_tensor_parallel_follows_one_rank_and_resumes_without_it(
+    curves: dict[str, dict], tmp_path: Path
+) -> None:
+    """``--tp 2`` on two ranks (FSDP2 + tensor parallel, dp 1 x tp 2) follows one process's
+    curve; its checkpoint, taken at step 10, resumes in one process without tensor parallelism
+    and goes on along the same curve."""
+    flags = ["--steps", str(NUM_STEPS), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    torchrun(tmp_path, *flags, "--tp", "2", "--stop-after", "10")
+    log = json.loads((tmp_path / "out" / "log.json").read_text())
+    assert log["config"]["tp"] == 2
+    resumed = train_gpt.main([*COMMON, *flags, "--resume", "--out", str(tmp_path / "resumed")])
+    assert len(losses(log)) == 10 and len(losses(resumed)) == NUM_STEPS
+    for name, run in (("tp 2", log), ("resumed", resumed)):
+        reference = losses(curves["0.5"])[: len(losses(run))]
+        for step, (got, want) in enumerate(zip(losses(run), reference, strict=True)):
+            assert got == pytest.approx(want, rel=RANKS_RTOL), f"{name}, step {step + 1}"
+
+
 def test_bf16_accumulation_and_async_checkpoint(tmp_path: Path) -> None:
     """bf16 params with two micro-batches per rank, checkpoints written in the background, and
     a resume at another world size that refuses another run's checkpoint."""

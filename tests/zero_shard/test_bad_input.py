@@ -59,7 +59,8 @@ def offload_that_is_not_a_policy(rank: int, world: int) -> None:
 def tensor_parallel_layouts_are_refused_naming_tensor_parallelism(rank: int, world: int) -> None:
     # Until zero-shard supports them, never taken for FSDP2 (a column-parallel Shard(0) looks
     # like FSDP2's and trained with ungathered data-parallel grads) or for plain params (DDP's
-    # device_mesh turns TP params into local slices under the global names).
+    # device_mesh turns TP params into local slices under the global names). FSDP2 + TP is
+    # supported (test_tensor_parallel.py).
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -73,6 +74,10 @@ def tensor_parallel_layouts_are_refused_naming_tensor_parallelism(rank: int, wor
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
         return parallelize_module(model, mesh["tp"], plan)
 
+    def fsdp_first_layer(model: nn.Module) -> nn.Module:
+        fully_shard(model[0], mesh=mesh["dp"])  # the other layer's DTensors are TP's alone
+        return model
+
     pair = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     models = {
         "all column-parallel": lambda: tensor_parallel(
@@ -80,7 +85,7 @@ def tensor_parallel_layouts_are_refused_naming_tensor_parallelism(rank: int, wor
         ),
         "column then row parallel": lambda: tensor_parallel(pair),
         "one layer parallel": lambda: tensor_parallel({"0": ColwiseParallel()}),
-        "FSDP2 + TP": lambda: fully_shard(tensor_parallel(pair), mesh=mesh["dp"]),
+        "FSDP2 over one layer of a TP model": lambda: fsdp_first_layer(tensor_parallel(pair)),
         "DDP + TP": lambda: nn.parallel.DistributedDataParallel(
             tensor_parallel(pair), device_mesh=mesh["dp"]
         ),
