@@ -13,7 +13,7 @@ Run it from the repository root (after ``pip install -e ".[examples]"``)::
     torchrun --nproc-per-node 2 examples/train_gpt.py # two ranks (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 2 examples/train_gpt.py --device cuda --preset 1b --offload-fraction 1
     python examples/train_gpt.py --checkpoint-dir ckpt --checkpoint-every 50 --resume
-    torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2  # FSDP2 + tensor parallel, dp 2 x tp 2
+    torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2  # tensor parallel, dp 2 x tp 2
 
 Without torchrun it runs as a single rank (a one-process group). ``--optimizer adamw`` trains the
 same model with plain ``torch.optim.AdamW`` instead (fp32 params, autocast to ``--dtype``; DDP on
@@ -21,8 +21,8 @@ several ranks): the reference that zero-shard's loss curve is compared with.
 ``--optimizer megatron-hdo`` steps the same bf16 model with Megatron-Core's HybridDeviceOptimizer
 at ``--offload-fraction`` (one GPU, ``pip install megatron-core``; see ``megatron_hdo.py``): the
 peer that zero-shard's speed is compared with. ``--tp N`` splits each layer over N ranks
-(tensor parallelism, ``gpt.parallelize``) on a ``("dp", "tp")`` mesh, shards the rest with FSDP2
-over ``dp``, and wraps that model's AdamW with zero-shard. ``--help`` lists every flag.
+(tensor parallelism, ``gpt.parallelize``) on a ``("dp", "tp")`` mesh, and zero-shard shards
+each rank's parts over ``dp``. ``--help`` lists every flag.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ from gpt import (
 from reporting import PHASES, Log, PhaseTimer, ProgressBar, peak_memory_bytes, plot
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_shard
@@ -189,14 +188,11 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             groups, offload_fraction=args.offload_fraction, lr=args.lr, betas=betas
         )
     else:
-        if ranks.tp > 1:  # tensor parallel, then FSDP2 over the data-parallel dim (torchtitan's)
+        if ranks.tp > 1:  # each layer split over tp; zero-shard shards the rest over dp
             mesh = init_device_mesh(
                 ranks.device.type, (ranks.dp_size, ranks.tp), mesh_dim_names=("dp", "tp")
             )
             model = parallelize(model, mesh["tp"])
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh["dp"])
-            model = fully_shard(model, mesh=mesh["dp"])
             groups = weight_decay_groups(model, weight_decay=0.1)
         adamw = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
         policy = zero_shard.OffloadPolicy(fraction=args.offload_fraction, num_threads=args.threads)
@@ -574,7 +570,10 @@ def describe_optimizer(args: argparse.Namespace) -> str:
     if args.optimizer == "megatron-hdo":
         return f"Megatron-Core HybridDeviceOptimizer, offload fraction {args.offload_fraction}"
     if args.tp > 1:
-        return f"zero-shard on FSDP2 + tp {args.tp}, offload fraction {args.offload_fraction}"
+        return (
+            f"zero-shard stage {args.stage} with tp {args.tp}, offload fraction "
+            f"{args.offload_fraction}"
+        )
     return f"zero-shard stage {args.stage}, offload fraction {args.offload_fraction}"
 
 
@@ -608,7 +607,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--offload-fraction", type=float, default=0.5, help="share on the CPU (default 0.5)")
     add("--stage", type=int, choices=[1, 2], default=2)
     add("--tp", type=int, default=1, help="tensor-parallel ranks per layer (default 1): a "
-        "(dp, tp) mesh, FSDP2 over dp; zero-shard only")  # fmt: skip
+        "(dp, tp) mesh, zero-shard sharding over dp; zero-shard only")  # fmt: skip
     add("--threads", type=int, help="CPU optimizer threads per rank (megatron-hdo: torch's "
         "intra-op threads); default: cores / ranks")  # fmt: skip
     add("--checkpoint-activations", action="store_true", help="recompute in backward")

@@ -6,19 +6,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 from ._released import GradWatch
+from ._tp import StateLayout, dtensor_layout, local_tensor, rows_layout
 
 __all__ = [
     "Bucket",
     "ShardedParam",
     "build_buckets",
-    "counted_here",
     "fsdp_sharded_param",
-    "local_region",
     "norm_grads",
     "shard_grads",
 ]
@@ -26,7 +25,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DTensorCounters:
-    """An FSDP2 param's two version counters, read as one.
+    """A DTensor param's two version counters, read as one (FSDP2's, or tensor parallelism's).
 
     [Note: FSDP2 versions]
     A DTensor and its local tensor have separate version counters: an in-place op on the DTensor
@@ -37,11 +36,12 @@ class DTensorCounters:
     counter only grows, and their sum changes exactly when one does. The local counter is read
     through the shard, which shares it (a ``detach`` of the local tensor); FSDP2 may give an
     empty shard a new local tensor (at its lazy init), never a non-empty one while the param
-    object stays (``FSDPComm`` checks that the shard still is the param's memory).
+    object stays (``FSDPComm`` checks that the shard still is the param's memory). A
+    tensor-parallel param that zero-shard shards itself is read through its local tensor.
     """
 
     param: DTensor
-    shard: torch.Tensor  # a leaf sharing the param's local tensor's memory and counter
+    shard: torch.Tensor  # the local tensor, or a leaf sharing its memory and counter
 
     @property
     def _version(self) -> int:
@@ -58,7 +58,9 @@ class ShardedParam:
     shard: torch.Tensor  # leaf in the model dtype holding the rows this rank owns: what the
     #                      HybridDeviceOptimizer steps (a view of the bucket's shard buffer, or of
     #                      the FSDP2 param's local tensor)
-    spec: ShardSpec | None  # the rows it owns; None under FSDP2 (the DTensor's placements say)
+    spec: ShardSpec | None  # the rows of its local tensor it owns; None under FSDP2 (the
+    #                         DTensor's placements say)
+    layout: StateLayout  # where its state lies over the ranks (its shard's place in the param)
     bucket: int = -1  # index of its bucket; -1 under FSDP2
     position: int = -1  # its place inside the bucket
     grad_slot: torch.Tensor | None = None  # the shard's slot in the bucket's grad buffer
@@ -71,11 +73,17 @@ class ShardedParam:
     #                       that dim's first (tensor parallelism's replicated norms and biases)
 
     @property
+    def local(self) -> torch.Tensor:
+        """The param's memory on this rank that the shard's rows come from and are gathered
+        into: the param, or a tensor-parallel param's local tensor."""
+        return local_tensor(self.param)
+
+    @property
     def watched(self) -> torch.Tensor | DTensorCounters:
         """What holds the version counter that tells if the model param was written: the param,
         or under FSDP2 the param and its local shard together (see [Note: FSDP2 versions])."""
-        if isinstance(self.param, DTensor):
-            return DTensorCounters(self.param, self.shard)
+        if isinstance(self.param, DTensor):  # under FSDP2 the shard is the local tensor
+            return DTensorCounters(self.param, self.shard if self.spec is None else self.local)
         return self.param
 
     def record_version(self) -> None:
@@ -131,19 +139,23 @@ def build_buckets(
     fqns: Sequence[str],
     group_indices: Sequence[int],
     *,
-    rank: int,
-    world_size: int,
+    mesh: DeviceMesh,
+    joint: DeviceMesh | None,
     bucket_bytes: int,
     with_grad_buffers: bool,
     units: Sequence[int] | None = None,
 ) -> tuple[list[ShardedParam], list[Bucket]]:
-    """Shards ``params`` (full, replicated on every rank) by rows and packs them into buckets,
-    keeping ``units`` whole as ``plan_buckets`` does.
+    """Shards ``params`` (replicated over the 1-D ``mesh``; tensor-parallel ones by their local
+    tensors, their state on the ``joint`` mesh: see [Note: tensor parallelism under zero-shard's
+    sharding]) by rows and packs them into buckets, keeping ``units`` whole as ``plan_buckets``
+    does.
 
     Each shard is filled with this rank's rows of its parameter; grad buffers, if asked for, are
     zero.
     """
-    specs = [shard_spec(p.shape, rank, world_size) for p in params]
+    rank, world_size = mesh.get_local_rank(), mesh.size()
+    locals_ = [local_tensor(p) for p in params]
+    specs = [shard_spec(local.shape, rank, world_size) for local in locals_]
     layouts = plan_buckets(specs, [p.dtype for p in params], world_size, bucket_bytes, units)
     sharded: list[ShardedParam] = [None] * len(params)  # type: ignore[list-item]
     buckets = []
@@ -157,50 +169,32 @@ def build_buckets(
         for position, (index, offset) in enumerate(
             zip(layout.param_indices, layout.offsets, strict=True)
         ):
-            param, spec = params[index], specs[index]
-            shard = _leaf_view(shard_buffer, offset, spec.local_shape(param.shape))
+            param, local, spec = params[index], locals_[index], specs[index]
+            shard = _leaf_view(shard_buffer, offset, spec.local_shape(local.shape))
             with torch.no_grad():
                 shard.view(-1).copy_(
-                    param.detach().reshape(-1)[spec.start : spec.start + spec.numel]
+                    local.detach().reshape(-1)[spec.start : spec.start + spec.numel]
                 )
             slot = None
             if grad_buffer is not None:
                 slot = grad_buffer[offset : offset + spec.numel].view(shard.shape)
+            state_layout = rows_layout(param, fqns[index], spec, mesh, joint)
             record = ShardedParam(
                 param=param,
                 fqn=fqns[index],
                 group_index=group_indices[index],
                 shard=shard,
                 spec=spec,
+                layout=state_layout,
                 bucket=bucket_index,
                 position=position,
                 grad_slot=slot,
+                counted=state_layout.counted_here(range(state_layout.mesh.ndim)),
             )
             sharded[index] = record
             members.append(record)
         buckets.append(Bucket(layout, members, shard_buffer, grad_buffer))
     return sharded, buckets
-
-
-def local_region(param: DTensor) -> tuple[slice, ...]:
-    """Where this rank's local tensor of ``param`` lies in the full tensor: one slice per dim.
-    Torch's own offsets, for every layout FSDP2 (with tensor parallelism: ``_StridedShard``) and
-    ``parallelize_module`` make, uneven shards included."""
-    shape, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
-    return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
-
-
-def counted_here(param: DTensor, reduced_dims: Sequence[int]) -> bool:
-    """Whether this rank's shard of ``param`` counts in a sum over ``reduced_dims``: each
-    element once, so a param replicated over one of them counts on that dim's first rank."""
-    mesh = param.device_mesh
-    return all(
-        mesh.get_local_rank(dim) == 0
-        for dim in reduced_dims
-        if param.placements[dim].is_replicate()
-    )
 
 
 def fsdp_sharded_param(
@@ -210,8 +204,9 @@ def fsdp_sharded_param(
     param's local tensor: the sharded storage FSDP2 all-gathers from, never a copy. Any layout
     ``check_fsdp_layout`` accepts: the optimizer is elementwise, so the local tensor steps alone,
     whatever rows and columns of the param it holds."""
+    layout = dtensor_layout(param)
     local = param._local_tensor
-    expected = tuple(region.stop - region.start for region in local_region(param))
+    expected = tuple(region.stop - region.start for region in layout.region())
     if tuple(local.shape) != expected or not local.is_contiguous():
         raise AssertionError(
             f"expected param {fqn!r}'s local tensor contiguous of shape {expected}, got "
@@ -224,5 +219,6 @@ def fsdp_sharded_param(
         group_index=group_index,
         shard=shard,
         spec=None,
-        counted=counted_here(param, reduced_dims),
+        layout=layout,
+        counted=layout.counted_here(reduced_dims),
     )

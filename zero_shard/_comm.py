@@ -238,14 +238,15 @@ class _GatheredComm:
         module: nn.Module,
         trainable: Sequence[Trainable],
         plan: UnitPlan,
-        group: dist.ProcessGroup,
+        mesh: DeviceMesh,
+        joint: DeviceMesh | None,
         *,
         bucket_mb: float,
         with_grad_buffers: bool,
     ) -> None:
         self._module = module
         self._plan = plan
-        self._group = group
+        self._group = mesh.get_group()
         # Buckets go in unit order (root first), then model order inside a unit: the next
         # forward needs the first buckets first ([Note: units]), and backward makes the last
         # buckets' grads first.
@@ -257,8 +258,8 @@ class _GatheredComm:
             [p for p, _, _ in ordered],
             [fqn for _, fqn, _ in ordered],
             [g for _, _, g in ordered],
-            rank=dist.get_rank(group),
-            world_size=dist.get_world_size(group),
+            mesh=mesh,
+            joint=joint,
             bucket_bytes=int(bucket_mb * (1 << 20)),
             with_grad_buffers=with_grad_buffers,
             units=[plan.owner[id(p)] for p, _, _ in ordered],
@@ -295,7 +296,7 @@ class _GatheredComm:
     @torch.no_grad()
     def refresh_shards(self, records: Sequence[ShardedParam]) -> None:
         for sharded in records:
-            rows = sharded.param.detach().reshape(-1)
+            rows = sharded.local.detach().reshape(-1)
             spec = sharded.spec
             sharded.shard.view(-1).copy_(rows[spec.start : spec.start + spec.numel])
 
@@ -318,13 +319,14 @@ class DDPComm(_GatheredComm):
         ddp: nn.parallel.DistributedDataParallel,
         trainable: Sequence[Trainable],
         plan: UnitPlan,
-        group: dist.ProcessGroup,
+        mesh: DeviceMesh,
+        joint: DeviceMesh | None,
         *,
         bucket_mb: float,
     ) -> None:
         self._ddp = ddp
         self._build(
-            ddp.module, trainable, plan, group, bucket_mb=bucket_mb, with_grad_buffers=False
+            ddp.module, trainable, plan, mesh, joint, bucket_mb=bucket_mb, with_grad_buffers=False
         )
 
     def finalize_grads(self, *, reduce: bool = True) -> None:
@@ -364,14 +366,17 @@ class ReplicatedComm(_GatheredComm):
         module: nn.Module,
         trainable: Sequence[Trainable],
         plan: UnitPlan,
-        group: dist.ProcessGroup,
+        mesh: DeviceMesh,
+        joint: DeviceMesh | None,
         *,
         device: torch.device,
         bucket_mb: float,
         stage: int,
     ) -> None:
-        self._build(module, trainable, plan, group, bucket_mb=bucket_mb, with_grad_buffers=True)
-        self.reducer = GradReducer(self.buckets, group, stage=stage, device=device)
+        self._build(
+            module, trainable, plan, mesh, joint, bucket_mb=bucket_mb, with_grad_buffers=True
+        )
+        self.reducer = GradReducer(self.buckets, self._group, stage=stage, device=device)
 
     def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
         handles = super().install(mesh, device=device, overlap=overlap)

@@ -102,7 +102,7 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, world_size: int) -
     # One read of each counter decides: a write between a check and the copy would be missed.
     before = [s.watched._version for s in bucket.params]
     written = [s for s, v in zip(bucket.params, before, strict=True) if s.changed or v != s.version]
-    targets = [None if s in written else s.param for s in bucket.params]
+    targets = [None if s in written else s.local for s in bucket.params]
     with record_function("zero_shard::unpack"):
         unpack_params(gathered, bucket.layout, bucket.specs, targets, world_size)
     for sharded, version, target in zip(bucket.params, before, targets, strict=True):

@@ -31,6 +31,7 @@ from ._owners import claim, is_claimed
 from ._setup import (
     NONFINITE_POLICIES,
     CheckedInputs,
+    Meshes,
     ModelKind,
     check_inputs,
     first_device,
@@ -48,6 +49,7 @@ from ._state_dict import (
     tag_origin,
     to_dtensor,
 )
+from ._tp import local_tensor
 from ._units import Units, plan_units
 from ._verdict import on_any_rank, on_every_rank
 
@@ -68,7 +70,8 @@ def _remove_hooks(handles: list[Any]) -> None:
 def _module_tensors(module: nn.Module, device: torch.device) -> list[torch.Tensor]:
     """The module's params and buffers on ``device``: what makes replicas equal. Params another
     wrapper shards are equal already (and are its to write)."""
-    tensors = [p for p in module.parameters() if not is_claimed(p)] + list(module.buffers())
+    params = [local_tensor(p) for p in module.parameters() if not is_claimed(p)]
+    tensors = params + list(module.buffers())
     return [tensor for tensor in tensors if tensor.device == device]
 
 
@@ -98,6 +101,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _comm: Comm  # moves this kind of model's grads and params (see _comm.py)
     _sharded: list[ShardedParam]  # one per trainable param, in param-group order
     _hybrid: HybridDeviceOptimizer  # steps this rank's shards
+    _meshes: Meshes  # the data-parallel mesh, a tensor-parallel model's 2-D one, the sums' groups
     _groups: list[dist.ProcessGroup]  # the groups the grads are sharded over (norms, inf checks)
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
     _building: bool
@@ -139,12 +143,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._module, self.kind = unwrap_model(model)
         # The mesh first: the checks below share their verdict over it (see _verdict).
         device = first_device(optimizer)
-        self.mesh, self._groups = resolve_mesh(model, self.kind, mesh, device)
+        self._meshes = resolve_mesh(model, self.kind, mesh, device)
+        self.mesh, self._groups = self._meshes.mesh, self._meshes.groups
         fqns = {id(p): name for name, p in self._module.named_parameters()}
         options = {"offload": offload, "stage": stage, "bucket_mb": bucket_mb,
                    "nonfinite": nonfinite, "stale_params": stale_params}  # fmt: skip
         checked = check_inputs(
-            optimizer, self._module, self.kind, self.mesh, device, options, units
+            optimizer, self._module, self.kind, self._meshes.verdict_mesh, device, options, units
         )
         self.nonfinite = nonfinite
         self.stale_params = stale_params
@@ -171,7 +176,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._hybrid.load_state_dict(self._local_state_dict(saved))
         handles = self._comm.install(self.mesh, device=self._device, overlap=overlap_param_gather)
         weakref.finalize(self, _remove_hooks, handles)
-        self.state = ShardedStateView(self._sharded, self._hybrid, self.mesh)  # type: ignore[assignment]
+        self.state = ShardedStateView(self._sharded, self._hybrid)  # type: ignore[assignment]
         for sharded in self._sharded:
             sharded.record_version()
         claim([sharded.param for sharded in self._sharded], self)
@@ -190,17 +195,19 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 )
             return FSDPComm(self._module, checked.trainable, sharded_dims(self._module, self.mesh))
         plan = plan_units(self._module, checked.units)
-        group = self.mesh.get_group()
+        meshes = self._meshes
         if self.kind is ModelKind.DDP:
             if stage == 2:
                 logger.info(
                     "zero-shard: the model is DDP, which all-reduces the grads; its reduced grads "
                     "are used as they are (stage 1). Pass the unwrapped module for stage 2."
                 )
-            return DDPComm(model, checked.trainable, plan, group, bucket_mb=bucket_mb)
+            return DDPComm(
+                model, checked.trainable, plan, meshes.mesh, meshes.joint, bucket_mb=bucket_mb
+            )
         return ReplicatedComm(
-            self._module, checked.trainable, plan, group, device=self._device,
-            bucket_mb=bucket_mb, stage=stage,
+            self._module, checked.trainable, plan, meshes.mesh, meshes.joint,
+            device=self._device, bucket_mb=bucket_mb, stage=stage,
         )  # fmt: skip
 
     def _make_hybrid(
@@ -218,7 +225,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             lambda: HybridDeviceOptimizer(
                 shard_groups, type(optimizer), policy=policy, **constructor_defaults(optimizer)
             ),
-            mesh=self.mesh,
+            mesh=self._meshes.verdict_mesh,
             device=self._device,
         )
 
@@ -357,7 +364,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         stale = [sharded for sharded in self._sharded if sharded.is_stale()]
         raises = self.stale_params == "error"
         if raises and agree and self.kind is ModelKind.FSDP:
-            if on_any_rank(bool(stale), mesh=self.mesh, device=self._device) and not stale:
+            if (
+                on_any_rank(bool(stale), mesh=self._meshes.verdict_mesh, device=self._device)
+                and not stale
+            ):
                 raise RuntimeError(
                     "model params were written since the optimizer last set them, on other "
                     "ranks (a weight load?; their error names the params). Call "
@@ -401,7 +411,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._check_stale()
         state = {}
         for sharded in self._sharded:
-            param_state = sharded_state(sharded, self._hybrid, self.mesh, keep_device=True)
+            param_state = sharded_state(sharded, self._hybrid, keep_device=True)
             if param_state:
                 state[sharded.fqn] = param_state
         param_groups = [
@@ -424,7 +434,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self.finish_param_sync()
         # Ranks may be handed different state dicts: a refusal on one refuses on all.
         local = on_every_rank(
-            lambda: self._checked_local_state_dict(state_dict), mesh=self.mesh, device=self._device
+            lambda: self._checked_local_state_dict(state_dict),
+            mesh=self._meshes.verdict_mesh,
+            device=self._device,
         )
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
@@ -445,7 +457,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         num_groups = len(self.param_groups)
         sizes = [sum(1 for s in self._sharded if s.group_index == g) for g in range(num_groups)]
         hyperparams = [self._hyperparams(g) for g in range(num_groups)]
-        return local_state_dict(saved, self._sharded, sizes, hyperparams, self.mesh)
+        return local_state_dict(saved, self._sharded, sizes, hyperparams)
 
     def main_grad(self, param: torch.Tensor) -> DTensor | None:
         """The param's reduced grad as a DTensor (``Shard(0)`` over the mesh, the param's
@@ -456,8 +468,16 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             if sharded.param is param:
                 self._finalize_grads(reduce=False)  # no collective: any rank may call it
                 grad = sharded.shard.grad
-                return None if grad is None else to_dtensor(sharded, grad, self.mesh)
+                return None if grad is None else to_dtensor(sharded, grad)
         raise KeyError(f"a param of shape {tuple(param.shape)} is not optimized here")
+
+    def _named_params(self, module: nn.Module) -> list[tuple[str, torch.Tensor]] | None:
+        """(FQN, param) of every param this optimizer holds, if it was built for ``module``."""
+        if module is not self._module:
+            return None
+        params = [p for group in self.param_groups for p in group["params"]]
+        fqns = [fqn for group in self._group_fqns for fqn in group]
+        return list(zip(fqns, params, strict=True))
 
     def memory_report(self) -> MemoryReport:
         """Where this rank's optimizer memory is: the hybrid optimizer's report, with this

@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from offload import current_stream, record_event, side_stream, use_stream, wait_stream
 
 from ._buckets import Bucket, ShardedParam
 from ._collectives import choose_reduce_scaling, launch_reduction, pack_grads
-from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad
+from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad, Taken
 
 __all__ = ["GradReducer"]
 
@@ -165,7 +166,9 @@ class GradReducer:
     @torch.no_grad()
     def _reduce(self, bucket: Bucket) -> None:
         taken = [sharded.watch.take() for sharded in bucket.params]
-        grads = [each.grad for each in taken]
+        grads = [
+            _local_grad(each, sharded) for each, sharded in zip(taken, bucket.params, strict=True)
+        ]
         kept = [bucket.has_grads and each.kept for each in taken]
         zeroed = [each.zeroed for each in taken]
         for sharded, grad in zip(bucket.params, grads, strict=True):
@@ -284,6 +287,21 @@ class GradReducer:
         """A step took the reduced grads: the next ``finish`` reduces again unless a backward
         does first."""
         self._reduced_in_window = False
+
+
+def _local_grad(taken: Taken, sharded: ShardedParam) -> torch.Tensor | None:
+    """The grad of the param's local tensor: a tensor-parallel param's grad is a DTensor, laid
+    out as the param, or partial over ``tp`` (a replicated param that met sequence-split
+    activations), which is summed over ``tp`` here, as torch's optimizer would on stepping it."""
+    grad = taken.grad
+    if taken.zeroed:
+        return grad.new_zeros(()).expand(sharded.local.shape)  # zeros without memory
+    if not isinstance(grad, DTensor):
+        return grad
+    param = sharded.param
+    if tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad._local_tensor
 
 
 def _clear_slots(bucket: Bucket, cleared: list[bool]) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["GradWatch", "PlaceholderRemoval", "ReleasedGrad", "Taken"]
@@ -99,6 +100,14 @@ class ReleasedGrad(torch.Tensor):
         )
 
 
+def _version_of(grad: torch.Tensor) -> int:
+    """A grad's version counter; a DTensor grad's (tensor parallelism) and its local tensor's
+    together, as either may count an in-place write (see [Note: FSDP2 versions])."""
+    if isinstance(grad, DTensor):
+        return grad._version + grad._local_tensor._version
+    return grad._version
+
+
 class Taken(NamedTuple):
     """A param's grad as a reduction takes it."""
 
@@ -131,7 +140,7 @@ class GradWatch:
             return False
         if isinstance(grad, ReleasedGrad):
             return not grad.zeroed
-        return grad._version == self.expected_version
+        return _version_of(grad) == self.expected_version
 
     def before_accumulate(self) -> None:
         """A backward is about to accumulate into ``.grad``: judge it, take the placeholder off."""
@@ -150,7 +159,7 @@ class GradWatch:
                 "params. Convert the model before zero_shard.wrap, or wrap a new optimizer after"
             )
         self.expected = self.param.grad
-        self.expected_version = self.expected._version
+        self.expected_version = _version_of(self.expected)
 
     def take(self) -> Taken:
         """At the reduction: the grad to reduce and whether to add it to the reduced one. A

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from optimizers import OffloadPolicy, check_elementwise, check_param_kind
 
-from ._buckets import local_region
 from ._owners import check_unclaimed
+from ._tp import dtensor_layout, joint_mesh, local_tensor, tp_mesh_of, tp_spec
 from ._units import Units, resolve_units
 from ._verdict import Summary, on_every_rank
 
@@ -26,6 +26,7 @@ __all__ = [
     "NONFINITE_POLICIES",
     "STALE_POLICIES",
     "CheckedInputs",
+    "Meshes",
     "ModelKind",
     "Trainable",
     "check_dense_grads",
@@ -53,13 +54,6 @@ class ModelKind(enum.Enum):
     FSDP = "fsdp"  # FSDP2 (fully_shard): params are sharded DTensors; nothing to communicate
 
 
-_NO_TENSOR_PARALLEL = (
-    "tensor parallelism is supported under FSDP2 (parallelize_module, then fully_shard over the "
-    "data-parallel dim of the mesh); a tensor-parallel model without FSDP2 (replicated or under "
-    "DDP over the data-parallel dim) is not supported yet"
-)
-
-
 def _layout(param: DTensor) -> str:
     names = param.device_mesh.mesh_dim_names
     return f"placements {tuple(param.placements)} on a mesh of shape " + (
@@ -67,9 +61,16 @@ def _layout(param: DTensor) -> str:
     )
 
 
+_SUPPORTED_TP = (
+    "zero-shard supports tensor parallelism (parallelize_module over mesh['tp']) on a model "
+    "replicated over mesh['dp'] (zero_shard.wrap(opt, model, mesh=mesh['dp'])), under DDP "
+    "(device_mesh=mesh['dp']), or under FSDP2 (fully_shard over mesh['dp'])"
+)
+
+
 def _check_fsdp_managed(model: nn.Module) -> None:
-    """Refuses DTensor params outside every FSDP2 module: a DTensor is FSDP2's only if FSDP2
-    manages it, never by guess (a column-parallel layer's Shard(0) looks like FSDP2's)."""
+    """Under FSDP2, refuses DTensor params outside every FSDP2 module: a DTensor is FSDP2's only
+    if FSDP2 manages it, never by guess (a column-parallel layer's Shard(0) looks like FSDP2's)."""
     managed = {
         id(param)
         for module in model.modules()
@@ -77,45 +78,37 @@ def _check_fsdp_managed(model: nn.Module) -> None:
         for param in module.parameters()
     }
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor) and id(param) not in managed:
+        if param.requires_grad and id(param) not in managed:
+            what = "a DTensor with " + _layout(param) if isinstance(param, DTensor) else "plain"
             raise ValueError(
-                f"param {name!r} is a DTensor with {_layout(param)}: " + _NO_TENSOR_PARALLEL
+                f"param {name!r} is {what}, but FSDP2 manages other params of the model: call "
+                "fully_shard on the root module too, so that FSDP2 shards every param. "
+                + _SUPPORTED_TP
             )
 
 
-def _check_not_localized(module: nn.Module) -> None:
-    """Refuses tensor-parallel params that DDP (with ``device_mesh``) turned into local tensors
-    (torch marks them ``_st_info``): each rank holds another slice under the same name, and the
-    module swaps them for DTensors at every forward."""
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor) or hasattr(param, "_st_info"):
-            raise ValueError(
-                f"param {name!r} is a tensor-parallel shard (a DTensor, or one DDP turned into a "
-                f"local tensor for its device_mesh): {_NO_TENSOR_PARALLEL}"
-            )
+def _has_fsdp(model: nn.Module) -> bool:
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def unwrap_model(model: nn.Module) -> tuple[nn.Module, ModelKind]:
+    """The module whose params the optimizer holds, and who communicates. DTensor params are
+    FSDP2's inside an FSDP2 model, tensor parallelism's otherwise (sharded over ``dp`` by
+    zero-shard); DDP keeps its tensor-parallel params as local tensors marked ``_st_info``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        _check_not_localized(model.module)
+        for name, param in model.module.named_parameters():
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"param {name!r} of the DDP model is a DTensor with {_layout(param)}, but "
+                    "DDP reduces plain tensors: build DDP with device_mesh=mesh['dp'], which "
+                    f"turns tensor-parallel params into local tensors. {_SUPPORTED_TP}"
+                )
         return model.module, ModelKind.DDP
-    dtensors = [isinstance(p, DTensor) for p in model.parameters() if p.requires_grad]
-    if dtensors and all(dtensors):
+    if _has_fsdp(model):
         _check_fsdp_managed(model)
         return model, ModelKind.FSDP
-    if not any(dtensors):
-        _check_not_localized(model)
-    else:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        sharded = next(n for n, p in named if isinstance(p, DTensor))
-        plain = next(n for n, p in named if not isinstance(p, DTensor))
-        raise ValueError(
-            f"some trainable params of the model are DTensors ({sharded!r}) and some are not "
-            f"({plain!r}); under FSDP2 call fully_shard on the root module too, so that every "
-            f"param is sharded. If the DTensors come from tensor parallelism: {_NO_TENSOR_PARALLEL}"
-        )
     return model, ModelKind.REPLICATED
 
 
@@ -215,26 +208,61 @@ def check_mesh(mesh: Any, device: torch.device, ddp_group: dist.ProcessGroup | N
     return mesh
 
 
-def resolve_mesh(
-    model: nn.Module, kind: ModelKind, mesh: Any, device: torch.device
-) -> tuple[DeviceMesh, list[dist.ProcessGroup]]:
-    """The mesh the optimizer shards over, and the groups the grads are sharded over (where global
-    norms and checks are reduced). Depends only on what every rank of the mesh has alike."""
+class Meshes(NamedTuple):
+    """Where the optimizer shards, and where its sums go."""
+
+    mesh: DeviceMesh  # the data-parallel mesh zero-shard shards over (FSDP2's mesh under FSDP2)
+    joint: DeviceMesh | None  # with tensor parallelism under zero-shard's sharding: the 2-D
+    #                           (dp, tp) mesh the state lies on
+    groups: list[dist.ProcessGroup]  # global norms and non-finite checks reduce over these
+
+    @property
+    def verdict_mesh(self) -> DeviceMesh:
+        """The ranks that must agree on every check: all that share a step's collectives."""
+        return self.joint if self.joint is not None else self.mesh
+
+
+def _default_dp_mesh(tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dim of the 2-D mesh ``tp_mesh`` was taken from."""
+    root = tp_mesh._get_root_mesh()
+    names = root.mesh_dim_names or ()
+    tp_name = (tp_mesh.mesh_dim_names or (None,))[0]
+    if root.ndim != 2 or tp_name not in names:
+        raise ValueError(
+            f"the model is tensor-parallel over {tp_mesh}, which is not a named dim of a 2-D "
+            "mesh; pass the data-parallel mesh: zero_shard.wrap(opt, model, mesh=mesh['dp'])"
+        )
+    return root[next(name for name in names if name != tp_name)]
+
+
+def resolve_mesh(model: nn.Module, kind: ModelKind, mesh: Any, device: torch.device) -> Meshes:
+    """The mesh the optimizer shards over, the 2-D mesh of a tensor-parallel model's state, and
+    the groups its global sums reduce over. Depends only on what every rank of the mesh has
+    alike."""
+    trained = [(p, name) for name, p in model.named_parameters() if p.requires_grad]
     if kind is ModelKind.FSDP:
-        first = next(p for p in model.parameters() if p.requires_grad)
+        first = trained[0][0]
         if mesh is not None and mesh != first.device_mesh:
             raise ValueError(
                 "mesh differs from the mesh of the FSDP2 params; leave mesh=None under FSDP2 "
                 "(with tensor parallelism too: the params' data x tensor-parallel mesh is used)"
             )
         mesh = first.device_mesh
-        return mesh, [mesh.get_group(dim) for dim in sharded_dims(model, mesh)]
+        return Meshes(mesh, None, [mesh.get_group(dim) for dim in sharded_dims(model, mesh)])
+    tp_mesh = tp_mesh_of(trained)
     ddp_group = model.process_group if kind is ModelKind.DDP else None
+    if mesh is None and kind is ModelKind.DDP:
+        mesh = getattr(model, "device_mesh", None)
+    if mesh is None and tp_mesh is not None:
+        mesh = _default_dp_mesh(tp_mesh)
     if mesh is None:
         mesh = default_mesh(device, ddp_group)
     else:
         mesh = check_mesh(mesh, device, ddp_group)
-    return mesh, [mesh.get_group()]
+    if tp_mesh is None:
+        return Meshes(mesh, None, [mesh.get_group()])
+    joint = joint_mesh(mesh, tp_mesh)
+    return Meshes(mesh, joint, [joint.get_group(0), joint.get_group(1)])
 
 
 def trainable_params(
@@ -264,9 +292,9 @@ def trainable_params(
             if not param.requires_grad:
                 continue
             check_param_kind(param, f"param {fqn!r}")
-            if kind is not ModelKind.FSDP and not param.is_contiguous():
+            if kind is not ModelKind.FSDP and not local_tensor(param).is_contiguous():
                 raise ValueError(
-                    f"param {fqn!r} is not contiguous (stride {param.stride()}, e.g. "
+                    f"param {fqn!r} is not contiguous (stride {local_tensor(param).stride()}, e.g. "
                     "channels_last); zero-shard shards params by rows of their memory: make it "
                     "contiguous (param.data = param.data.contiguous()) before wrapping"
                 )
@@ -305,7 +333,7 @@ def check_fsdp_layout(trainable: list[Trainable], mesh: DeviceMesh) -> None:
                 "replicated over each mesh dim"
             )
         local = param._local_tensor
-        expected = tuple(region.stop - region.start for region in local_region(param))
+        expected = tuple(region.stop - region.start for region in dtensor_layout(param).region())
         if tuple(local.shape) != expected or not local.is_contiguous():
             raise ValueError(
                 f"param {fqn!r} has {_layout(param)} and a local tensor of shape "
@@ -340,6 +368,13 @@ def check_dense_grads(module: nn.Module, trainable: list[Trainable]) -> None:
                 "sparse, and zero-shard reduces and steps dense grads only; build it with "
                 "sparse=False"
             )
+
+
+def _global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """A param's shape over all ranks: a tensor-parallel part's (DDP's local tensor) is its whole
+    param's, the same on every rank."""
+    spec = tp_spec(param)
+    return tuple(param.shape if spec is None else spec.shape)
 
 
 class CheckedInputs(NamedTuple):
@@ -388,7 +423,8 @@ def check_inputs(
         return (
             shared
             + [
-                f"param {fqn!r} of shape {tuple(param.shape)}, {param.dtype}, in param group {group}"
+                f"param {fqn!r} of shape {_global_shape(param)}, {param.dtype}, in param group "
+                f"{group}"
                 for param, fqn, group in checked.trainable
             ]
             + [f"unit {name!r}" for name, _ in checked.units]

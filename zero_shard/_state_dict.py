@@ -3,7 +3,8 @@
 The state dict has the shape of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
 for FSDP2 + a torch optimizer: ``{"state": {fqn: {"step", "exp_avg", ...}}, "param_groups":
 [{..., "params": [fqn, ...]}]}``; every param-shaped tensor is a DTensor with the param's global
-shape and this rank's rows (``Shard(0)``, or the FSDP2 param's own placements), plus
+shape and this rank's part (``Shard(0)``, the FSDP2 param's own placements, or a 2-D layout
+under tensor parallelism: ``_tp.py``), plus
 ``main_param`` (fp32) where the model dtype is lower. DCP can then save and reshard it with no
 metadata of ours. Scalars (``step``) are plain tensors, as torch keeps them.
 """
@@ -16,12 +17,12 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from optimizers import HybridDeviceOptimizer
 
-from ._buckets import ShardedParam, local_region
+from ._buckets import ShardedParam
 
 __all__ = [
     "ShardedStateView",
@@ -40,77 +41,64 @@ __all__ = [
 _ORIGIN = "_zero_shard_origin"
 
 
-def _placement(sharded: ShardedParam, mesh: DeviceMesh) -> tuple[DeviceMesh, tuple[Any, ...]]:
-    param = sharded.param
-    if isinstance(param, DTensor):
-        return param.device_mesh, tuple(param.placements)
-    return mesh, (Shard(0),)
-
-
 def _dtensor_here(
-    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Any, ...], like: torch.Tensor
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Any, ...], shape: Any, stride: Any
 ) -> DTensor:
-    """A DTensor of ``like``'s shape over ``local`` where ``local`` is: ``DTensor.from_local``
-    would copy a host tensor to the mesh's device, as FSDP2's CPU offload avoids the same way."""
-    meta = TensorMeta(like.shape, like.stride(), local.dtype)
+    """A DTensor of ``shape`` over ``local`` where ``local`` is: ``DTensor.from_local`` would copy
+    a host tensor to the mesh's device, as FSDP2's CPU offload avoids the same way."""
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
     return DTensor(local, DTensorSpec(mesh, placements, tensor_meta=meta), requires_grad=False)
 
 
 def dtensor_on(like: DTensor, local: torch.Tensor) -> DTensor:
     """A DTensor of ``like``'s layout over ``local`` (a copy of its local tensor, anywhere)."""
-    return _dtensor_here(local, like.device_mesh, tuple(like.placements), like)
+    return _dtensor_here(local, like.device_mesh, tuple(like.placements), like.shape, like.stride())
 
 
-def to_dtensor(
-    sharded: ShardedParam, local: torch.Tensor, mesh: DeviceMesh, *, keep_device: bool = False
-) -> DTensor:
-    """``local`` (this rank's rows of a param-shaped tensor) as a DTensor of the param's shape.
+def to_dtensor(sharded: ShardedParam, local: torch.Tensor, *, keep_device: bool = False) -> DTensor:
+    """``local`` (this rank's part of a param-shaped tensor) as a DTensor of the param's global
+    shape, laid out as ``sharded.layout`` says.
 
     With ``keep_device`` a host ``local`` stays on the host (state dicts: DCP writes it with no
     device round trip); else it is copied to the mesh's device, where DTensor ops can run.
     """
-    param = sharded.param
-    layout_mesh, placements = _placement(sharded, mesh)
+    layout = sharded.layout
     if keep_device:
-        return _dtensor_here(local, layout_mesh, placements, param)
+        return _dtensor_here(local, layout.mesh, layout.placements, layout.shape, layout.stride)
     return DTensor.from_local(
-        local, layout_mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+        local,
+        layout.mesh,
+        layout.placements,
+        run_check=False,
+        shape=layout.shape,
+        stride=layout.stride,
     )
 
 
-def local_rows(sharded: ShardedParam, value: Any, mesh: DeviceMesh) -> Any:
+def local_rows(sharded: ShardedParam, value: Any) -> Any:
     """This rank's part of a param-shaped ``value`` (a full tensor, or a DTensor of any layout):
-    its rows, or under FSDP2 the part its local tensor holds; anything else is returned as it
-    is."""
-    param = sharded.param
+    the part its shard holds; anything else is returned as it is."""
+    layout = sharded.layout
     if isinstance(value, DTensor):
-        if value.shape != param.shape:
+        if value.shape != layout.shape:
             return value
-        layout_mesh, placements = _placement(sharded, mesh)
-        if value.device_mesh == layout_mesh and tuple(value.placements) == placements:
+        if value.device_mesh == layout.mesh and tuple(value.placements) == layout.placements:
             return value.to_local()
         value = value.full_tensor()
-    if not torch.is_tensor(value) or value.dim() == 0 or value.shape != param.shape:
+    if not torch.is_tensor(value) or value.dim() == 0 or value.shape != layout.shape:
         return value
-    if isinstance(param, DTensor):
-        return value[local_region(param)]
-    spec = sharded.spec
-    return value[spec.start_row : spec.start_row + spec.num_rows]
+    return value[layout.region()]
 
 
 def sharded_state(
-    sharded: ShardedParam,
-    hybrid: HybridDeviceOptimizer,
-    mesh: DeviceMesh,
-    *,
-    keep_device: bool = False,
+    sharded: ShardedParam, hybrid: HybridDeviceOptimizer, *, keep_device: bool = False
 ) -> dict[str, Any]:
     """The param's state from ``hybrid``, each param-shaped tensor as a DTensor (host state
     kept on the host with ``keep_device``; see ``to_dtensor``)."""
     local = hybrid.param_state(sharded.shard)
     shape = sharded.shard.shape
     return {
-        key: to_dtensor(sharded, value, mesh, keep_device=keep_device)
+        key: to_dtensor(sharded, value, keep_device=keep_device)
         if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
         else value
         for key, value in local.items()
@@ -122,7 +110,6 @@ def local_state_dict(
     sharded: Sequence[ShardedParam],
     group_sizes: Sequence[int],
     hyperparams: Sequence[dict[str, Any]],
-    mesh: DeviceMesh,
 ) -> dict[str, Any]:
     """A state dict for the rank's HybridDeviceOptimizer (params numbered in ``sharded`` order)
     from ``saved_state`` keyed by FQN, each tensor cut to this rank's rows."""
@@ -133,13 +120,13 @@ def local_state_dict(
             continue
         for key, value in saved.items():
             shape = getattr(value, "shape", None)
-            if torch.is_tensor(value) and value.dim() > 0 and shape != record.param.shape:
+            if torch.is_tensor(value) and value.dim() > 0 and shape != record.layout.shape:
                 raise ValueError(
                     f"saved state {key!r} of {record.fqn!r} has shape {tuple(shape)}, but the "
-                    f"param has shape {tuple(record.param.shape)}: the checkpoint is of another "
+                    f"param has shape {tuple(record.layout.shape)}: the checkpoint is of another "
                     "model"
                 )
-        state[index] = {key: local_rows(record, value, mesh) for key, value in saved.items()}
+        state[index] = {key: local_rows(record, value) for key, value in saved.items()}
     groups, start = [], 0
     for size, hyper in zip(group_sizes, hyperparams, strict=True):
         groups.append({**hyper, "params": list(range(start, start + size))})
@@ -212,17 +199,14 @@ class ShardedStateView(Mapping):
     """``optimizer.state`` of a ZeroShardOptimizer: model param -> its state as DTensors, built
     on access (views of the live state where a shard is in one piece, else copies)."""
 
-    def __init__(
-        self, sharded: Sequence[ShardedParam], hybrid: HybridDeviceOptimizer, mesh: DeviceMesh
-    ) -> None:
+    def __init__(self, sharded: Sequence[ShardedParam], hybrid: HybridDeviceOptimizer) -> None:
         self._sharded = list(sharded)
         self._hybrid = weakref.ref(hybrid)
-        self._mesh = mesh
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
         for record in self._sharded:
             if record.param is param:
-                return sharded_state(record, self._hybrid(), self._mesh)
+                return sharded_state(record, self._hybrid())
         return {}  # a frozen param (or another tensor): no state, as torch's defaultdict shows
 
     def __contains__(self, param: object) -> bool:

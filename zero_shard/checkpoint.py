@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from ._optimizer import ZeroShardOptimizer
 from ._staging import Snapshotter
+from ._tp import as_dtensor
 from ._verdict import on_every_rank
 
 __all__ = [
@@ -98,10 +99,53 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
 
 
+def _localized_params(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, torch.Tensor]:
+    """Key in ``model.state_dict()`` -> param, for the tensor-parallel params DDP turned into
+    local tensors (``device_mesh=``; torch marks them ``_st_info``). ``model.state_dict()`` holds
+    them as local tensors under global names before the first forward, and not at all after it
+    (DDP swaps them for DTensors at each forward): a checkpoint takes them from here, as
+    DTensors. The optimizer's list, where it has one, holds them after a forward too."""
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    prefix, module = ("module.", model.module) if ddp else ("", model)
+    named = None
+    if isinstance(optimizer, ZeroShardOptimizer):
+        named = optimizer._named_params(module)
+    if named is None:
+        named = list(module.named_parameters())
+    return {prefix + fqn: param for fqn, param in named if hasattr(param, "_st_info")}
+
+
+def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    state = model.state_dict()
+    for key, param in _localized_params(model, optimizer).items():
+        state[key] = as_dtensor(param)
+    return state
+
+
+def _load_model(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+) -> None:
+    """Loads ``state`` (from ``_model_state``, filled by DCP) into ``model``; the params DDP
+    localized were loaded in place (their entries are views of them)."""
+    localized = _localized_params(model, optimizer)
+    if not localized:
+        model.load_state_dict(state)
+        return
+    rest = {key: value for key, value in state.items() if key not in localized}
+    missing, unexpected = model.load_state_dict(rest, strict=False)
+    if unexpected or set(missing) - set(localized):
+        raise RuntimeError(
+            f"loading the model's state found unexpected keys {unexpected[:5]} and missing "
+            f"keys {sorted(set(missing) - set(localized))[:5]}"
+        )
+
+
 def _state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
 ) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": model.state_dict()}
+    state: dict[str, Any] = {"model": _model_state(model, optimizer)}
     if optimizer is not None:
         state["optim"] = optimizer.state_dict()
     # One pickled object: DCP would flatten nested dicts and lists into keys of their own, which
@@ -482,7 +526,7 @@ def load(
         raise
     # The model first: the optimizer's load then takes the params as they are and sets them to
     # its main weights (loading the model after would mark every param as changed under it).
-    model.load_state_dict(state["model"])
+    _load_model(model, optimizer, state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optim"])
     rng_key = f"rng_rank{_rank()}"

@@ -145,7 +145,7 @@ def test_stop_after_and_resume_equals_the_straight_run(
 def test_tensor_parallel_follows_one_rank_and_resumes_without_it(
     curves: dict[str, dict], tmp_path: Path
 ) -> None:
-    """``--tp 2`` on two ranks (FSDP2 + tensor parallel, dp 1 x tp 2) follows one process's
+    """``--tp 2`` on two ranks (tensor parallel, dp 1 x tp 2) follows one process's
     curve; its checkpoint, taken at step 10, resumes in one process without tensor parallelism
     and goes on along the same curve."""
     flags = ["--steps", str(NUM_STEPS), "--checkpoint-dir", str(tmp_path / "ckpt")]

@@ -137,20 +137,28 @@ def parallelize_mlp(model: MLP, tp_mesh: DeviceMesh) -> MLP:
     return parallelize_module(model, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
 
-def mesh_2d(dp: int, tp: int) -> DeviceMesh:
-    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+def mesh_2d(dp: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def fsdp_tp(kind: str, mesh: DeviceMesh, seed: int = 0) -> nn.Module:
-    """The model ``kind`` ("llama" or "mlp"), tensor-parallel over ``mesh["tp"]`` and sharded by
-    FSDP2 over ``mesh["dp"]`` (the blocks, then the root), as torchtitan composes them."""
+def tp_model(
+    kind: str, mesh: DeviceMesh, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """The model ``kind`` ("llama" or "mlp") in ``dtype``, tensor-parallel over ``mesh["tp"]``."""
     torch.manual_seed(seed)
     if kind == "llama":
-        model = parallelize_llama(Llama(), mesh["tp"])
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-    else:
-        model = parallelize_mlp(MLP(), mesh["tp"])
+        return parallelize_llama(Llama().to(dtype), mesh["tp"])
+    return parallelize_mlp(MLP().to(dtype), mesh["tp"])
+
+
+def fsdp_tp(
+    kind: str, mesh: DeviceMesh, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """``tp_model``, sharded by FSDP2 over ``mesh["dp"]`` (the blocks, then the root), as
+    torchtitan composes them."""
+    model = tp_model(kind, mesh, seed, dtype)
+    for layer in getattr(model, "layers", []):
+        fully_shard(layer, mesh=mesh["dp"])
     return fully_shard(model, mesh=mesh["dp"])
 
 
@@ -174,13 +182,15 @@ def batch(kind: str, step: int, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.T
         inputs, targets = torch.randn(BATCH, 5, generator=gen), torch.randn(BATCH, 3, generator=gen)
     per_rank = BATCH // mesh["dp"].size()
     start = mesh["dp"].get_local_rank() * per_rank
-    return inputs[start : start + per_rank], targets[start : start + per_rank]
+    rows = slice(start, start + per_rank)
+    device = mesh.device_type  # the current device of that type (the harness sets it)
+    return inputs[rows].to(device), targets[rows].to(device)
 
 
 def loss_of(
     kind: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
-    out = model(inputs)
+    out = model(inputs).float()
     if kind == "llama":
         return F.cross_entropy(out.reshape(-1, VOCAB), targets.reshape(-1))
     return F.mse_loss(out, targets)

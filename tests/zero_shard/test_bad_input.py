@@ -56,12 +56,11 @@ def offload_that_is_not_a_policy(rank: int, world: int) -> None:
 
 
 @case
-def tensor_parallel_layouts_are_refused_naming_tensor_parallelism(rank: int, world: int) -> None:
-    # Until zero-shard supports them, never taken for FSDP2 (a column-parallel Shard(0) looks
-    # like FSDP2's and trained with ungathered data-parallel grads) or for plain params (DDP's
-    # device_mesh turns TP params into local slices under the global names). FSDP2 + TP is
-    # supported (test_tensor_parallel.py).
+def tensor_parallel_layouts_zero_shard_cannot_take(rank: int, world: int) -> None:
+    # Never taken for FSDP2 by guess (a column-parallel Shard(0) looks like FSDP2's); the
+    # supported compositions are in test_tensor_parallel.py.
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -69,32 +68,52 @@ def tensor_parallel_layouts_are_refused_naming_tensor_parallelism(rank: int, wor
     )
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    pair = {"0": ColwiseParallel(), "2": RowwiseParallel()}
 
-    def tensor_parallel(plan: dict[str, Any]) -> nn.Module:
+    def tensor_parallel(tp_mesh: Any = mesh["tp"]) -> nn.Module:
+        torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-        return parallelize_module(model, mesh["tp"], plan)
+        return parallelize_module(model, tp_mesh, pair)
 
-    def fsdp_first_layer(model: nn.Module) -> nn.Module:
+    def fsdp_first_layer() -> nn.Module:
+        model = tensor_parallel()
         fully_shard(model[0], mesh=mesh["dp"])  # the other layer's DTensors are TP's alone
         return model
 
-    pair = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-    models = {
-        "all column-parallel": lambda: tensor_parallel(
-            {"0": ColwiseParallel(output_layouts=Shard(-1)), "2": ColwiseParallel()}
+    def over_both_dims() -> nn.Module:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        model[0].weight = nn.Parameter(
+            distribute_tensor(model[0].weight.detach(), mesh, [Shard(0), Shard(0)])
+        )
+        return model
+
+    refused = {
+        "FSDP2 over one layer of a TP model": (
+            fsdp_first_layer,
+            None,
+            r"'2\.weight' is a DTensor.*fully_shard on the root",
         ),
-        "column then row parallel": lambda: tensor_parallel(pair),
-        "one layer parallel": lambda: tensor_parallel({"0": ColwiseParallel()}),
-        "FSDP2 over one layer of a TP model": lambda: fsdp_first_layer(tensor_parallel(pair)),
-        "DDP + TP": lambda: nn.parallel.DistributedDataParallel(
-            tensor_parallel(pair), device_mesh=mesh["dp"]
+        "TP over a 1-D mesh, no dp mesh": (
+            # (A 1-D mesh named "tp" over the same ranks would be mesh["tp"] of the 2-D one.)
+            lambda: tensor_parallel(init_device_mesh("cpu", (world,), mesh_dim_names=("model",))),
+            None,
+            r"not a named dim of a 2-D mesh; pass the data-parallel mesh",
+        ),
+        "a dp mesh of another mesh": (
+            tensor_parallel,
+            init_device_mesh("cpu", (world,)),
+            r"must be two named dims of one mesh",
+        ),
+        "a param split over both dims": (
+            over_both_dims,
+            None,
+            r"param '0\.weight' has placements \(Shard\(dim=0\), Shard\(dim=0\)\)",
         ),
     }
-    for name, build in models.items():
+    for build, dp_mesh, message in refused.values():
         model = build()
-        with pytest.raises((ValueError, NotImplementedError), match="tensor parallelism") as err:
-            zero_shard.wrap(torch.optim.AdamW(model.parameters()), model)
-        assert "'0.weight'" in str(err.value) or "'2.weight'" in str(err.value), name
+        with pytest.raises(ValueError, match=message):
+            zero_shard.wrap(torch.optim.AdamW(model.parameters()), model, mesh=dp_mesh)
 
 
 @case

@@ -1,12 +1,14 @@
 """Tensor parallelism on 2-D meshes (data x tensor parallel), on CPU processes (gloo).
 
-FSDP2 + tensor parallelism (``parallelize_module``, then ``fully_shard`` over ``mesh["dp"]``):
-zero-shard against the same parallelized model with torch AdamW, every step (loss, clip norm,
-params), at offload fractions 0, 0.5 and 1; a non-finite grad on one rank skips the step on all;
-the state dict has the keys and layouts of ``get_optimizer_state_dict``; checkpoints saved at
-dp 2 x tp 2 resume at dp 4 x tp 1, dp 1 x tp 2 and dp 2 x tp 1 on the uninterrupted trajectory,
-and interchange with FSDP2 + TP + torch AdamW both ways. Meshes: 2 x 2 on 4 ranks, 1 x 2 and
-2 x 1 on 2.
+A tensor-parallel model (``parallelize_module`` over ``mesh["tp"]``) replicated over
+``mesh["dp"]`` three ways: under FSDP2 (``fully_shard`` over ``dp``), plain (zero-shard shards it
+over ``dp``), and under DDP (``device_mesh=mesh["dp"]``). Each is compared with torch AdamW on the
+same model under FSDP2 + TP, whose clip is the global norm over both mesh dims, every step (loss,
+clip norm, params), at offload fractions 0, 0.5 and 1 (stages 1 and 2 where zero-shard reduces);
+a non-finite grad on one rank skips the step on all; the state dict has the keys and layouts of
+``get_optimizer_state_dict`` for FSDP2 + TP; checkpoints saved at dp 2 x tp 2 resume at dp 4 x
+tp 1, dp 1 x tp 2 and dp 2 x tp 1 on the uninterrupted trajectory, and interchange with FSDP2 +
+TP + torch AdamW both ways. Meshes: 2 x 2 on 4 ranks, 1 x 2 and 2 x 1 on 2.
 
 The phases share a folder through ZERO_SHARD_TEST_DIR: the 4-rank spawn saves, the 2-rank one
 loads.
@@ -25,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _harness import check_outcome, run_cases
 from _models import LOSS_TOL, PARAM_TOL
-from _tp_models import batch, fsdp_tp, loss_of, mesh_2d, param_groups
+from _tp_models import batch, fsdp_tp, loss_of, mesh_2d, param_groups, tp_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -54,26 +56,93 @@ def policy(fraction: float) -> OffloadPolicy | None:
 
 
 def full(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    """A DTensor's whole tensor (a collective); anything else as it is."""
+    if not isinstance(value, DTensor):
+        return value
+    mesh = value.device_mesh
+    if value._local_tensor.device.type != mesh.device_type:  # an offloaded shard's host state
+        value = DTensor.from_local(value.to_local().to(mesh.device_type), mesh, value.placements,
+                                   shape=value.shape, stride=value.stride())  # fmt: skip
+    return value.full_tensor()
 
 
 def torch_opt(model: nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(model), lr=LR)
 
 
-def ours(kind: str, mesh: DeviceMesh, fraction: float, seed: int = 0) -> tuple[nn.Module, Any]:
-    model = fsdp_tp(kind, mesh, seed=seed)
-    return model, zero_shard.wrap(torch_opt(model), model, offload=policy(fraction))
+COMPOSITIONS = ("fsdp2", "replicated", "ddp")
 
 
-def assert_params_close(model: nn.Module, ref: nn.Module, where: str, **tol: Any) -> None:
-    for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(
-            full(param.detach()),
-            full(ref_param.detach()),
-            **(tol or PARAM_TOL),
-            msg=f"{where}: {name}",
-        )
+def build(
+    kind: str,
+    composition: str,
+    mesh: DeviceMesh,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """The tensor-parallel model ``kind`` replicated over ``mesh["dp"]`` as ``composition`` says:
+    sharded by FSDP2, plain (zero-shard shards it), or under DDP."""
+    if composition == "fsdp2":
+        return fsdp_tp(kind, mesh, seed=seed, dtype=dtype)
+    model = tp_model(kind, mesh, seed=seed, dtype=dtype)
+    if composition == "ddp":
+        return nn.parallel.DistributedDataParallel(model, device_mesh=mesh["dp"])
+    return model
+
+
+def ours(
+    kind: str,
+    mesh: DeviceMesh,
+    fraction: float,
+    composition: str = "fsdp2",
+    *,
+    seed: int = 0,
+    stage: int = 2,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[nn.Module, Any]:
+    model = build(kind, composition, mesh, seed=seed, dtype=dtype)
+    # No mesh=: FSDP2's own, DDP's device_mesh, or the 2-D mesh's other dim (mesh["dp"]).
+    opt = zero_shard.wrap(torch_opt(model), model, offload=policy(fraction), stage=stage)
+    return model, opt
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """What to checkpoint: a DDP model's names start with "module.", FSDP2's do not."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def full_params(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
+    """FQN -> the whole param. Under DDP + TP from the optimizer: torch's DDP swaps the module's
+    tensor-parallel params for DTensors made from them at each forward."""
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        return {name: full(param.detach()) for name, param in model.named_parameters()}
+    fqns = [fqn for group in opt.state_dict()["param_groups"] for fqn in group["params"]]
+    params = [param for group in opt.param_groups for param in group["params"]]
+    whole = {}
+    for fqn, param in zip(fqns, params, strict=True):
+        spec = getattr(param, "_st_info", None)
+        if spec is not None:
+            param = DTensor.from_local(param.detach(), spec.mesh, spec.placements,
+                                       shape=spec.shape, stride=spec.stride)  # fmt: skip
+        whole[fqn] = full(param.detach())
+    return whole
+
+
+def full_state(model: nn.Module, opt: Any) -> dict[str, dict[str, Any]]:
+    """FQN -> the param's optimizer state, whole (a collective)."""
+    if isinstance(opt, zero_shard.ZeroShardOptimizer):
+        state = opt.state_dict()["state"]
+    else:
+        state = get_optimizer_state_dict(model, opt)["state"]
+    return {fqn: {k: full(v) for k, v in values.items()} for fqn, values in state.items()}
+
+
+def assert_params_close(model: nn.Module, opt: Any, ref: nn.Module, where: str) -> None:
+    expected = full_params(ref, None)
+    got = full_params(model, opt)
+    assert got.keys() == expected.keys(), where
+    for name, value in got.items():
+        torch.testing.assert_close(value, expected[name], **PARAM_TOL, msg=f"{where}: {name}")
 
 
 def train_step(kind: str, model: nn.Module, opt: Any, step: int, mesh: DeviceMesh) -> torch.Tensor:
@@ -89,22 +158,37 @@ def train_step(kind: str, model: nn.Module, opt: Any, step: int, mesh: DeviceMes
     return torch.stack([loss.detach(), full(norm)])
 
 
-def parity(kind: str, mesh: DeviceMesh, fraction: float, steps: int = 4) -> None:
-    """zero-shard against torch AdamW on the same FSDP2 + TP model, every step."""
-    where = f"{kind}, dp {mesh['dp'].size()} x tp {mesh['tp'].size()}, fraction {fraction}"
+def describe(kind: str, composition: str, mesh: DeviceMesh, fraction: float) -> str:
+    return (
+        f"{kind} {composition}, dp {mesh['dp'].size()} x tp {mesh['tp'].size()}, "
+        f"fraction {fraction}"
+    )
+
+
+def parity(
+    kind: str,
+    mesh: DeviceMesh,
+    fraction: float,
+    composition: str = "fsdp2",
+    stage: int = 2,
+    steps: int = 4,
+) -> None:
+    """zero-shard on ``composition`` against torch AdamW on FSDP2 + TP, every step."""
+    where = describe(kind, composition, mesh, fraction) + f", stage {stage}"
     ref = fsdp_tp(kind, mesh)
     ref_opt = torch_opt(ref)
-    model, opt = ours(kind, mesh, fraction)
+    model, opt = ours(kind, mesh, fraction, composition, stage=stage)
     for step in range(steps):
         expected = train_step(kind, ref, ref_opt, step, mesh)
         got = train_step(kind, model, opt, step, mesh)
         assert expected[1] > CLIP, f"{where}: the step must clip to test the norm"
         torch.testing.assert_close(got, expected, **LOSS_TOL, msg=f"{where}, step {step}")
-        assert_params_close(model, ref, f"{where}, step {step}")
-    check_state_dict(model, opt, ref, ref_opt, where)
+        opt.finish_param_sync()
+        assert_params_close(model, opt, ref, f"{where}, step {step}")
+    check_state_dict(opt, ref, ref_opt, where)
 
 
-def check_state_dict(model: nn.Module, opt: Any, ref: nn.Module, ref_opt: Any, where: str) -> None:
+def check_state_dict(opt: Any, ref: nn.Module, ref_opt: Any, where: str) -> None:
     """The keys, layouts and values of get_optimizer_state_dict for FSDP2 + TP + torch AdamW;
     full_state_dict gathers over both mesh dims."""
     theirs = get_optimizer_state_dict(ref, ref_opt)
@@ -120,47 +204,73 @@ def check_state_dict(model: nn.Module, opt: Any, ref: nn.Module, ref_opt: Any, w
             got = mine["state"][fqn][key]
             if isinstance(value, DTensor):
                 assert isinstance(got, DTensor), f"{where}: {fqn} {key}"
-                assert got.device_mesh == value.device_mesh, f"{where}: {fqn} {key}"
+                assert got.device_mesh.mesh.tolist() == value.device_mesh.mesh.tolist(), where
+                assert got.device_mesh.mesh_dim_names == value.device_mesh.mesh_dim_names, where
                 assert got.placements == value.placements, f"{where}: {fqn} {key}"
                 assert got.shape == value.shape, f"{where}: {fqn} {key}"
-            expected = full(value)  # a collective: every rank gathers
-            torch.testing.assert_close(full(got), expected, **PARAM_TOL, msg=f"{where}: {fqn}")
+            # On the host: where a scalar step lives differs (torch keeps it there).
+            expected = full(value).cpu()  # a collective: every rank gathers
+            torch.testing.assert_close(full(got).cpu(), expected, **PARAM_TOL,
+                                       msg=f"{where}: {fqn} {key}")  # fmt: skip
             if dist.get_rank() == 0:
-                torch.testing.assert_close(gathered["state"][fqn][key], expected.cpu(),
-                                           **PARAM_TOL, msg=f"{where}: full {fqn} {key}")  # fmt: skip
+                torch.testing.assert_close(gathered["state"][fqn][key], expected, **PARAM_TOL,
+                                           msg=f"{where}: full {fqn} {key}")  # fmt: skip
 
 
-def non_finite_grad_on_one_rank_skips_everywhere(mesh: DeviceMesh) -> None:
-    """An inf in one rank's local grad of a tensor-parallel shard: every rank skips the step and
-    keeps its params and state bit-identical; training then goes on with torch."""
-    where = f"mlp, dp {mesh['dp'].size()} x tp {mesh['tp'].size()}"
+def poison_on_last_rank(model: nn.Module, opt: Any) -> Any:
+    """An inf in one element of the last rank's grad of a tensor-parallel weight, put in as the
+    grad is made (before any reduction; under FSDP2, after its reduce-scatter). Returns a hook
+    handle, or None."""
+    last = dist.get_rank() == dist.get_world_size() - 1
+    params = [p for group in opt.param_groups for p in group["params"] if p.dim() == 2]
+    if isinstance(params[0], DTensor) and params[0].device_mesh.ndim == 2:  # FSDP2's
+        if last:
+            local = next(p.grad._local_tensor for p in params if p.grad._local_tensor.numel())
+            local.view(-1)[0] = float("inf")
+        return None
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        (grad._local_tensor if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
+        return grad
+
+    return params[0].register_hook(poison) if last else None
+
+
+def non_finite_grad_on_one_rank_skips_everywhere(mesh: DeviceMesh, composition: str) -> None:
+    """An inf in one rank's grad: every rank skips the step and keeps its params and state
+    bit-identical; training then goes on with torch."""
+    where = describe("mlp", composition, mesh, 0.5)
     ref = fsdp_tp("mlp", mesh)
     ref_opt = torch_opt(ref)
-    model, opt = ours("mlp", mesh, 0.5)
+    model, opt = ours("mlp", mesh, 0.5, composition)
     train_step("mlp", ref, ref_opt, 0, mesh)
     train_step("mlp", model, opt, 0, mesh)
+    opt.finish_param_sync()
+    params_before, state_before = full_params(model, opt), full_state(model, opt)
+    handle = None if composition == "fsdp2" else poison_on_last_rank(model, opt)
     loss_of("mlp", model, *batch("mlp", 1, mesh)).backward()
-    if dist.get_rank() == dist.get_world_size() - 1:
-        local = model.up.weight.grad._local_tensor
-        if not local.numel():  # this rank's shard is empty: the other tensor-parallel layer's
-            local = model.down.weight.grad._local_tensor
-        local.view(-1)[0] = float("inf")
-    before = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-    state_before = {n: full(opt.state[p]["exp_avg"]).clone() for n, p in model.named_parameters()}
+    if composition == "fsdp2":
+        poison_on_last_rank(model, opt)
+    if handle is not None:
+        handle.remove()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         opt.clip_grad_norm_(CLIP)
         opt.step()
         assert opt.num_skipped_steps == 1, where
     opt.zero_grad()
-    for name, param in model.named_parameters():
-        assert torch.equal(full(param.detach()), before[name]), f"{where}: {name}"
-        assert torch.equal(full(opt.state[param]["exp_avg"]), state_before[name]), where
-        assert int(opt.state[param]["step"]) == 1, where
+    opt.finish_param_sync()
+    for name, value in full_params(model, opt).items():
+        assert torch.equal(value, params_before[name]), f"{where}: {name}"
+    for name, state in full_state(model, opt).items():
+        assert torch.equal(state["exp_avg"], state_before[name]["exp_avg"]), f"{where}: {name}"
+        assert int(state["step"]) == 1, where
     for step in (2, 3):
         train_step("mlp", ref, ref_opt, step, mesh)
         train_step("mlp", model, opt, step, mesh)
-        assert_params_close(model, ref, f"{where}, step {step} after the skip")
+        opt.finish_param_sync()
+        assert_params_close(model, opt, ref, f"{where}, step {step} after the skip")
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -169,11 +279,13 @@ def non_finite_grad_on_one_rank_skips_everywhere(mesh: DeviceMesh) -> None:
 def train_steps(kind: str, model: nn.Module, opt: Any, steps: range, mesh: DeviceMesh) -> None:
     for step in steps:
         train_step(kind, model, opt, step, mesh)
+    if isinstance(opt, zero_shard.ZeroShardOptimizer):
+        opt.finish_param_sync()
 
 
 def save_at_2x2_then_go_on(rank: int, world: int) -> None:
-    """zero-shard (fraction 0.5) and FSDP2 + TP + torch AdamW each save at step SAVE_AT; zero-
-    shard then goes on uninterrupted, and its params and state are the reference."""
+    """zero-shard (FSDP2 + TP, fraction 0.5) and FSDP2 + TP + torch AdamW each save at step
+    SAVE_AT; zero-shard then goes on uninterrupted, and its params and state are the reference."""
     mesh = mesh_2d(2, 2)
     model, opt = ours("llama", mesh, 0.5)
     train_steps("llama", model, opt, range(SAVE_AT), mesh)
@@ -184,13 +296,7 @@ def save_at_2x2_then_go_on(rank: int, world: int) -> None:
     model_sd, optim_sd = get_state_dict(ref, ref_opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder() / "torch"))
     train_steps("llama", model, opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
-    reference = {
-        "params": {n: full(p.detach()).clone() for n, p in model.named_parameters()},
-        "state": {
-            n: {k: full(opt.state[p][k]).clone() for k in ("exp_avg", "exp_avg_sq")}
-            for n, p in model.named_parameters()
-        },
-    }
+    reference = {"params": full_params(model, opt), "state": full_state(model, opt)}
     if rank == 0:
         torch.save(reference, folder() / "reference.pt")
     dist.barrier()
@@ -198,30 +304,36 @@ def save_at_2x2_then_go_on(rank: int, world: int) -> None:
 
 def assert_on_reference(model: nn.Module, opt: Any, where: str) -> None:
     reference = torch.load(folder() / "reference.pt")
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(
-            full(param.detach()), reference["params"][name], **PARAM_TOL, msg=f"{where}: {name}"
-        )
-        state = opt.state[param]
+    for name, value in full_params(model, opt).items():
+        torch.testing.assert_close(value, reference["params"][name], **PARAM_TOL,
+                                   msg=f"{where}: {name}")  # fmt: skip
+    for name, state in full_state(model, opt).items():
         assert int(state["step"]) == SAVE_AT + CONTINUE, where
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(full(state[key]), reference["state"][name][key],
-                                       **PARAM_TOL, msg=f"{where}: {name} {key}")  # fmt: skip
+            torch.testing.assert_close(state[key], reference["state"][name][key], **PARAM_TOL,
+                                       msg=f"{where}: {name} {key}")  # fmt: skip
 
 
-def resume(dp: int, tp: int, fraction: float) -> None:
-    """Loads zero-shard's dp 2 x tp 2 checkpoint at dp x tp and goes on to the reference."""
+def resume(dp: int, tp: int, fraction: float, composition: str) -> None:
+    """Loads zero-shard's dp 2 x tp 2 checkpoint at dp x tp into ``composition`` and goes on to
+    the reference."""
     mesh = mesh_2d(dp, tp)
-    where = f"zero-shard's checkpoint resumed at dp {dp} x tp {tp}, fraction {fraction}"
-    model, opt = ours("llama", mesh, fraction, seed=1)
-    zero_shard.checkpoint.load(folder() / "ours", model=model, optimizer=opt)
+    where = "zero-shard's checkpoint resumed: " + describe("llama", composition, mesh, fraction)
+    model, opt = ours("llama", mesh, fraction, composition, seed=1)
+    zero_shard.checkpoint.load(folder() / "ours", model=unwrapped(model), optimizer=opt)
     train_steps("llama", model, opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
     assert_on_reference(model, opt, where)
+    if composition == "ddp":  # saved after forwards, when DDP's module no longer lists its params
+        zero_shard.checkpoint.save(folder() / "from_ddp", model=unwrapped(model), optimizer=opt)
+        again, again_opt = ours("llama", mesh, 0.0, "replicated", seed=2)
+        zero_shard.checkpoint.load(folder() / "from_ddp", model=again, optimizer=again_opt)
+        assert_on_reference(again, again_opt, where + ", saved again, loaded into a plain model")
 
 
-def interchange(dp: int, tp: int) -> None:
-    """FSDP2 + TP + torch AdamW at dp x tp resumes zero-shard's checkpoint; zero-shard resumes
-    torch's: both go on to the reference."""
+def interchange(dp: int, tp: int, composition: str) -> None:
+    """FSDP2 + TP + torch AdamW at dp x tp resumes zero-shard's checkpoint; zero-shard on
+    ``composition`` resumes torch's (plain DCP): both go on to the reference. (Under DDP + TP
+    ``model.state_dict()`` is torch's, wrong: zero_shard.checkpoint saves and loads it right.)"""
     mesh = mesh_2d(dp, tp)
     theirs = fsdp_tp("llama", mesh, seed=1)
     theirs_opt = torch_opt(theirs)
@@ -233,60 +345,109 @@ def interchange(dp: int, tp: int) -> None:
     train_steps("llama", theirs, theirs_opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
     assert_on_reference(theirs, theirs_opt, f"torch resumed zero-shard's at dp {dp} x tp {tp}")
 
-    model, opt = ours("llama", mesh, 1.0, seed=1)
+    model, opt = ours("llama", mesh, 1.0, composition, seed=1)
     target = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(target, checkpoint_id=str(folder() / "torch"))
     model.load_state_dict(target["model"])
     opt.load_state_dict(target["optim"])
     train_steps("llama", model, opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
-    assert_on_reference(model, opt, f"zero-shard resumed torch's at dp {dp} x tp {tp}")
+    where = "zero-shard resumed torch's: " + describe("llama", composition, mesh, 1.0)
+    assert_on_reference(model, opt, where)
+
+
+def bf16_resumes_bit_for_bit(rank: int, world: int) -> None:
+    """bf16 params: the state dict holds fp32 ``main_param`` laid out as the rest of the param's
+    state, and a checkpoint resumed in a fresh model at the same layout ends bit-identical to
+    the uninterrupted run, in each composition."""
+    mesh = mesh_2d(2, 2)
+    for composition in COMPOSITIONS:
+        where = describe("llama", composition, mesh, 0.5) + ", bf16"
+        model, opt = ours("llama", mesh, 0.5, composition, dtype=torch.bfloat16)
+        train_steps("llama", model, opt, range(2), mesh)
+        path = folder() / f"bf16_{composition}"
+        zero_shard.checkpoint.save(path, model=unwrapped(model), optimizer=opt)
+        for fqn, state in opt.state_dict()["state"].items():
+            main, exp_avg = state["main_param"], state["exp_avg"]
+            assert main.dtype == torch.float32 and main.shape == exp_avg.shape, f"{where}: {fqn}"
+            assert main.placements == exp_avg.placements, f"{where}: {fqn}"
+        train_steps("llama", model, opt, range(2, 4), mesh)
+        again, again_opt = ours("llama", mesh, 0.5, composition, seed=1, dtype=torch.bfloat16)
+        zero_shard.checkpoint.load(path, model=unwrapped(again), optimizer=again_opt)
+        train_steps("llama", again, again_opt, range(2, 4), mesh)
+        expected = full_params(model, opt)
+        for name, value in full_params(again, again_opt).items():
+            assert torch.equal(value, expected[name]), f"{where}: {name}"
 
 
 # -- cases ----------------------------------------------------------------------------------------
 
 
-def at_2x2(rank: int, world: int) -> None:
+def fsdp2_at_2x2(rank: int, world: int) -> None:
     mesh = mesh_2d(2, 2)
     for fraction in (0.0, 0.5, 1.0):
         parity("llama", mesh, fraction)
     parity("mlp", mesh, 0.5)
 
 
+def replicated_at_2x2(rank: int, world: int) -> None:
+    mesh = mesh_2d(2, 2)
+    for fraction, stage in ((0.0, 2), (0.5, 1), (1.0, 2)):
+        parity("llama", mesh, fraction, "replicated", stage=stage)
+    parity("mlp", mesh, 0.5, "replicated")
+
+
+def ddp_at_2x2(rank: int, world: int) -> None:
+    mesh = mesh_2d(2, 2)
+    for fraction in (0.0, 0.5, 1.0):
+        parity("llama", mesh, fraction, "ddp")
+    parity("mlp", mesh, 0.5, "ddp")
+
+
 def skip_at_2x2(rank: int, world: int) -> None:
-    non_finite_grad_on_one_rank_skips_everywhere(mesh_2d(2, 2))
+    for composition in COMPOSITIONS:
+        non_finite_grad_on_one_rank_skips_everywhere(mesh_2d(2, 2), composition)
 
 
-def resume_at_4x1(rank: int, world: int) -> None:
-    resume(4, 1, 0.0)
+def resume_at_4x1_and_2x2(rank: int, world: int) -> None:
+    resume(4, 1, 0.0, "fsdp2")
+    resume(2, 2, 0.5, "replicated")
+    resume(2, 2, 1.0, "ddp")
 
 
 def at_1x2_and_2x1(rank: int, world: int) -> None:
     for dp, tp in ((1, 2), (2, 1)):
-        parity("llama", mesh_2d(dp, tp), 0.5)
-        parity("mlp", mesh_2d(dp, tp), 1.0)
+        for composition in COMPOSITIONS:
+            parity("llama", mesh_2d(dp, tp), 0.5, composition)
+            parity("mlp", mesh_2d(dp, tp), 1.0, composition)
 
 
 def skip_at_1x2_and_2x1(rank: int, world: int) -> None:
     for dp, tp in ((1, 2), (2, 1)):
-        non_finite_grad_on_one_rank_skips_everywhere(mesh_2d(dp, tp))
+        for composition in COMPOSITIONS:
+            non_finite_grad_on_one_rank_skips_everywhere(mesh_2d(dp, tp), composition)
 
 
 def resume_at_1x2_and_2x1(rank: int, world: int) -> None:
-    resume(1, 2, 1.0)
-    resume(2, 1, 0.5)
+    resume(1, 2, 1.0, "fsdp2")
+    resume(2, 1, 0.5, "fsdp2")
+    resume(1, 2, 0.5, "replicated")
+    resume(2, 1, 0.0, "ddp")
 
 
 def interchange_at_1x2_and_2x1(rank: int, world: int) -> None:
-    interchange(1, 2)
-    interchange(2, 1)
+    interchange(1, 2, "fsdp2")
+    interchange(2, 1, "replicated")
 
 
 CASES_BY_WORLD = {
     4: {
-        "at_2x2": at_2x2,
+        "fsdp2_at_2x2": fsdp2_at_2x2,
+        "replicated_at_2x2": replicated_at_2x2,
+        "ddp_at_2x2": ddp_at_2x2,
         "skip_at_2x2": skip_at_2x2,
         "save_at_2x2_then_go_on": save_at_2x2_then_go_on,
-        "resume_at_4x1": resume_at_4x1,
+        "bf16_resumes_bit_for_bit": bf16_resumes_bit_for_bit,
+        "resume_at_4x1_and_2x2": resume_at_4x1_and_2x2,
     },
     2: {
         "at_1x2_and_2x1": at_1x2_and_2x1,
@@ -295,6 +456,25 @@ CASES_BY_WORLD = {
         "interchange_at_1x2_and_2x1": interchange_at_1x2_and_2x1,
     },
 }
+
+
+def on_gpus(rank: int, world: int) -> None:
+    """The three compositions on the GPUs there are (NCCL, CUDA streams, pinned host memory)."""
+    shapes = {1: [(1, 1)], 2: [(1, 2), (2, 1)], 4: [(2, 2)]}[world]
+    for dp, tp in shapes:
+        mesh = mesh_2d(dp, tp, "cuda")
+        for composition in COMPOSITIONS:
+            parity("llama", mesh, 0.5, composition)
+            parity("mlp", mesh, 1.0, composition)
+        non_finite_grad_on_one_rank_skips_everywhere(mesh, "replicated")
+
+
+@pytest.mark.cuda
+def test_on_gpus() -> None:
+    world = {1: 1, 2: 2, 3: 2}.get(torch.cuda.device_count(), 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_outcome(run_cases({"on_gpus": on_gpus}, world, backend="nccl"), "on_gpus")
 
 
 @pytest.fixture(scope="module")

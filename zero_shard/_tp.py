@@ -1,0 +1,200 @@
+"""Where a param's optimizer state lies over the ranks, with tensor parallelism or without.
+
+[Note: tensor parallelism under zero-shard's sharding]
+A tensor-parallel model (``parallelize_module`` over ``mesh["tp"]``) holds each split param as a
+DTensor on the tensor-parallel mesh, or, under DDP with ``device_mesh``, as the local tensor DDP
+made of it (torch keeps the DTensor's spec on it as ``_st_info``). Replicated over
+``mesh["dp"]``, zero-shard shards each param's *local* tensor by rows over ``dp``, reduces and
+gathers those local tensors over ``dp`` only, and steps its rows: the optimizer is elementwise,
+so it never needs the other tensor-parallel ranks' parts. A param the plan left plain is
+replicated over ``tp`` as well.
+
+The state of such a shard is a DTensor on the 2-D mesh of ``dp`` and ``tp`` (in the root mesh's
+order), with the param's global shape: ``Shard(0)`` over ``dp`` and the param's own placement
+over ``tp`` (``Replicate()`` for a plain one). Where ``tp`` splits dim 0 too and comes second,
+``dp`` splits each tensor-parallel part (``_StridedShard(0, split_factor=tp)``), as FSDP2 lays
+out the same 2-D params, so that the keys and layouts match FSDP2 + TP + a torch optimizer. Both
+split by ``torch.chunk``, so DTensor places each rank's rows where zero-shard holds them; wrap
+checks it.
+
+Global norms sum each element once: a shard replicated over ``tp`` counts on ``tp``'s first rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from ._layout import ShardSpec
+
+__all__ = [
+    "StateLayout",
+    "as_dtensor",
+    "dtensor_layout",
+    "joint_mesh",
+    "local_tensor",
+    "rows_layout",
+    "tp_mesh_of",
+    "tp_spec",
+]
+
+
+def tp_spec(param: torch.Tensor) -> DTensorSpec | None:
+    """The tensor-parallel layout of a param: a DTensor's, or the one DDP kept on a param it
+    turned into its local tensor; ``None`` for a plain param."""
+    if isinstance(param, DTensor):
+        return param._spec
+    return getattr(param, "_st_info", None)
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The memory a param's rows live in on this rank: a DTensor's local tensor, or the param."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def as_dtensor(param: torch.Tensor) -> DTensor:
+    """A param DDP turned into its local tensor, as the DTensor it was, over the same memory (no
+    copy: a write into it is a write into the param, seen by its version counter)."""
+    spec = param._st_info  # type: ignore[attr-defined]
+    return DTensor(param.detach(), spec, requires_grad=False)
+
+
+def _describe(spec: DTensorSpec) -> str:
+    names = spec.mesh.mesh_dim_names
+    return f"placements {tuple(spec.placements)} on a mesh of shape {tuple(spec.mesh.shape)}" + (
+        f" {names}" if names else ""
+    )
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How a param's state tensors lie over the ranks: as a DTensor of the param's global shape
+    on ``mesh`` with ``placements``."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def region(self) -> tuple[slice, ...]:
+        """Where this rank's part lies in the full tensor, one slice per dim (torch's offsets)."""
+        shape, offset = compute_local_shape_and_global_offset(
+            self.shape, self.mesh, self.placements
+        )
+        return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+
+    def counted_here(self, dims: Sequence[int]) -> bool:
+        """Whether this rank's part counts in a sum over mesh ``dims``: each element once, so a
+        part replicated over one of them counts on that dim's first rank."""
+        return all(
+            self.mesh.get_local_rank(dim) == 0
+            for dim in dims
+            if self.placements[dim].is_replicate()
+        )
+
+
+def dtensor_layout(param: DTensor) -> StateLayout:
+    """The layout of an FSDP2 param's state: the param's own."""
+    return StateLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+
+
+def tp_mesh_of(params: Sequence[tuple[torch.Tensor, str]]) -> DeviceMesh | None:
+    """The one tensor-parallel mesh of ``params`` (param, FQN), or ``None`` without tensor
+    parallelism. Refuses a param laid out on a mesh of more than one dim, a partial one, and
+    params on different meshes."""
+    mesh, first = None, ""
+    for param, fqn in params:
+        spec = tp_spec(param)
+        if spec is None:
+            continue
+        if spec.mesh.ndim != 1 or any(p.is_partial() for p in spec.placements):
+            raise ValueError(
+                f"param {fqn!r} has {_describe(spec)}: zero-shard shards a tensor-parallel "
+                "param over the data-parallel mesh when it is split or replicated over one "
+                "tensor-parallel mesh dim (parallelize_module over mesh['tp'])"
+            )
+        if mesh is None:
+            mesh, first = spec.mesh, fqn
+        elif spec.mesh != mesh:
+            raise ValueError(
+                f"params {first!r} and {fqn!r} are tensor-parallel over different meshes "
+                f"({mesh} and {spec.mesh}); zero-shard supports one tensor-parallel mesh dim"
+            )
+    return mesh
+
+
+def joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D mesh of ``dp_mesh`` and ``tp_mesh`` (dims in their root mesh's order): where the
+    state of a tensor-parallel model sharded over ``dp`` lies."""
+    root = dp_mesh._get_root_mesh()
+    names = (dp_mesh.mesh_dim_names or (None,))[0], (tp_mesh.mesh_dim_names or (None,))[0]
+    root_names = root.mesh_dim_names or ()
+    if tp_mesh._get_root_mesh() != root or not set(names) <= set(root_names):
+        raise ValueError(
+            f"the data-parallel mesh {dp_mesh} and the tensor-parallel mesh {tp_mesh} must be "
+            "two named dims of one mesh: build it with init_device_mesh(device_type, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp')), parallelize over mesh['tp'] and pass mesh['dp'] (to "
+            "zero_shard.wrap, or to DDP as device_mesh)"
+        )
+    ordered = tuple(sorted(names, key=root_names.index))
+    return root if tuple(root_names) == ordered else root[ordered]
+
+
+def rows_layout(
+    param: torch.Tensor, fqn: str, spec: ShardSpec, dp_mesh: DeviceMesh, joint: DeviceMesh | None
+) -> StateLayout:
+    """The layout of a param's state when zero-shard shards its local tensor by ``spec``'s rows
+    over ``dp_mesh`` (see [Note: tensor parallelism under zero-shard's sharding])."""
+    tp = tp_spec(param)
+    if joint is None:
+        if tp is not None:
+            raise AssertionError(f"expected a joint mesh for tensor-parallel param {fqn!r}")
+        return StateLayout(dp_mesh, (Shard(0),), param.shape, param.stride())
+    dp_name = dp_mesh.mesh_dim_names[0]  # type: ignore[index]
+    dp_dim = joint.mesh_dim_names.index(dp_name)  # type: ignore[union-attr]
+    tp_dim = 1 - dp_dim
+    tp_placement: Placement = Replicate() if tp is None else tp.placements[0]
+    shape = param.shape if tp is None else tp.shape
+    stride = param.stride() if tp is None else tp.stride
+    dp_placement: Placement = Shard(0)
+    splits_rows = isinstance(tp_placement, Shard) and tp_placement.dim in (0, -len(shape))
+    if splits_rows and dp_dim < tp_dim and joint.size(tp_dim) > 1:
+        dp_placement = _StridedShard(0, split_factor=joint.size(tp_dim))
+    placements: list[Any] = [None, None]
+    placements[dp_dim], placements[tp_dim] = dp_placement, tp_placement
+    layout = StateLayout(joint, tuple(placements), shape, tuple(stride))
+    _check_rows_where_torch_puts_them(layout, tp, spec, fqn)
+    return layout
+
+
+def _check_rows_where_torch_puts_them(
+    layout: StateLayout, tp: DTensorSpec | None, spec: ShardSpec, fqn: str
+) -> None:
+    if tp is None:
+        start, other = [0] * len(layout.shape), list(layout.shape[1:])
+    else:
+        local_shape, start = compute_local_shape_and_global_offset(tp.shape, tp.mesh, tp.placements)
+        start, other = list(start), list(local_shape[1:])
+    start[0] += spec.start_row
+    expected = tuple(
+        slice(first, first + size)
+        for first, size in zip(start, [spec.num_rows, *other], strict=True)
+    )
+    got = layout.region()
+    same = all(
+        (a.start, a.stop) == (b.start, b.stop) or a.stop - a.start == b.stop - b.start == 0
+        for a, b in zip(got, expected, strict=True)
+    )
+    if not same:  # torch.chunk's rows both times: DTensor places them the same (tested)
+        raise AssertionError(
+            f"expected param {fqn!r}'s rows where DTensor places {layout.placements} "
+            f"({got}), got {expected}"
+        )
