@@ -34,6 +34,7 @@ from ._setup import (
     Meshes,
     ModelKind,
     check_inputs,
+    ensure_process_group,
     first_device,
     resolve_mesh,
     sharded_dims,
@@ -134,15 +135,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "zero_shard.wrap needs torch.distributed: call "
-                "torch.distributed.init_process_group(...) first (torchrun sets up the "
-                "environment); for one process without it, use optimizers.HybridDeviceOptimizer"
-            )
+        device = first_device(optimizer)
+        ensure_process_group(device)
         self._module, self.kind = unwrap_model(model)
         # The mesh first: the checks below share their verdict over it (see _verdict).
-        device = first_device(optimizer)
         self._meshes = resolve_mesh(model, self.kind, mesh, device)
         self.mesh, self._groups = self._meshes.mesh, self._meshes.groups
         fqns = {id(p): name for name, p in self._module.named_parameters()}
@@ -591,6 +587,8 @@ def wrap(
     """Shards ``optimizer`` over the data-parallel ranks, optionally offloading to the CPU.
 
     Call it on every rank, after ``init_process_group`` and after the model is on its device.
+    In one process with no process group (a one-GPU script, not under torchrun) it makes a
+    group of one itself.
     The wrapper shares the optimizer's param-group dicts (an LR scheduler built on either one
     drives both) and takes its state over, if any (emptying the optimizer's ``state``); step
     only the wrapper. One live wrapper per param: wrapping the same optimizer or model again

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
+import os
 import warnings
 from typing import Any, NamedTuple
 
@@ -33,12 +35,15 @@ __all__ = [
     "check_inputs",
     "check_mesh",
     "check_options",
+    "ensure_process_group",
     "first_device",
     "resolve_mesh",
     "sharded_dims",
     "trainable_params",
     "unwrap_model",
 ]
+
+logger = logging.getLogger("zero_shard")
 
 NONFINITE_POLICIES = ("skip", "raise")
 STALE_POLICIES = ("reload", "error")
@@ -153,6 +158,33 @@ def check_options(
     if stale_params not in STALE_POLICIES:
         raise ValueError(f"stale_params must be one of {STALE_POLICIES}, got {stale_params!r}")
     return offload
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """One process with no process group (a one-GPU script, not under torchrun): makes a group
+    of one, as torchrun's environment would, so that one rank is run as any number of ranks.
+    Refuses when the environment says there are more ranks (torchrun's ``WORLD_SIZE``): each
+    would then train alone."""
+    if not dist.is_available():
+        raise RuntimeError(
+            "zero_shard.wrap needs torch.distributed, which this build of torch lacks; for one "
+            "process without it, use optimizers.HybridDeviceOptimizer"
+        )
+    if dist.is_initialized():
+        return
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} but no process group is initialized: call "
+            "torch.distributed.init_process_group() on every rank before zero_shard.wrap"
+        )
+    backend = "gloo"
+    if device.type != "cpu":
+        backend = f"cpu:gloo,{device.type}:{dist.Backend.default_device_backend_map[device.type]}"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    logger.info(
+        "zero-shard: no process group was initialized; made a one-process group (%s)", backend
+    )
 
 
 def first_device(optimizer: torch.optim.Optimizer) -> torch.device:
