@@ -68,6 +68,7 @@ class ShardedParam:
     changed: bool = False  # written by someone else since: its main weight must be reloaded
     watch: GradWatch | None = None  # whether the param's .grad was cleared since its grad was
     #                                 reduced (replicated models; [Note: released grads])
+    aliased: bool = False  # the param's memory is its shard's (one rank: no copy of the params)
     counted: bool = True  # this rank's shard counts in global norms: False where the param is
     #                       replicated over a mesh dim the norm sums over and this rank is not
     #                       that dim's first (tensor parallelism's replicated norms and biases)
@@ -92,8 +93,19 @@ class ShardedParam:
         self.changed = False
 
     def is_stale(self) -> bool:
-        """Whether the model param was written since zero-shard last recorded it."""
-        return self.changed or self.watched._version != self.version
+        """Whether the model param was written since zero-shard last recorded it (or, aliased,
+        given other memory: ``param.data = ...``, ``load_state_dict(assign=True)``)."""
+        moved = self.aliased and self.param.data_ptr() != self.shard.data_ptr()
+        return moved or self.changed or self.watched._version != self.version
+
+    def alias(self) -> None:
+        """Makes the param's memory its shard's (the shard holds all its rows): the step then
+        writes the param itself. The param keeps its own version counter, so writes by others
+        are still seen (the step's go through the shard)."""
+        if self.spec is None or self.spec.num_rows != self.spec.dim0:
+            raise AssertionError(f"expected a shard of all of {self.fqn!r}'s rows")
+        self.param.data = self.shard.detach()
+        self.aliased = True
 
 
 def shard_grads(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
@@ -118,6 +130,7 @@ class Bucket:
     #                                   one flag per param; None when grads arrive reduced (DDP)
     ready: set[int] = field(default_factory=set)  # positions whose grad hook fired this backward
     has_grads: bool = False  # grad_buffer holds a reduction since zero_grad: the next one adds
+    aliased: bool = False  # its params' memory is the shard buffer: nothing to gather
     missing: bool = False  # since the grads were last written whole, some param lacked one here
 
     @property

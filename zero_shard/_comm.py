@@ -299,12 +299,15 @@ class _GatheredComm:
             rows = sharded.local.detach().reshape(-1)
             spec = sharded.spec
             sharded.shard.view(-1).copy_(rows[spec.start : spec.start + spec.numel])
+            if sharded.aliased:  # given other memory since (a load that assigned): alias again
+                sharded.alias()
 
     def device_bytes(self) -> int:
+        """Bytes of the shard and grad buffers (an aliased shard buffer is the params' own)."""
         return sum(
             t.numel() * t.element_size()
             for bucket in self.buckets
-            for t in (bucket.shard_buffer, bucket.grad_buffer)
+            for t in (None if bucket.aliased else bucket.shard_buffer, bucket.grad_buffer)
             if t is not None
         )
 
@@ -376,6 +379,8 @@ class ReplicatedComm(_GatheredComm):
         self._build(
             module, trainable, plan, mesh, joint, bucket_mb=bucket_mb, with_grad_buffers=True
         )
+        if mesh.size() == 1:  # one rank: the params become views of the shard buffers
+            _alias_params(self.buckets)
         self.reducer = GradReducer(self.buckets, self._group, stage=stage, device=device)
 
     def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
@@ -417,6 +422,16 @@ class ReplicatedComm(_GatheredComm):
 
     def end_window(self) -> None:
         self.reducer.end_window()
+
+
+def _alias_params(buckets: Sequence[Bucket]) -> None:
+    """One rank holds every row: each plain param becomes a view of its shard, so that the
+    params are not held twice (a tensor-parallel param's local tensor keeps its memory)."""
+    for bucket in buckets:
+        for sharded in bucket.params:
+            if not isinstance(sharded.param, DTensor):
+                sharded.alias()
+        bucket.aliased = all(sharded.aliased for sharded in bucket.params)
 
 
 Comm = ReplicatedComm | DDPComm | FSDPComm

@@ -1,5 +1,7 @@
-"""One process with no process group: ``wrap`` makes a group of one and trains as torch AdamW;
-under torchrun's environment for more ranks it refuses instead of training each rank alone.
+"""One process with no process group: ``wrap`` makes a group of one and trains as torch AdamW,
+with the params as views of its shard buffers (not held twice), also after ``param.data = ...``
+gives a param other memory; under torchrun's environment for more ranks it refuses instead of
+training each rank alone.
 
 Each case runs in a fresh interpreter: the process group it makes would outlive it here."""
 
@@ -27,7 +29,13 @@ ONE_PROCESS = textwrap.dedent(
     opt = zero_shard.wrap(adamw(model), model, offload=zero_shard.OffloadPolicy(
         fraction=0.5, num_threads=1, chunk_numel=16))
     assert dist.is_initialized() and dist.get_world_size() == 1
+    storages = {{p.untyped_storage().data_ptr() for p in model.parameters()}}
+    assert len(storages) == 1, "one bucket: the params are views of its shard buffer"
     for step in range(4):
+        if step == 2:  # other memory for one param, in both: torch's optimizer steps it
+            new = torch.randn(model.mid.weight.shape, generator=torch.Generator().manual_seed(5))
+            model.mid.weight.data = new.clone()
+            ref.mid.weight.data = new.clone()
         x, y = global_batch(step)
         mse(model(x), y).backward()
         opt.clip_grad_norm_(0.5)
