@@ -114,18 +114,7 @@ class FSDPComm:
 
     def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
         """Makes the model's state dicts watched as its params are (see [Note: FSDP2 versions])."""
-        record_of = {id(sharded.param): sharded for sharded in self.sharded}
-        handles = []
-        for module in self._module.modules():
-            names = {
-                name: record_of[id(param)]
-                for name, param in module._parameters.items()
-                if param is not None and id(param) in record_of
-            }
-            if names:
-                hook = functools.partial(_share_local_counters, names=names)
-                handles.append(module.register_state_dict_post_hook(hook))
-        return handles
+        return watch_state_dict_entries(self._module, self.sharded)
 
     @property
     def pending(self) -> bool:
@@ -201,6 +190,23 @@ class FSDPComm:
         return 0
 
 
+def watch_state_dict_entries(module: nn.Module, records: Sequence[ShardedParam]) -> list[Any]:
+    """State-dict post-hooks on the modules holding DTensor params (FSDP2's, tensor
+    parallelism's): see ``_share_local_counters``. Returns their handles."""
+    record_of = {id(s.param): s for s in records if isinstance(s.param, DTensor)}
+    handles = []
+    for child in module.modules():
+        names = {
+            name: record_of[id(param)]
+            for name, param in child._parameters.items()
+            if param is not None and id(param) in record_of
+        }
+        if names:
+            hook = functools.partial(_share_local_counters, names=names)
+            handles.append(child.register_state_dict_post_hook(hook))
+    return handles
+
+
 def _share_local_counters(
     module: nn.Module,
     state_dict: dict[str, Any],
@@ -209,17 +215,19 @@ def _share_local_counters(
     *,
     names: dict[str, ShardedParam],
 ) -> None:
-    """A state_dict post-hook: each FSDP2 param's entry (``param.detach()``, a DTensor whose local
-    tensor has a version counter of its own) gets a local tensor sharing the param's counter, so
-    that ``dcp.load`` into ``model.state_dict()``, which writes the local tensors, shows as a
-    write of the params. ``keep_vars`` entries are the params themselves and stay."""
+    """A state_dict post-hook: each DTensor param's entry (``param.detach()``, a DTensor whose
+    local tensor has a version counter of its own) gets a local tensor sharing the counter that
+    zero-shard watches, so that ``dcp.load`` into ``model.state_dict()``, which writes the local
+    tensors, shows as a write of the params. ``keep_vars`` entries are the params themselves and
+    stay."""
     for name, sharded in names.items():
         value = state_dict.get(prefix + name)
         if value is sharded.param or not isinstance(value, DTensor):
             continue
+        watched = sharded.watched.shard  # the local tensor, or a leaf sharing its counter
         local = value._local_tensor
-        if local.shape == sharded.shard.shape and local.data_ptr() == sharded.shard.data_ptr():
-            value._local_tensor = sharded.shard.detach()  # the same memory, and its counter
+        if local.shape == watched.shape and local.data_ptr() == watched.data_ptr():
+            value._local_tensor = watched.detach()  # the same memory, and its counter
 
 
 class _GatheredComm:
@@ -273,7 +281,9 @@ class _GatheredComm:
         """Creates the gathers' group and the model hooks; returns the hooks' handles."""
         group = gather_group(mesh, device)
         self.gatherer = ParamGatherer(self.buckets, group, device=device, overlap=overlap)
-        return register_param_waits(self._module, self._plan, self.buckets, self.gatherer)
+        waits = register_param_waits(self._module, self._plan, self.buckets, self.gatherer)
+        # Tensor-parallel DTensor params: as under FSDP2 (see [Note: FSDP2 versions]).
+        return [*waits, *watch_state_dict_entries(self._module, self.sharded)]
 
     @property
     def pending(self) -> bool:

@@ -262,7 +262,9 @@ def _default_dp_mesh(tp_mesh: DeviceMesh) -> DeviceMesh:
     if root.ndim != 2 or tp_name not in names:
         raise ValueError(
             f"the model is tensor-parallel over {tp_mesh}, which is not a named dim of a 2-D "
-            "mesh; pass the data-parallel mesh: zero_shard.wrap(opt, model, mesh=mesh['dp'])"
+            "mesh: build the mesh as init_device_mesh(device_type, (dp, tp), mesh_dim_names="
+            "('dp', 'tp')) (dp may be 1), parallelize over mesh['tp'], and wrap (or pass "
+            "mesh=mesh['dp'] where the mesh has more dims)"
         )
     return root[next(name for name in names if name != tp_name)]
 
@@ -273,7 +275,9 @@ def resolve_mesh(model: nn.Module, kind: ModelKind, mesh: Any, device: torch.dev
     alike."""
     trained = [(p, name) for name, p in model.named_parameters() if p.requires_grad]
     if kind is ModelKind.FSDP:
-        first = trained[0][0]
+        # The mesh of most dims: FSDP2 puts a param the tensor-parallel plan left plain on the
+        # data-parallel dim alone, and check_fsdp_layout then names it.
+        first = max((p for p, _ in trained), key=lambda p: p.device_mesh.ndim)
         if mesh is not None and mesh != first.device_mesh:
             raise ValueError(
                 "mesh differs from the mesh of the FSDP2 params; leave mesh=None under FSDP2 "
@@ -350,13 +354,16 @@ def trainable_params(
 def check_fsdp_layout(trainable: list[Trainable], mesh: DeviceMesh) -> None:
     """Every FSDP2 param on ``mesh`` (1-D, HSDP's 2-D, or FSDP2's data-parallel dim with tensor
     parallelism's), none partial, each local tensor contiguous where torch places it."""
-    first, first_fqn, _ = trainable[0]
+    first, first_fqn, _ = next(item for item in trainable if item[0].device_mesh == mesh)
     for param, fqn, _ in trainable:
         if param.device_mesh != mesh:
             raise ValueError(
                 f"param {fqn!r} has {_layout(param)}, but param {first_fqn!r} has "
                 f"{_layout(first)}: zero-shard expects every param on one mesh (FSDP2's, or the "
-                "2-D data x tensor-parallel mesh that fully_shard and parallelize_module share)"
+                "2-D data x tensor-parallel mesh that fully_shard and parallelize_module share). "
+                "Under tensor parallelism give every param a layout on the tensor-parallel mesh "
+                "too: a plan entry for its module (SequenceParallel for a norm), or replicate it "
+                "with distribute_module"
             )
         if any(placement.is_partial() for placement in param.placements):
             raise ValueError(

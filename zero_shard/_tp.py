@@ -144,6 +144,11 @@ def joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
             "mesh_dim_names=('dp', 'tp')), parallelize over mesh['tp'] and pass mesh['dp'] (to "
             "zero_shard.wrap, or to DDP as device_mesh)"
         )
+    if names[0] == names[1]:
+        raise ValueError(
+            f"mesh is the tensor-parallel dim {names[1]!r} itself; pass the data-parallel dim "
+            f"(mesh['dp']), or mesh=None"
+        )
     ordered = tuple(sorted(names, key=root_names.index))
     return root if tuple(root_names) == ordered else root[ordered]
 

@@ -87,6 +87,12 @@ def tensor_parallel_layouts_zero_shard_cannot_take(rank: int, world: int) -> Non
         )
         return model
 
+    def fsdp_with_a_plain_param() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4))
+        parallelize_module(model, mesh["tp"], pair)  # the LayerNorm stays plain
+        return fully_shard(model, mesh=mesh["dp"])
+
     refused = {
         "FSDP2 over one layer of a TP model": (
             fsdp_first_layer,
@@ -97,12 +103,23 @@ def tensor_parallel_layouts_zero_shard_cannot_take(rank: int, world: int) -> Non
             # (A 1-D mesh named "tp" over the same ranks would be mesh["tp"] of the 2-D one.)
             lambda: tensor_parallel(init_device_mesh("cpu", (world,), mesh_dim_names=("model",))),
             None,
-            r"not a named dim of a 2-D mesh; pass the data-parallel mesh",
+            r"not a named dim of a 2-D mesh: build the mesh as init_device_mesh",
         ),
         "a dp mesh of another mesh": (
             tensor_parallel,
             init_device_mesh("cpu", (world,)),
             r"must be two named dims of one mesh",
+        ),
+        "the tensor-parallel dim as the mesh": (
+            tensor_parallel,
+            mesh["tp"],
+            r"mesh is the tensor-parallel dim 'tp' itself; pass the data-parallel dim",
+        ),
+        "FSDP2 + TP with a param the plan left plain": (
+            fsdp_with_a_plain_param,
+            None,
+            r"param '3\.weight' has placements \(Shard\(dim=0\),\) on a mesh of shape \(1,\) "
+            r"\('dp',\), but param '0\.weight' has .*: a plan entry",
         ),
         "a param split over both dims": (
             over_both_dims,

@@ -379,6 +379,25 @@ def bf16_resumes_bit_for_bit(rank: int, world: int) -> None:
             assert torch.equal(value, expected[name]), f"{where}: {name}"
 
 
+def model_only_dcp_load_in_place(rank: int, world: int) -> None:
+    """Weights loaded by DCP in place into ``model.state_dict()`` after wrap (fine-tuning) are
+    trained from, as torch AdamW on FSDP2 + TP does: the entries' local tensors share the
+    counters zero-shard watches."""
+    mesh = mesh_2d(2, 2)
+    path = str(folder() / "pretrained")
+    dcp.save({"model": fsdp_tp("llama", mesh, seed=7).state_dict()}, checkpoint_id=path)
+    for composition in ("fsdp2", "replicated"):
+        where = describe("llama", composition, mesh, 0.5) + ", DCP model-only load"
+        ref = fsdp_tp("llama", mesh)
+        ref_opt = torch_opt(ref)
+        model, opt = ours("llama", mesh, 0.5, composition)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            train_steps("llama", m, o, range(1), mesh)
+            dcp.load({"model": m.state_dict()}, checkpoint_id=path)
+            train_steps("llama", m, o, range(1, 3), mesh)
+        assert_params_close(model, opt, ref, where)
+
+
 # -- cases ----------------------------------------------------------------------------------------
 
 
@@ -447,6 +466,7 @@ CASES_BY_WORLD = {
         "skip_at_2x2": skip_at_2x2,
         "save_at_2x2_then_go_on": save_at_2x2_then_go_on,
         "bf16_resumes_bit_for_bit": bf16_resumes_bit_for_bit,
+        "model_only_dcp_load_in_place": model_only_dcp_load_in_place,
         "resume_at_4x1_and_2x2": resume_at_4x1_and_2x2,
     },
     2: {
