@@ -17,12 +17,10 @@ __all__ = ["DevicePart"]
 
 
 class DevicePart:
-    """fp32 main weights and state of the accelerator's share, stepped in stream order.
+    """fp32 main weights, grads and state of the accelerator's share, stepped in stream order.
 
-    Params in a lower precision get fp32 main weights in one flat buffer per param group, and
-    fp32 main grads cast from the model's at each step into one buffer held only while the step
-    runs (not through the next forward and backward, where memory peaks); fp32 params are
-    stepped in place with their own grads (no extra copy).
+    Params in a lower precision get fp32 main weights and main grads in one flat buffer per
+    param group; fp32 params are stepped in place with their own grads (no extra copy).
     """
 
     optimizer: torch.optim.Optimizer | None  # None when nothing stays on the accelerator
@@ -31,6 +29,7 @@ class DevicePart:
     _main_flats: list[
         torch.Tensor
     ]  # 1-D fp32, accelerator, one per group with low-precision params
+    _grad_flats: list[torch.Tensor]  # 1-D fp32, same layout
 
     def __init__(
         self,
@@ -42,7 +41,7 @@ class DevicePart:
         impl: str,
     ) -> None:
         self.pieces, self.group_map = [], []
-        self._main_flats = []
+        self._main_flats, self._grad_flats = [], []
         by_group: dict[int, list[PieceSpec]] = {}
         for spec in specs:
             by_group.setdefault(records[spec.param_index].group_index, []).append(spec)
@@ -61,14 +60,9 @@ class DevicePart:
         for (_, group_specs), mains, sub_group in zip(
             ordered, mains_per_group, self.optimizer.param_groups, strict=True
         ):
-            for spec, (main, cast) in zip(group_specs, mains, strict=True):
+            for spec, (main, grad) in zip(group_specs, mains, strict=True):
                 piece = Piece(
-                    spec=spec,
-                    main=main,
-                    grad=None,
-                    optimizer=self.optimizer,
-                    group=sub_group,
-                    cast_at_step=cast,
+                    spec=spec, main=main, grad=grad, optimizer=self.optimizer, group=sub_group
                 )
                 record = records[spec.param_index]
                 record.pieces.insert(0, piece)
@@ -76,31 +70,31 @@ class DevicePart:
 
     def _make_mains(
         self, records: Sequence[ParamRecord], specs: Sequence[PieceSpec], device: torch.device
-    ) -> list[tuple[torch.Tensor, bool]]:
-        """Each piece's fp32 main weight, and whether its grad is cast at each step."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         low = [s for s in specs if records[s.param_index].param.dtype != torch.float32]
         main_flat = torch.empty(sum(s.numel for s in low), dtype=torch.float32, device=device)
+        grad_flat = torch.zeros_like(main_flat)
         if low:
             self._main_flats.append(main_flat)
+            self._grad_flats.append(grad_flat)
         mains, offset = [], 0
         for spec in specs:
             source = flat_param(records[spec.param_index].param)[
                 spec.start : spec.start + spec.numel
             ]
             if records[spec.param_index].param.dtype == torch.float32:
-                mains.append((source, False))
+                mains.append((source, None))
                 continue
             main = main_flat[offset : offset + spec.numel]
             main.copy_(source)
-            mains.append((main, True))
+            mains.append((main, grad_flat[offset : offset + spec.numel]))
             offset += spec.numel
         return mains
 
     @property
     def num_bytes(self) -> int:
-        """Bytes of fp32 main weights and optimizer state held on the accelerator (the main grads
-        of low-precision params are held during the step only)."""
-        flats = sum(t.numel() * t.element_size() for t in self._main_flats)
+        """Bytes of fp32 main weights, main grads and optimizer state held on the accelerator."""
+        flats = sum(t.numel() * t.element_size() for t in (*self._main_flats, *self._grad_flats))
         state = sum(
             value.numel() * value.element_size()
             for _, piece in self.pieces
@@ -134,25 +128,25 @@ class DevicePart:
         if found_inf is not None and not self.skips_on_device and bool(found_inf):
             return  # the host waited for the flag: a sub-optimizer without a found_inf input
         with record_function("zero_shard::device_step"):
-            cast_src, cast_pieces, written_params, written_mains, in_place = [], [], [], [], []
+            cast_dst, cast_src, written_params, written_mains, in_place = [], [], [], [], []
             for record, piece in self.pieces:
                 grad = grads.get(record.index)
                 if grad is None:
                     piece.main.grad = None  # no grad, no update: like torch
                     continue
                 source = grad[piece.spec.start : piece.spec.start + piece.spec.numel]
-                if not piece.cast_at_step:
+                if piece.grad is None:
                     piece.main.grad = source
                     in_place.append(source)
                     continue
-                cast_pieces.append(piece)
+                piece.main.grad = piece.grad
+                cast_dst.append(piece.grad)
                 cast_src.append(source)
                 start = piece.spec.start
                 written_params.append(flat_param(record.param)[start : start + piece.spec.numel])
                 written_mains.append(piece.main)
-            # The fp32 main grads live in one buffer for this step alone: allocated here, on the
-            # current stream, and freed (to the caching allocator) when the step is queued.
-            cast_dst = _cast_views(cast_pieces, cast_src)
+            if cast_dst:
+                torch._foreach_copy_(cast_dst, cast_src)
             if grad_scale is not None and (cast_dst or in_place):
                 torch._foreach_mul_(cast_dst + in_place, grad_scale)
             # torch's optimizers read a found_inf attribute (GradScaler's protocol): the fused
@@ -167,26 +161,13 @@ class DevicePart:
             if written_params:
                 torch._foreach_copy_(written_params, written_mains)
             for _, piece in self.pieces:
-                piece.main.grad = None  # drop references to the model's grads and the buffer
+                piece.main.grad = None  # drop references to the model's grads
 
     @torch.no_grad()
     def reload_from_params(self, indices: set[int] | None = None) -> None:
         """Refreshes fp32 main weights from the model params (fp32 params are their own): of
         every param, or of the params whose record index is in ``indices``."""
         for record, piece in self.pieces:
-            if piece.cast_at_step and (indices is None or record.index in indices):
+            if piece.grad is not None and (indices is None or record.index in indices):
                 start = piece.spec.start
                 piece.main.copy_(flat_param(record.param)[start : start + piece.spec.numel])
-
-
-def _cast_views(pieces: Sequence[Piece], sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """fp32 copies of ``sources`` in one new buffer, set as ``pieces``' main grads."""
-    if not pieces:
-        return []
-    flat = torch.empty(sum(p.spec.numel for p in pieces), dtype=torch.float32,
-                       device=sources[0].device)  # fmt: skip
-    views = list(flat.split([p.spec.numel for p in pieces]))
-    torch._foreach_copy_(views, list(sources))
-    for piece, view in zip(pieces, views, strict=True):
-        piece.main.grad = view
-    return views

@@ -33,9 +33,6 @@ class Piece:
     group: dict  # the sub-optimizer's param group holding `main` (its hyperparameters)
     staging: torch.Tensor | None = None  # host pieces: 1-D model dtype, pinned view; grads land
     #                                      here and updated params leave from here
-    cast_at_step: bool = False  # accelerator pieces of low-precision params: the fp32 main grad
-    #                             is cast from the model's at each step, into memory held only
-    #                             while the step runs (``grad`` is None)
 
     @property
     def state(self) -> dict:
