@@ -22,7 +22,7 @@ from _models import (
 from torch.distributed.tensor import DTensor
 
 import zero_shard
-from zero_shard import OffloadPolicy, _gather
+from zero_shard import OffloadPolicy, _gather, _reduce
 
 pytestmark = pytest.mark.cuda
 
@@ -161,6 +161,13 @@ def slow_gather_copies(cycles: int = 2_000_000) -> contextlib.AbstractContextMan
     return delayed(_gather, "unpack_params", lambda: torch.cuda._sleep(cycles))
 
 
+def slow_reductions(cycles: int = 2_000_000) -> contextlib.AbstractContextManager:
+    """Each bucket's reduction starts about a millisecond later on the reduce stream: a step that
+    did not wait for that stream reads grads before their reduction was added up, even where the
+    collective itself is quick (one GPU, or two over NVLink)."""
+    return delayed(_reduce, "launch_reduction", lambda: torch.cuda._sleep(cycles))
+
+
 def race_case(rank: int, world: int, *, fraction: float, steps: int = 12) -> str | None:
     """Big layers and a batch of 2 rows, two micro-batches a step: the collectives and copies take
     far longer than the compute, so a missing wait lets forward read params before their gather
@@ -206,7 +213,7 @@ def race_case(rank: int, world: int, *, fraction: float, steps: int = 12) -> str
             raise AssertionError(f"{opt.num_skipped_steps} steps were skipped as non-finite")
         return outputs, [p.detach().clone() for p in model.parameters()]
 
-    with slow_gather_copies():
+    with slow_gather_copies(), slow_reductions():
         tested = run(overlap=True, synchronize=False)
     reference = run(overlap=False, synchronize=True)
     for step, (a, b) in enumerate(zip(tested[0], reference[0], strict=True)):
