@@ -6,6 +6,8 @@ skipped without a GPU."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -161,11 +163,30 @@ def slow_gather_copies(cycles: int = 2_000_000) -> contextlib.AbstractContextMan
     return delayed(_gather, "unpack_params", lambda: torch.cuda._sleep(cycles))
 
 
-def slow_reductions(cycles: int = 2_000_000) -> contextlib.AbstractContextManager:
-    """Each bucket's reduction starts about a millisecond later on the reduce stream: a step that
-    did not wait for that stream reads grads before their reduction was added up, even where the
-    collective itself is quick (one GPU, or two over NVLink)."""
-    return delayed(_reduce, "launch_reduction", lambda: torch.cuda._sleep(cycles))
+class _HeldWork:
+    """A reduction's work whose wait also holds the waiting stream (the reduce stream) a while:
+    what follows there (the add into the grad buffer) lands later."""
+
+    def __init__(self, work: Any, cycles: int) -> None:
+        self._work, self._cycles = work, cycles
+
+    def wait(self) -> None:
+        self._work.wait()
+        torch.cuda._sleep(self._cycles)
+
+
+@contextlib.contextmanager
+def slow_reductions(cycles: int = 2_000_000) -> Iterator[None]:
+    """Each bucket's reduced grads reach the grad buffer about a millisecond after the collective
+    ends, on the reduce stream: a step that did not wait for that stream reads them unreduced.
+    (A delay before the collective would not show it: the step's own collectives on the same
+    NCCL communicator queue behind the reduction.)"""
+    launch = _reduce.launch_reduction
+    _reduce.launch_reduction = lambda *args: _HeldWork(launch(*args), cycles)
+    try:
+        yield
+    finally:
+        _reduce.launch_reduction = launch
 
 
 def race_case(rank: int, world: int, *, fraction: float, steps: int = 12) -> str | None:
