@@ -104,7 +104,15 @@ class ShardedParam:
         are still seen (the step's go through the shard)."""
         if self.spec is None or self.spec.num_rows != self.spec.dim0:
             raise AssertionError(f"expected a shard of all of {self.fqn!r}'s rows")
-        self.param.data = self.shard.detach()
+        param, shard = self.param, self.shard
+        if param.dtype != shard.dtype or param.device != shard.device:
+            raise RuntimeError(
+                f"param {self.fqn!r} is {param.dtype} on {param.device} now, but was "
+                f"{shard.dtype} on {shard.device} when the optimizer was wrapped "
+                "(model.half(), model.to(...)): the optimizer's shards are of the old params. "
+                "Convert the model before zero_shard.wrap, or wrap a new optimizer after"
+            )
+        param.data = shard.detach()
         self.aliased = True
 
 

@@ -277,7 +277,9 @@ def resolve_mesh(model: nn.Module, kind: ModelKind, mesh: Any, device: torch.dev
     if kind is ModelKind.FSDP:
         # The mesh of most dims: FSDP2 puts a param the tensor-parallel plan left plain on the
         # data-parallel dim alone, and check_fsdp_layout then names it.
-        first = max((p for p, _ in trained), key=lambda p: p.device_mesh.ndim)
+        first = max((p for p, _ in trained), key=lambda p: p.device_mesh.ndim, default=None)
+        if first is None:
+            raise ValueError("the model has no param that requires grad: nothing to shard")
         if mesh is not None and mesh != first.device_mesh:
             raise ValueError(
                 "mesh differs from the mesh of the FSDP2 params; leave mesh=None under FSDP2 "

@@ -54,6 +54,26 @@ ONE_PROCESS = textwrap.dedent(
 )
 
 
+CONVERTED = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from _models import adamw, make_model
+    import zero_shard
+
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model)
+    model.double()  # after wrap: the params leave the shard buffers they were views of
+    try:
+        opt.step()
+    except RuntimeError as err:
+        assert "is torch.float64 on cpu now, but was torch.float32" in str(err), err
+        print("refused")
+    """
+)
+
+
 def run(script: str, **env: str) -> subprocess.CompletedProcess:
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     environment.update(env)
@@ -71,3 +91,9 @@ def test_wrap_refuses_under_a_world_of_several_without_a_group() -> None:
     result = run(ONE_PROCESS, RANK="0", WORLD_SIZE="2")
     assert result.returncode != 0
     assert "WORLD_SIZE=2 but no process group is initialized" in result.stderr
+
+
+def test_a_model_converted_after_wrap_is_refused_not_put_back() -> None:
+    result = run(CONVERTED)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused" in result.stdout
