@@ -68,7 +68,7 @@ class ShardedParam:
     changed: bool = False  # written by someone else since: its main weight must be reloaded
     watch: GradWatch | None = None  # whether the param's .grad was cleared since its grad was
     #                                 reduced (replicated models; [Note: released grads])
-    aliased: bool = False  # the param's memory is its shard's (one rank: no copy of the params)
+    aliased: bool = False  # the shard is the param's own memory (one rank: no copy of the params)
     counted: bool = True  # this rank's shard counts in global norms: False where the param is
     #                       replicated over a mesh dim the norm sums over and this rank is not
     #                       that dim's first (tensor parallelism's replicated norms and biases)
@@ -99,11 +99,23 @@ class ShardedParam:
         return moved or self.changed or self.watched._version != self.version
 
     def alias(self) -> None:
-        """Makes the param's memory its shard's (the shard holds all its rows): the step then
-        writes the param itself. The param keeps its own version counter, so writes by others
-        are still seen (the step's go through the shard)."""
+        """Makes the shard (all of the param's rows) a view of the param's own memory: the step
+        then writes the param itself, and the params are not held twice. The param never moves,
+        so views taken of it before (a state dict) stay its memory. The shard is a new tensor
+        with a version counter of its own: the param's counts only the writes of others."""
         if self.spec is None or self.spec.num_rows != self.spec.dim0:
             raise AssertionError(f"expected a shard of all of {self.fqn!r}'s rows")
+        param = self.param
+        shard = torch.empty(0, dtype=param.dtype, device=param.device)
+        with torch.no_grad():
+            shard.set_(param.untyped_storage(), param.storage_offset(), param.shape, param.stride())
+        self.shard = shard.requires_grad_(True)
+        self.aliased = True
+
+    def realias(self) -> None:
+        """The param was given other memory (``param.data = t``) and its values were copied into
+        the shard: it becomes a view of the shard's memory again (its first memory; ``t`` itself
+        no longer follows the training)."""
         param, shard = self.param, self.shard
         if param.dtype != shard.dtype or param.device != shard.device:
             raise RuntimeError(
@@ -113,7 +125,6 @@ class ShardedParam:
                 "Convert the model before zero_shard.wrap, or wrap a new optimizer after"
             )
         param.data = shard.detach()
-        self.aliased = True
 
 
 def shard_grads(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
@@ -138,7 +149,7 @@ class Bucket:
     #                                   one flag per param; None when grads arrive reduced (DDP)
     ready: set[int] = field(default_factory=set)  # positions whose grad hook fired this backward
     has_grads: bool = False  # grad_buffer holds a reduction since zero_grad: the next one adds
-    aliased: bool = False  # its params' memory is the shard buffer: nothing to gather
+    aliased: bool = False  # its params are their own shards (one rank): nothing to gather
     missing: bool = False  # since the grads were last written whole, some param lacked one here
 
     @property

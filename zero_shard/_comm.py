@@ -309,15 +309,15 @@ class _GatheredComm:
             rows = sharded.local.detach().reshape(-1)
             spec = sharded.spec
             sharded.shard.view(-1).copy_(rows[spec.start : spec.start + spec.numel])
-            if sharded.aliased:  # given other memory since (a load that assigned): alias again
-                sharded.alias()
+            if sharded.aliased and sharded.param.data_ptr() != sharded.shard.data_ptr():
+                sharded.realias()  # given other memory since (param.data = t)
 
     def device_bytes(self) -> int:
-        """Bytes of the shard and grad buffers (an aliased shard buffer is the params' own)."""
+        """Bytes of the shard and grad buffers."""
         return sum(
             t.numel() * t.element_size()
             for bucket in self.buckets
-            for t in (None if bucket.aliased else bucket.shard_buffer, bucket.grad_buffer)
+            for t in (bucket.shard_buffer, bucket.grad_buffer)
             if t is not None
         )
 
@@ -435,13 +435,16 @@ class ReplicatedComm(_GatheredComm):
 
 
 def _alias_params(buckets: Sequence[Bucket]) -> None:
-    """One rank holds every row: each plain param becomes a view of its shard, so that the
-    params are not held twice (a tensor-parallel param's local tensor keeps its memory)."""
+    """One rank holds every row: each plain param's shard becomes a view of the param itself, so
+    that the params are not held twice (a tensor-parallel param's local tensor keeps a shard of
+    its own). A bucket whose params all are has no shard buffer left to gather from."""
     for bucket in buckets:
         for sharded in bucket.params:
             if not isinstance(sharded.param, DTensor):
                 sharded.alias()
         bucket.aliased = all(sharded.aliased for sharded in bucket.params)
+        if bucket.aliased:
+            bucket.shard_buffer = bucket.shard_buffer.new_empty(0)
 
 
 Comm = ReplicatedComm | DDPComm | FSDPComm

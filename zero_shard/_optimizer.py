@@ -588,7 +588,8 @@ def wrap(
 
     Call it on every rank, after ``init_process_group`` and after the model is on its device.
     In one process with no process group (a one-GPU script, not under torchrun) it makes a
-    group of one itself.
+    group of one itself (a later ``init_process_group`` then raises: call that first where the
+    script makes groups of its own).
     The wrapper shares the optimizer's param-group dicts (an LR scheduler built on either one
     drives both) and takes its state over, if any (emptying the optimizer's ``state``); step
     only the wrapper. One live wrapper per param: wrapping the same optimizer or model again

@@ -160,11 +160,16 @@ def check_options(
     return offload
 
 
+# What launchers set to the number of processes (torchrun, Slurm, Open MPI, MPICH / Intel MPI).
+_LAUNCHER_SIZES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                   "PMI_SIZE")  # fmt: skip
+
+
 def ensure_process_group(device: torch.device) -> None:
-    """One process with no process group (a one-GPU script, not under torchrun): makes a group
-    of one, as torchrun's environment would, so that one rank is run as any number of ranks.
-    Refuses when the environment says there are more ranks (torchrun's ``WORLD_SIZE``): each
-    would then train alone."""
+    """One process with no process group (a one-GPU script, not under a launcher): makes a group
+    of one, as torchrun's environment would, so that one rank is run as any number of ranks (a
+    later ``init_process_group`` then raises: call it first to choose). Refuses when a
+    launcher's environment says there are more processes: each would then train alone."""
     if not dist.is_available():
         raise RuntimeError(
             "zero_shard.wrap needs torch.distributed, which this build of torch lacks; for one "
@@ -172,12 +177,14 @@ def ensure_process_group(device: torch.device) -> None:
         )
     if dist.is_initialized():
         return
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise RuntimeError(
-            f"WORLD_SIZE={world_size} but no process group is initialized: call "
-            "torch.distributed.init_process_group() on every rank before zero_shard.wrap"
-        )
+    for name in _LAUNCHER_SIZES:
+        size = os.environ.get(name, "1")
+        if size.isdigit() and int(size) > 1:
+            raise RuntimeError(
+                f"{name}={size} but no process group is initialized: call "
+                "torch.distributed.init_process_group() on every rank before zero_shard.wrap "
+                "(a group of one here would train each process alone)"
+            )
     backend = "gloo"
     if device.type != "cpu":
         backend = f"cpu:gloo,{device.type}:{dist.Backend.default_device_backend_map[device.type]}"
