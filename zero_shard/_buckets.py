@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
-from ._released import GradWatch
+from ._released import GradWatch, check_unconverted
 from ._tp import StateLayout, dtensor_layout, local_tensor, rows_layout
 
 __all__ = [
@@ -116,15 +116,8 @@ class ShardedParam:
         """The param was given other memory (``param.data = t``) and its values were copied into
         the shard: it becomes a view of the shard's memory again (its first memory; ``t`` itself
         no longer follows the training)."""
-        param, shard = self.param, self.shard
-        if param.dtype != shard.dtype or param.device != shard.device:
-            raise RuntimeError(
-                f"param {self.fqn!r} is {param.dtype} on {param.device} now, but was "
-                f"{shard.dtype} on {shard.device} when the optimizer was wrapped "
-                "(model.half(), model.to(...)): the optimizer's shards are of the old params. "
-                "Convert the model before zero_shard.wrap, or wrap a new optimizer after"
-            )
-        param.data = shard.detach()
+        check_unconverted(self.param, self.fqn, self.shard.dtype, self.shard.device)
+        self.param.data = self.shard.detach()
 
 
 def shard_grads(records: Sequence[ShardedParam]) -> list[torch.Tensor]:

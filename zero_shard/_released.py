@@ -35,7 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["GradWatch", "PlaceholderRemoval", "ReleasedGrad", "Taken"]
+__all__ = ["GradWatch", "PlaceholderRemoval", "ReleasedGrad", "Taken", "check_unconverted"]
 
 _ZEROING = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
 
@@ -100,6 +100,19 @@ class ReleasedGrad(torch.Tensor):
         )
 
 
+def check_unconverted(
+    param: torch.Tensor, fqn: str, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Raises unless ``param`` still has the dtype and device it had at wrap."""
+    if param.dtype != dtype or param.device != device:
+        raise RuntimeError(
+            f"param {fqn!r} is {param.dtype} on {param.device} now, but was {dtype} on {device} "
+            "when the optimizer was wrapped (model.half(), model.to(...)): the optimizer's shards "
+            "and hooks are of the old params. Convert the model before zero_shard.wrap, or wrap "
+            "a new optimizer after"
+        )
+
+
 def _version_of(grad: torch.Tensor) -> int:
     """A grad's version counter; a DTensor grad's (tensor parallelism) and its local tensor's
     together, as either may count an in-place write (see [Note: FSDP2 versions])."""
@@ -150,14 +163,7 @@ class GradWatch:
 
     def after_accumulate(self) -> None:
         """A backward accumulated into ``.grad`` (inside ``no_sync()``, it stays there)."""
-        param = self.param
-        if param.dtype != self.dtype or param.device != self.device:
-            raise RuntimeError(
-                f"param {self.placeholder.fqn!r} is {param.dtype} on {param.device} now, but was "
-                f"{self.dtype} on {self.device} when the optimizer was wrapped "
-                "(model.half(), model.to(...)): the optimizer's shards and hooks are of the old "
-                "params. Convert the model before zero_shard.wrap, or wrap a new optimizer after"
-            )
+        check_unconverted(self.param, self.placeholder.fqn, self.dtype, self.device)
         self.expected = self.param.grad
         self.expected_version = _version_of(self.expected)
 
