@@ -94,7 +94,7 @@ class ShardedParam:
 
     def is_stale(self) -> bool:
         """Whether the model param was written since zero-shard last recorded it (or, aliased,
-        given other memory: ``param.data = ...``, ``load_state_dict(assign=True)``)."""
+        given other memory: ``param.data = t``)."""
         moved = self.aliased and self.param.data_ptr() != self.shard.data_ptr()
         return moved or self.changed or self.watched._version != self.version
 
