@@ -229,15 +229,8 @@ def fsdp_sharded_param(
     param's local tensor: the sharded storage FSDP2 all-gathers from, never a copy. Any layout
     ``check_fsdp_layout`` accepts: the optimizer is elementwise, so the local tensor steps alone,
     whatever rows and columns of the param it holds."""
-    layout = dtensor_layout(param)
-    local = param._local_tensor
-    expected = tuple(region.stop - region.start for region in layout.region())
-    if tuple(local.shape) != expected or not local.is_contiguous():
-        raise AssertionError(
-            f"expected param {fqn!r}'s local tensor contiguous of shape {expected}, got "
-            f"{tuple(local.shape)} (checked at wrap)"
-        )
-    shard = local.detach().requires_grad_(True)
+    layout = dtensor_layout(param)  # its local tensor is where torch places it: check_fsdp_layout
+    shard = param._local_tensor.detach().requires_grad_(True)
     return ShardedParam(
         param=param,
         fqn=fqn,

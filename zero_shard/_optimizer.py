@@ -37,7 +37,6 @@ from ._setup import (
     ensure_process_group,
     first_device,
     resolve_mesh,
-    sharded_dims,
     unwrap_model,
 )
 from ._skips import SkipCount
@@ -189,7 +188,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                     "stage=1 has no effect on an FSDP2 model: FSDP2 reduce-scatters its grads",
                     stacklevel=4,
                 )
-            return FSDPComm(self._module, checked.trainable, sharded_dims(self._module, self.mesh))
+            return FSDPComm(self._module, checked.trainable, self._meshes.sum_dims)
         plan = plan_units(self._module, checked.units)
         meshes = self._meshes
         if self.kind is ModelKind.DDP:

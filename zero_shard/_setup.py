@@ -38,7 +38,6 @@ __all__ = [
     "ensure_process_group",
     "first_device",
     "resolve_mesh",
-    "sharded_dims",
     "trainable_params",
     "unwrap_model",
 ]
@@ -253,12 +252,17 @@ class Meshes(NamedTuple):
     mesh: DeviceMesh  # the data-parallel mesh zero-shard shards over (FSDP2's mesh under FSDP2)
     joint: DeviceMesh | None  # with tensor parallelism under zero-shard's sharding: the 2-D
     #                           (dp, tp) mesh the state lies on
-    groups: list[dist.ProcessGroup]  # global norms and non-finite checks reduce over these
+    sum_dims: tuple[int, ...]  # dims of verdict_mesh that global norms and non-finite checks
+    #                            reduce over: those some param is sharded over
 
     @property
     def verdict_mesh(self) -> DeviceMesh:
         """The ranks that must agree on every check: all that share a step's collectives."""
         return self.joint if self.joint is not None else self.mesh
+
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        return [self.verdict_mesh.get_group(dim) for dim in self.sum_dims]
 
 
 def _default_dp_mesh(tp_mesh: DeviceMesh) -> DeviceMesh:
@@ -293,7 +297,7 @@ def resolve_mesh(model: nn.Module, kind: ModelKind, mesh: Any, device: torch.dev
                 "(with tensor parallelism too: the params' data x tensor-parallel mesh is used)"
             )
         mesh = first.device_mesh
-        return Meshes(mesh, None, [mesh.get_group(dim) for dim in sharded_dims(model, mesh)])
+        return Meshes(mesh, None, tuple(sharded_dims(model, mesh)))
     tp_mesh = tp_mesh_of(trained)
     ddp_group = model.process_group if kind is ModelKind.DDP else None
     if mesh is None and kind is ModelKind.DDP:
@@ -305,9 +309,8 @@ def resolve_mesh(model: nn.Module, kind: ModelKind, mesh: Any, device: torch.dev
     else:
         mesh = check_mesh(mesh, device, ddp_group)
     if tp_mesh is None:
-        return Meshes(mesh, None, [mesh.get_group()])
-    joint = joint_mesh(mesh, tp_mesh)
-    return Meshes(mesh, joint, [joint.get_group(0), joint.get_group(1)])
+        return Meshes(mesh, None, (0,))
+    return Meshes(mesh, joint_mesh(mesh, tp_mesh), (0, 1))
 
 
 def trainable_params(
