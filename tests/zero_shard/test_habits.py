@@ -49,6 +49,16 @@ def offload(fraction: float) -> OffloadPolicy | None:
     )
 
 
+def wrapped_and_torch(
+    *, fraction: float = 0.0, stage: int = 2, with_side: bool = False
+) -> tuple[nn.Module, zero_shard.ZeroShardOptimizer, nn.Module, torch.optim.Optimizer]:
+    """The test model wrapped by zero-shard (tiny buckets), and an equal one with torch AdamW."""
+    model, ref = make_model(with_side=with_side), make_model(with_side=with_side)
+    opt = zero_shard.wrap(adamw(model), model, stage=stage, offload=offload(fraction),
+                          bucket_mb=TINY_BUCKETS)  # fmt: skip
+    return model, opt, ref, adamw(ref)
+
+
 def train_with_torch(
     model: nn.Module, opt: zero_shard.ZeroShardOptimizer, ref: nn.Module, rank: int, world: int,
     *, where: str,
@@ -108,10 +118,7 @@ def backward_in_micro_batches(
 
 def train_with_habit(rank: int, world: int, clear: Clear | None, *, stage: int, no_sync: bool,
                      fraction: float) -> None:  # fmt: skip
-    model, ref = make_model(with_side=True), make_model(with_side=True)
-    opt = zero_shard.wrap(adamw(model), model, stage=stage, offload=offload(fraction),
-                          bucket_mb=TINY_BUCKETS)  # fmt: skip
-    ref_opt = adamw(ref)
+    model, opt, ref, ref_opt = wrapped_and_torch(with_side=True, stage=stage, fraction=fraction)
     for step in range(STEPS):
         x, y = global_batch(step)
         loss = backward_in_micro_batches(
@@ -152,9 +159,7 @@ def steps_without_a_backward_in_between(rank: int, world: int) -> None:
         "model.zero_grad(set_to_none=False)": lambda model, opt: model.zero_grad(False),
     }
     for name, clear in between.items():
-        model, ref = make_model(), make_model()
-        opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
-        ref_opt = adamw(ref)
+        model, opt, ref, ref_opt = wrapped_and_torch(fraction=0.5)
         for step in range(STEPS):
             x, y = global_batch(step)
             mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
@@ -180,9 +185,7 @@ def clears_around_autograd_grad_and_no_sync_micro_batches(rank: int, world: int)
     # torch.autograd.grad between steps accumulates nothing (a clear after it is still seen);
     # a clear after a no_sync() micro-batch drops that micro-batch and what was carried over.
     for stage in (1, 2):
-        model, ref = make_model(), make_model()
-        opt = zero_shard.wrap(adamw(model), model, stage=stage, bucket_mb=TINY_BUCKETS)
-        ref_opt = adamw(ref)
+        model, opt, ref, ref_opt = wrapped_and_torch(stage=stage)
         for step in range(STEPS):
             x, y = global_batch(step)
             xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
@@ -209,9 +212,7 @@ def clears_around_autograd_grad_and_no_sync_micro_batches(rank: int, world: int)
 def zeroed_grads_are_stepped_as_zeros_and_unused_params_have_none(rank: int, world: int) -> None:
     # zero_grad(set_to_none=False) leaves zeros, which torch steps (AdamW's moments and weight
     # decay move the params) even with no backward, or when the param is not used again.
-    model, ref = make_model(with_side=True), make_model(with_side=True)
-    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
-    ref_opt = adamw(ref)
+    model, opt, ref, ref_opt = wrapped_and_torch(with_side=True, fraction=0.5)
     for step in range(STEPS):
         x, y = global_batch(step)
         side_rows = SIDE_ROWS if step == 0 else 0  # `side` is used at the first step only
@@ -233,9 +234,7 @@ def zeroed_grads_are_stepped_as_zeros_and_unused_params_have_none(rank: int, wor
 def clears_between_backward_and_step_with_clip_or_main_grad_between(rank: int, world: int) -> None:
     # A clear after backward, then clip / main_grad (each reads the grads), then the step; and
     # zero_grad(set_to_none=False) on params no rank used (torch leaves those None).
-    model, ref = make_model(with_side=True), make_model(with_side=True)
-    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
-    ref_opt = adamw(ref)
+    model, opt, ref, ref_opt = wrapped_and_torch(with_side=True, fraction=0.5)
     for step in range(STEPS):
         x, y = global_batch(step)
         for net, optimizer, xs, ys in (
@@ -261,9 +260,7 @@ def clears_between_backward_and_step_with_clip_or_main_grad_between(rank: int, w
 
 @case
 def a_clip_norm_is_not_the_verdict_once_the_grads_change(rank: int, world: int) -> None:
-    model, ref = make_model(), make_model()
-    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
-    ref_opt = adamw(ref)
+    model, opt, ref, ref_opt = wrapped_and_torch()
     x, y = global_batch(0)
     xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
     inf_target = torch.full_like(ys, float("inf"))
@@ -297,9 +294,7 @@ def a_clip_norm_is_not_the_verdict_once_the_grads_change(rank: int, world: int) 
 def a_grad_set_by_hand_after_backward_is_warned_and_the_reduced_one_steps(
     rank: int, world: int
 ) -> None:
-    model, ref = make_model(), make_model()
-    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
-    ref_opt = adamw(ref)
+    model, opt, ref, ref_opt = wrapped_and_torch()
     x, y = global_batch(0)
     mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
     model.out.weight.grad = torch.ones_like(model.out.weight)
@@ -313,9 +308,7 @@ def a_grad_set_by_hand_after_backward_is_warned_and_the_reduced_one_steps(
 
 @case
 def main_grad_on_one_rank_alone_communicates_nothing(rank: int, world: int) -> None:
-    model, ref = make_model(), make_model()
-    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
-    ref_opt = adamw(ref)
+    model, opt, ref, ref_opt = wrapped_and_torch()
     for step in range(STEPS):
         x, y = global_batch(step)
         mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
