@@ -50,11 +50,23 @@ def copy_async(
         if event is not None:
             stream.wait_event(event)
     with module.stream(stream):
-        for pair in pairs:
-            pair.dst.copy_(pair.src, non_blocking=True)
+        _copy_on(stream, pairs)
         event = module.Event()
         event.record(stream)
     return event
+
+
+def _copy_on(stream: Stream, pairs: Sequence[CopyPair]) -> None:
+    """Queues the copies on ``stream`` (current). Each device tensor records the stream, so that
+    the caller may drop it at once: the allocator reuses its memory only after the copy."""
+    on_device: dict[int, torch.Tensor] = {}  # one tensor per device allocation
+    for pair in pairs:
+        pair.dst.copy_(pair.src, non_blocking=True)
+        for tensor in pair:
+            if tensor.device.type != "cpu":
+                on_device.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+    for tensor in on_device.values():
+        tensor.record_stream(stream)
 
 
 def wait_event(event: Event | None) -> None:
@@ -111,8 +123,7 @@ class CopyEngine:
         module = torch.get_device_module(self.device)
         self.d2h_stream.wait_stream(module.current_stream(self.device))
         with module.stream(self.d2h_stream):
-            for pair in pairs:
-                pair.dst.copy_(pair.src, non_blocking=True)
+            _copy_on(self.d2h_stream, pairs)
 
     def mark_d2h(self) -> Event | None:
         """An event on the D2H stream: done once every D2H queued so far is done."""

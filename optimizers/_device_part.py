@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -15,21 +15,38 @@ from ._records import ParamRecord, Piece, flat_param
 
 __all__ = ["DevicePart"]
 
+ROUND_NUMEL = 1 << 26  # low-precision elements whose fp32 grads are cast at once (256 MiB)
+
+
+class Round(NamedTuple):
+    """Pieces stepped together by one sub-optimizer: their low-precision grads are cast to fp32
+    into the part's one scratch buffer, which the next round reuses (see [Note: main grads])."""
+
+    optimizer: torch.optim.Optimizer
+    pieces: list[tuple[ParamRecord, Piece]]  # in parameter order
+    group_map: list[int]  # sub-optimizer group i steps the user's group group_map[i]
+
 
 class DevicePart:
     """fp32 main weights, grads and state of the accelerator's share, stepped in stream order.
 
-    Params in a lower precision get fp32 main weights and main grads in one flat buffer per
-    param group; fp32 params are stepped in place with their own grads (no extra copy).
+    [Note: main grads]
+    Params in a lower precision get fp32 main weights, one flat buffer per round. Their fp32 main
+    grads are made at the step, round by round: a round's grads are cast into one scratch buffer
+    of at most ``ROUND_NUMEL`` elements (or the largest piece), its sub-optimizer steps, and its
+    params are written; the next round's cast follows on the same stream, so the buffer is free
+    again. So no full-size fp32 grad is held (4 bytes a param), and between steps only the params,
+    main weights and state are. fp32 params are stepped in place with their own grads (no copy).
+    The rounds add no time where the accelerator is the bottleneck: the host queues a round's
+    kernels while the previous round's run.
     """
 
-    optimizer: torch.optim.Optimizer | None  # None when nothing stays on the accelerator
+    rounds: list[Round]  # empty when nothing stays on the accelerator
     pieces: list[tuple[ParamRecord, Piece]]  # in parameter order
-    group_map: list[int]  # sub-optimizer group i steps the user's group group_map[i]
     _main_flats: list[
         torch.Tensor
-    ]  # 1-D fp32, accelerator, one per group with low-precision params
-    _grad_flats: list[torch.Tensor]  # 1-D fp32, same layout
+    ]  # 1-D fp32, accelerator, one per round with low-precision params
+    _grad_scratch: torch.Tensor  # 1-D fp32, accelerator: the largest round's cast grads
 
     def __init__(
         self,
@@ -40,61 +57,60 @@ class DevicePart:
         device: torch.device,
         impl: str,
     ) -> None:
-        self.pieces, self.group_map = [], []
-        self._main_flats, self._grad_flats = [], []
-        by_group: dict[int, list[PieceSpec]] = {}
-        for spec in specs:
-            by_group.setdefault(records[spec.param_index].group_index, []).append(spec)
-        ordered = sorted(by_group.items())
-        sub_groups, mains_per_group = [], []
-        for group_index, group_specs in ordered:
-            mains = self._make_mains(records, group_specs, device)
-            mains_per_group.append(mains)
-            hyper = {k: v for k, v in groups[group_index].items() if k != "params"}
-            sub_groups.append({"params": [main for main, _ in mains], **hyper})
-            self.group_map.append(group_index)
-        if not sub_groups:
-            self.optimizer = None
-            return
-        self.optimizer = build_sub_optimizer(optimizer_spec, sub_groups, device.type, impl)
-        for (_, group_specs), mains, sub_group in zip(
-            ordered, mains_per_group, self.optimizer.param_groups, strict=True
-        ):
-            for spec, (main, grad) in zip(group_specs, mains, strict=True):
-                piece = Piece(
-                    spec=spec, main=main, grad=grad, optimizer=self.optimizer, group=sub_group
-                )
-                record = records[spec.param_index]
-                record.pieces.insert(0, piece)
-                self.pieces.append((record, piece))
+        self.rounds, self.pieces, self._main_flats = [], [], []
+        scratch_numel = 0
+        for round_specs in _split_rounds(records, specs):
+            by_group: dict[int, list[PieceSpec]] = {}
+            for spec in round_specs:
+                by_group.setdefault(records[spec.param_index].group_index, []).append(spec)
+            ordered = sorted(by_group.items())
+            mains = self._make_mains(records, round_specs, device)
+            sub_groups = []
+            for group_index, group_specs in ordered:
+                hyper = {k: v for k, v in groups[group_index].items() if k != "params"}
+                sub_groups.append({"params": [mains[id(s)] for s in group_specs], **hyper})
+            optimizer = build_sub_optimizer(optimizer_spec, sub_groups, device.type, impl)
+            pieces = []
+            for (_, group_specs), sub_group in zip(ordered, optimizer.param_groups, strict=True):
+                for spec in group_specs:
+                    piece = Piece(
+                        spec=spec, main=mains[id(spec)], grad=None, optimizer=optimizer,
+                        group=sub_group,
+                    )  # fmt: skip
+                    record = records[spec.param_index]
+                    record.pieces.insert(0, piece)
+                    pieces.append((record, piece))
+            pieces.sort(key=lambda pair: pair[0].index)
+            self.rounds.append(Round(optimizer, pieces, [index for index, _ in ordered]))
+            self.pieces += pieces
+            scratch_numel = max(scratch_numel, _low_numel(records, round_specs))
+        self._grad_scratch = torch.empty(scratch_numel, dtype=torch.float32, device=device)
 
     def _make_mains(
         self, records: Sequence[ParamRecord], specs: Sequence[PieceSpec], device: torch.device
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        low = [s for s in specs if records[s.param_index].param.dtype != torch.float32]
-        main_flat = torch.empty(sum(s.numel for s in low), dtype=torch.float32, device=device)
-        grad_flat = torch.zeros_like(main_flat)
-        if low:
+    ) -> dict[int, torch.Tensor]:
+        """Each spec's fp32 main weight (by ``id(spec)``): a view of one new flat buffer for the
+        low-precision ones, the param itself for fp32 ones."""
+        main_flat = torch.empty(_low_numel(records, specs), dtype=torch.float32, device=device)
+        if main_flat.numel():
             self._main_flats.append(main_flat)
-            self._grad_flats.append(grad_flat)
-        mains, offset = [], 0
+        mains, offset = {}, 0
         for spec in specs:
-            source = flat_param(records[spec.param_index].param)[
-                spec.start : spec.start + spec.numel
-            ]
-            if records[spec.param_index].param.dtype == torch.float32:
-                mains.append((source, None))
+            param = records[spec.param_index].param
+            source = flat_param(param)[spec.start : spec.start + spec.numel]
+            if param.dtype == torch.float32:
+                mains[id(spec)] = source
                 continue
             main = main_flat[offset : offset + spec.numel]
             main.copy_(source)
-            mains.append((main, grad_flat[offset : offset + spec.numel]))
+            mains[id(spec)] = main
             offset += spec.numel
         return mains
 
     @property
     def num_bytes(self) -> int:
-        """Bytes of fp32 main weights, main grads and optimizer state held on the accelerator."""
-        flats = sum(t.numel() * t.element_size() for t in (*self._main_flats, *self._grad_flats))
+        """Bytes of fp32 main weights, the grad scratch and optimizer state on the accelerator."""
+        flats = sum(t.numel() * t.element_size() for t in (*self._main_flats, self._grad_scratch))
         state = sum(
             value.numel() * value.element_size()
             for _, piece in self.pieces
@@ -103,11 +119,16 @@ class DevicePart:
         )
         return flats + state
 
+    def sub_groups(self) -> Iterator[tuple[dict[str, Any], int]]:
+        """(sub-optimizer group, index of the user's group it steps), over every round."""
+        for round_ in self.rounds:
+            yield from zip(round_.optimizer.param_groups, round_.group_map, strict=True)
+
     @property
     def skips_on_device(self) -> bool:
         """Whether a step given ``found_inf`` is skipped by the kernels themselves, with no host
         synchronization: torch's fused optimizers read the flag on the device."""
-        return self.optimizer is None or bool(self.optimizer.defaults.get("fused"))
+        return not self.rounds or bool(self.rounds[0].optimizer.defaults.get("fused"))
 
     @torch.no_grad()
     def step(
@@ -123,51 +144,91 @@ class DevicePart:
         Runs on the current stream, so it is ordered after backward and before the next forward
         with no synchronization (none for ``found_inf`` either where ``skips_on_device``).
         """
-        if self.optimizer is None:
+        if not self.rounds:
             return
         if found_inf is not None and not self.skips_on_device and bool(found_inf):
             return  # the host waited for the flag: a sub-optimizer without a found_inf input
+        # torch's optimizers read a found_inf attribute (GradScaler's protocol): the fused kernels
+        # leave params and state as they are where it is nonzero (the step count is put back).
+        # The params written after them then get the same values again.
+        skip_on_device = found_inf is not None and self.skips_on_device
+        flag = found_inf.reshape(()) if skip_on_device else None
         with record_function("zero_shard::device_step"):
-            cast_dst, cast_src, written_params, written_mains, in_place = [], [], [], [], []
-            for record, piece in self.pieces:
-                grad = grads.get(record.index)
-                if grad is None:
-                    piece.main.grad = None  # no grad, no update: like torch
-                    continue
-                source = grad[piece.spec.start : piece.spec.start + piece.spec.numel]
-                if piece.grad is None:
-                    piece.main.grad = source
-                    in_place.append(source)
-                    continue
-                piece.main.grad = piece.grad
-                cast_dst.append(piece.grad)
-                cast_src.append(source)
-                start = piece.spec.start
-                written_params.append(flat_param(record.param)[start : start + piece.spec.numel])
-                written_mains.append(piece.main)
-            if cast_dst:
-                torch._foreach_copy_(cast_dst, cast_src)
-            if grad_scale is not None and (cast_dst or in_place):
-                torch._foreach_mul_(cast_dst + in_place, grad_scale)
-            # torch's optimizers read a found_inf attribute (GradScaler's protocol): the fused
-            # kernels leave params and state as they are where it is nonzero (the step count is
-            # put back). The params written below then get the same values again.
-            skip_on_device = found_inf is not None and self.skips_on_device
-            self.optimizer.found_inf = found_inf.reshape(()) if skip_on_device else None
-            try:
-                self.optimizer.step()
-            finally:
-                self.optimizer.found_inf = None
-            if written_params:
-                torch._foreach_copy_(written_params, written_mains)
-            for _, piece in self.pieces:
-                piece.main.grad = None  # drop references to the model's grads
+            for round_ in self.rounds:
+                self._step_round(round_, grads, grad_scale, flag)
+
+    def _step_round(
+        self,
+        round_: Round,
+        grads: dict[int, torch.Tensor],
+        grad_scale: float | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        cast_dst, cast_src, written_params, written_mains, in_place = [], [], [], [], []
+        offset = 0
+        for record, piece in round_.pieces:
+            grad = grads.get(record.index)
+            if grad is None:
+                piece.main.grad = None  # no grad, no update: like torch
+                continue
+            start, numel = piece.spec.start, piece.spec.numel
+            source = grad[start : start + numel]
+            if record.param.dtype == torch.float32:
+                piece.main.grad = source
+                in_place.append(source)
+                continue
+            # The scratch is free here: the last round's kernels that read it come first on
+            # this stream ([Note: main grads]).
+            piece.main.grad = self._grad_scratch[offset : offset + numel]
+            offset += numel
+            cast_dst.append(piece.main.grad)
+            cast_src.append(source)
+            written_params.append(flat_param(record.param)[start : start + numel])
+            written_mains.append(piece.main)
+        if not cast_dst and not in_place:
+            return
+        if cast_dst:
+            torch._foreach_copy_(cast_dst, cast_src)
+        if grad_scale is not None:
+            torch._foreach_mul_(cast_dst + in_place, grad_scale)
+        round_.optimizer.found_inf = found_inf
+        try:
+            round_.optimizer.step()
+        finally:
+            round_.optimizer.found_inf = None
+            for _, piece in round_.pieces:
+                piece.main.grad = None  # drop references to the model's grads and the scratch
+        if written_params:
+            torch._foreach_copy_(written_params, written_mains)
 
     @torch.no_grad()
     def reload_from_params(self, indices: set[int] | None = None) -> None:
         """Refreshes fp32 main weights from the model params (fp32 params are their own): of
         every param, or of the params whose record index is in ``indices``."""
         for record, piece in self.pieces:
-            if piece.grad is not None and (indices is None or record.index in indices):
+            low = record.param.dtype != torch.float32
+            if low and (indices is None or record.index in indices):
                 start = piece.spec.start
                 piece.main.copy_(flat_param(record.param)[start : start + piece.spec.numel])
+
+
+def _low_numel(records: Sequence[ParamRecord], specs: Iterable[PieceSpec]) -> int:
+    """Elements of ``specs`` whose params are in a lower precision than fp32."""
+    return sum(s.numel for s in specs if records[s.param_index].param.dtype != torch.float32)
+
+
+def _split_rounds(
+    records: Sequence[ParamRecord], specs: Sequence[PieceSpec]
+) -> list[list[PieceSpec]]:
+    """``specs`` cut in order into rounds of at most ``ROUND_NUMEL`` low-precision elements (a
+    larger piece makes a round alone); fp32 pieces cost the scratch nothing."""
+    rounds: list[list[PieceSpec]] = []
+    numel = 0
+    for spec in specs:
+        size = _low_numel(records, [spec])
+        if not rounds or (size and numel + size > ROUND_NUMEL and numel):
+            rounds.append([])
+            numel = 0
+        rounds[-1].append(spec)
+        numel += size
+    return rounds

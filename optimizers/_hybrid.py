@@ -399,11 +399,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _sub_groups(self) -> Iterable[tuple[dict[str, Any], dict[str, Any]]]:
         """(sub-optimizer group, the user's group it follows), for both devices."""
-        if self._device.optimizer is not None:
-            for sub_group, index in zip(
-                self._device.optimizer.param_groups, self._device.group_map, strict=True
-            ):
-                yield sub_group, self.param_groups[index]
+        for sub_group, index in self._device.sub_groups():
+            yield sub_group, self.param_groups[index]
         for chunk in self._host.chunks:
             yield chunk.optimizer.param_groups[0], self.param_groups[chunk.spec.group_index]
 

@@ -63,7 +63,8 @@ class ShardedParam:
     layout: StateLayout  # where its state lies over the ranks (its shard's place in the param)
     bucket: int = -1  # index of its bucket; -1 under FSDP2
     position: int = -1  # its place inside the bucket
-    grad_slot: torch.Tensor | None = None  # the shard's slot in the bucket's grad buffer
+    grad_slot: torch.Tensor | None = None  # the shard's slot in the bucket's grad buffer, while
+    #                                        it holds one
     version: int = 0  # the model param's version counter when zero-shard last wrote or read it
     changed: bool = False  # written by someone else since: its main weight must be reloaded
     watch: GradWatch | None = None  # whether the param's .grad was cleared since its grad was
@@ -138,16 +139,46 @@ class Bucket:
     params: list[ShardedParam]
     shard_buffer: torch.Tensor  # 1-D, model dtype, layout.shard_numel: the all-gather input; the
     #                             shards are views of it
-    grad_buffer: torch.Tensor | None  # 1-D, layout.segment_numel: this rank's reduced grads, then
-    #                                   one flag per param; None when grads arrive reduced (DDP)
+    grad_buffer: torch.Tensor | None = None  # 1-D, layout.segment_numel: this rank's reduced
+    #   grads, then one flag per param; held from the first reduction after zero_grad until the
+    #   grads are cleared ([Note: reduced grads held]); always None when grads arrive reduced (DDP)
+    flags_before: torch.Tensor | None = None  # the flags of the last grads held, once dropped
     ready: set[int] = field(default_factory=set)  # positions whose grad hook fired this backward
-    has_grads: bool = False  # grad_buffer holds a reduction since zero_grad: the next one adds
     aliased: bool = False  # its params are their own shards (one rank): nothing to gather
     missing: bool = False  # since the grads were last written whole, some param lacked one here
 
     @property
     def specs(self) -> list[ShardSpec]:
         return [sharded.spec for sharded in self.params]
+
+    @property
+    def has_grads(self) -> bool:
+        """A reduction since the grads were last cleared: the next one may add to it."""
+        return self.grad_buffer is not None
+
+    @property
+    def grad_bytes(self) -> int:
+        """The size of the grad buffer, held or not."""
+        return self.layout.segment_numel * self.layout.dtype.itemsize
+
+    def hold_grads(self, buffer: torch.Tensor) -> None:
+        """Takes ``buffer`` as the grad buffer: each param's slot becomes a view of it."""
+        self.grad_buffer = buffer
+        for sharded, offset in zip(self.params, self.layout.offsets, strict=True):
+            numel = sharded.spec.numel
+            sharded.grad_slot = buffer[offset : offset + numel].view(sharded.shard.shape)
+
+    def drop_grads(self) -> None:
+        """Frees the grad buffer (the grads were cleared), keeping its flags, which a zeroed grad
+        reads (``_flag_zeroed_as_before``). Call it on the stream the buffer was last written
+        on: the flags are copied there."""
+        if self.grad_buffer is None:
+            return
+        self.flags_before = self.grad_buffer[self.layout.shard_numel :].clone()
+        self.grad_buffer = None
+        for sharded in self.params:
+            sharded.grad_slot = None
+            sharded.shard.grad = None
 
 
 def _leaf_view(buffer: torch.Tensor, start: int, shape: Sequence[int]) -> torch.Tensor:
@@ -167,7 +198,6 @@ def build_buckets(
     mesh: DeviceMesh,
     joint: DeviceMesh | None,
     bucket_bytes: int,
-    with_grad_buffers: bool,
     units: Sequence[int] | None = None,
 ) -> tuple[list[ShardedParam], list[Bucket]]:
     """Shards ``params`` (replicated over the 1-D ``mesh``; tensor-parallel ones by their local
@@ -175,8 +205,7 @@ def build_buckets(
     sharding]) by rows and packs them into buckets, keeping ``units`` whole as ``plan_buckets``
     does.
 
-    Each shard is filled with this rank's rows of its parameter; grad buffers, if asked for, are
-    zero.
+    Each shard is filled with this rank's rows of its parameter; no bucket holds grads yet.
     """
     rank, world_size = mesh.get_local_rank(), mesh.size()
     locals_ = [local_tensor(p) for p in params]
@@ -187,9 +216,6 @@ def build_buckets(
     for bucket_index, layout in enumerate(layouts):
         device = params[layout.param_indices[0]].device
         shard_buffer = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=device)
-        grad_buffer = None
-        if with_grad_buffers:
-            grad_buffer = torch.zeros(layout.segment_numel, dtype=layout.dtype, device=device)
         members = []
         for position, (index, offset) in enumerate(
             zip(layout.param_indices, layout.offsets, strict=True)
@@ -200,9 +226,6 @@ def build_buckets(
                 shard.view(-1).copy_(
                     local.detach().reshape(-1)[spec.start : spec.start + spec.numel]
                 )
-            slot = None
-            if grad_buffer is not None:
-                slot = grad_buffer[offset : offset + spec.numel].view(shard.shape)
             state_layout = rows_layout(param, fqns[index], spec, mesh, joint)
             record = ShardedParam(
                 param=param,
@@ -213,12 +236,11 @@ def build_buckets(
                 layout=state_layout,
                 bucket=bucket_index,
                 position=position,
-                grad_slot=slot,
                 counted=state_layout.counted_here(range(state_layout.mesh.ndim)),
             )
             sharded[index] = record
             members.append(record)
-        buckets.append(Bucket(layout, members, shard_buffer, grad_buffer))
+        buckets.append(Bucket(layout, members, shard_buffer))
     return sharded, buckets
 
 

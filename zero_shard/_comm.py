@@ -250,7 +250,6 @@ class _GatheredComm:
         joint: DeviceMesh | None,
         *,
         bucket_mb: float,
-        with_grad_buffers: bool,
     ) -> None:
         self._module = module
         self._plan = plan
@@ -269,7 +268,6 @@ class _GatheredComm:
             mesh=mesh,
             joint=joint,
             bucket_bytes=int(bucket_mb * (1 << 20)),
-            with_grad_buffers=with_grad_buffers,
             units=[plan.owner[id(p)] for p, _, _ in ordered],
         )
         record_of = {id(record.param): record for record in sharded}
@@ -313,13 +311,8 @@ class _GatheredComm:
                 sharded.realias()  # given other memory since (param.data = t)
 
     def device_bytes(self) -> int:
-        """Bytes of the shard and grad buffers."""
-        return sum(
-            t.numel() * t.element_size()
-            for bucket in self.buckets
-            for t in (bucket.shard_buffer, bucket.grad_buffer)
-            if t is not None
-        )
+        """Bytes of the shard buffers."""
+        return sum(b.shard_buffer.numel() * b.shard_buffer.element_size() for b in self.buckets)
 
 
 class DDPComm(_GatheredComm):
@@ -338,9 +331,7 @@ class DDPComm(_GatheredComm):
         bucket_mb: float,
     ) -> None:
         self._ddp = ddp
-        self._build(
-            ddp.module, trainable, plan, mesh, joint, bucket_mb=bucket_mb, with_grad_buffers=False
-        )
+        self._build(ddp.module, trainable, plan, mesh, joint, bucket_mb=bucket_mb)
 
     def finalize_grads(self, *, reduce: bool = True) -> None:
         for sharded in self.sharded:
@@ -386,9 +377,7 @@ class ReplicatedComm(_GatheredComm):
         bucket_mb: float,
         stage: int,
     ) -> None:
-        self._build(
-            module, trainable, plan, mesh, joint, bucket_mb=bucket_mb, with_grad_buffers=True
-        )
+        self._build(module, trainable, plan, mesh, joint, bucket_mb=bucket_mb)
         if mesh.size() == 1:  # one rank: the params become views of the shard buffers
             _alias_params(self.buckets)
         self.reducer = GradReducer(self.buckets, self._group, stage=stage, device=device)
@@ -405,6 +394,7 @@ class ReplicatedComm(_GatheredComm):
             alive = reducer()
             if alive is not None:
                 alive.forget_aborted_backward()
+                alive.drop_cleared()
 
         aborted = self._module.register_forward_pre_hook(before_forward)
         return [*handles, aborted, *self.reducer.register_hooks()]
@@ -414,7 +404,12 @@ class ReplicatedComm(_GatheredComm):
 
     def checked_grads(self) -> list[torch.Tensor]:
         # Each bucket's reduced grads in one piece: its gaps and padding hold zeros.
-        return [b.grad_buffer[: b.layout.shard_numel] for b in self.buckets]
+        return [b.grad_buffer[: b.layout.shard_numel] for b in self.buckets if b.has_grads]
+
+    def device_bytes(self) -> int:
+        """Bytes of the shard buffers and of the reduced grads (held from backward to
+        ``zero_grad``)."""
+        return super().device_bytes() + sum(b.grad_bytes for b in self.buckets)
 
     def grads_marker(self) -> Any:
         return self.reducer.num_changes

@@ -22,6 +22,21 @@ A grad buffer accumulates over backwards as ``.grad`` does in torch, param by pa
 reduction adds to a param's reduced grad unless its ``.grad`` was cleared since ([Note: released
 grads]), and ``zero_grad`` clears them all. A step with no backward since the last step (grads set
 by hand, or none at all) reduces every bucket then, as grads left from before are kept.
+
+At one rank the packed grads are the reduced ones: they are packed straight into the grad buffer
+and no collective runs.
+
+[Note: reduced grads held]
+A bucket holds its grad buffer from its first reduction after the grads were cleared until they
+are cleared again, as torch holds ``.grad``: ``opt.zero_grad()`` drops every bucket's, and a
+forward drops the buffer of a bucket whose every param's ``.grad`` was set to ``None`` since
+(``model.zero_grad()``). So the reduced grads never stand beside the next forward's activations,
+and at one rank a step holds no more than torch's. The buffer is allocated on the current
+stream, where the step reads it, and records the side stream, which writes it: the allocator
+reuses its memory only after the side stream's work queued before the drop, and after any
+copy that recorded its own stream (the D2H of grads to the CPU). The current stream waits for
+the reductions in flight before a drop, since the presence flags are copied out there (a
+zeroed ``.grad`` reads them: ``_flag_zeroed_as_before``).
 """
 
 from __future__ import annotations
@@ -179,50 +194,75 @@ class GradReducer:
                     f"{self._device}"
                 )
         layout, world = bucket.layout, self._world_size
-        scaling = choose_reduce_scaling(world, self._device, layout.dtype)
+        adds = any(kept)
         # The grads are complete on the stream current here (backward's); read it before
         # switching, or the side stream would wait on itself.
         compute = current_stream(self._device)
+        before = _flags_before(bucket)
+        if not bucket.has_grads:
+            # On the current stream, where the step reads it; the side stream's writes are
+            # recorded, so that its memory waits for them once the grads are dropped.
+            buffer = torch.empty(layout.segment_numel, dtype=layout.dtype, device=self._device)
+            if self._stream is not None:
+                buffer.record_stream(self._stream)
+            bucket.hold_grads(buffer)
+        # One rank: the packed grads are the reduced ones, packed straight into the buffer
+        # unless added to it (or its flags are still to be read).
+        alone = world == 1
+        into_buffer = alone and not adds and not any(zeroed)
         with use_stream(self._stream):
             wait_stream(self._stream, compute)
-            packed = torch.zeros(
-                world * layout.segment_numel, dtype=layout.dtype, device=self._device
-            )
+            if into_buffer:
+                packed = bucket.grad_buffer.zero_()
+            else:
+                packed = torch.zeros(
+                    world * layout.segment_numel, dtype=layout.dtype, device=self._device
+                )
             with record_function("zero_shard::pack"):
                 pack_grads(packed, layout, bucket.specs, grads, world)
                 if any(zeroed):
-                    _flag_zeroed_as_before(packed, bucket, zeroed, world)
+                    _flag_zeroed_as_before(packed, bucket, zeroed, before, world)
             for sharded, grad in zip(bucket.params, grads, strict=True):
                 if grad is not None and self._stream is not None:
                     grad.record_stream(self._stream)
                 # Every param's, with a local grad or not: the slot holds the grad of all ranks.
                 sharded.watch.release()
-            adds = any(kept)
             if adds and not all(kept):
                 _clear_slots(bucket, [not keep for keep in kept])
-            direct = self._scatter and not adds
-            out = None
-            if self._scatter:
-                out = bucket.grad_buffer if direct else torch.empty_like(bucket.grad_buffer)
-            with record_function(
-                "zero_shard::reduce_scatter" if self._scatter else "zero_shard::all_reduce"
-            ):
-                launch_reduction(packed, out, self._group, scaling).wait()
-            result = out if self._scatter else packed.view(world, -1)[self._rank]
-            if scaling.post_divide is not None:
-                result.div_(scaling.post_divide)
-            if adds:
-                bucket.grad_buffer.add_(result)
-            elif not direct:
-                bucket.grad_buffer.copy_(result)
+            if not alone:
+                self._reduce_over_ranks(bucket, packed, adds)
+            elif adds:
+                bucket.grad_buffer.add_(packed)
+            elif not into_buffer:
+                bucket.grad_buffer.copy_(packed)
             self._event = record_event(self._stream)
-        bucket.has_grads = True
         # A rewritten bucket forgets what was missing before: its flags are this reduction's.
         missing_now = any(g is None for g in grads) or any(zeroed)
         bucket.missing = (bucket.missing and adds) or missing_now
         self.num_changes += 1
         self._reduced_in_window = True
         self._unreduced_backward = False
+
+    def _reduce_over_ranks(self, bucket: Bucket, packed: torch.Tensor, adds: bool) -> None:
+        """On the side stream: reduces ``packed`` over the ranks into the bucket's grad buffer,
+        written, or added to it."""
+        layout, world = bucket.layout, self._world_size
+        scaling = choose_reduce_scaling(world, self._device, layout.dtype)
+        direct = self._scatter and not adds
+        out = None
+        if self._scatter:
+            out = bucket.grad_buffer if direct else torch.empty_like(bucket.grad_buffer)
+        with record_function(
+            "zero_shard::reduce_scatter" if self._scatter else "zero_shard::all_reduce"
+        ):
+            launch_reduction(packed, out, self._group, scaling).wait()
+        result = out if self._scatter else packed.view(world, -1)[self._rank]
+        if scaling.post_divide is not None:
+            result.div_(scaling.post_divide)
+        if adds:
+            bucket.grad_buffer.add_(result)
+        elif not direct:
+            bucket.grad_buffer.copy_(result)
 
     @torch.no_grad()
     def finish(self, *, reduce: bool = True) -> None:
@@ -233,10 +273,12 @@ class GradReducer:
         if reduce and (not self._reduced_in_window or self._unreduced_backward):
             self._reduce_rest()
         self._warn_late_grads()
-        if self._event is not None:
-            current_stream(self._device).wait_event(self._event)
-            self._event = None
+        self._wait_reductions()
         for bucket in self.buckets:
+            if not bucket.has_grads:  # none reduced since the grads were cleared
+                for sharded in bucket.params:
+                    sharded.shard.grad = None
+                continue
             dropped, changed = _clear_after_reduction(bucket)
             self.num_changes += changed
             present = [True] * bucket.layout.num_params
@@ -265,23 +307,47 @@ class GradReducer:
                 stacklevel=4,
             )
 
+    def _wait_reductions(self) -> None:
+        """Makes the current stream wait for the reductions in flight."""
+        if self._event is not None:
+            current_stream(self._device).wait_event(self._event)
+            self._event = None
+
+    def _drop_grads(self, bucket: Bucket) -> None:
+        bucket.drop_grads()  # on the current stream, which waited for the reductions
+        bucket.missing = False
+        for sharded in bucket.params:
+            sharded.watch.forget()
+
     def reset(self) -> None:
-        """``zero_grad``: the next reduction writes its grad buffer instead of adding to it.
+        """``zero_grad``: the reduced grads are dropped (their memory freed); the next reduction
+        writes a new grad buffer. See [Note: reduced grads held].
 
         Also forgets a backward that raised before its end-of-backward callback ran (its
         buckets half reduced), so the next backward starts clean.
         """
+        self._wait_reductions()
         for bucket in self.buckets:
-            bucket.has_grads = False
-            bucket.missing = False
+            self._drop_grads(bucket)
             bucket.ready.clear()
             for sharded in bucket.params:
                 sharded.shard.grad = None
-                sharded.watch.forget()
         self._next = len(self.buckets) - 1
         self._in_backward = False
         self._reduced_in_window = False
         self._unreduced_backward = False
+
+    def drop_cleared(self) -> None:
+        """Before a forward (outside backward): a bucket whose every param's ``.grad`` was set to
+        ``None`` since its reduction (``model.zero_grad()``) drops its reduced grads, as torch
+        frees them, so that they do not stand beside the activations. See [Note: reduced grads
+        held]."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward recomputed inside backward (activation checkpointing)
+        for bucket in self.buckets:
+            if bucket.has_grads and all(s.param.grad is None for s in bucket.params):
+                self._wait_reductions()
+                self._drop_grads(bucket)
 
     def end_window(self) -> None:
         """A step took the reduced grads: the next ``finish`` reduces again unless a backward
@@ -313,18 +379,29 @@ def _clear_slots(bucket: Bucket, cleared: list[bool]) -> None:
             flags[position].zero_()
 
 
+def _flags_before(bucket: Bucket) -> torch.Tensor | None:
+    """The presence flags of the bucket's last reduction (in the grad buffer, or kept when it
+    was dropped); None before any."""
+    if bucket.has_grads:
+        return bucket.grad_buffer[bucket.layout.shard_numel :]
+    return bucket.flags_before
+
+
 def _flag_zeroed_as_before(
-    packed: torch.Tensor, bucket: Bucket, zeroed: list[bool], world_size: int
+    packed: torch.Tensor,
+    bucket: Bucket,
+    zeroed: list[bool],
+    before: torch.Tensor | None,
+    world_size: int,
 ) -> None:
-    """A zeroed placeholder is a zero grad where the param had a grad (its flag after the last
-    reduction, still in the grad buffer), and no grad where no rank had one: torch's zero_grad
-    zeroes a grad, and leaves a None one None."""
+    """A zeroed placeholder is a zero grad where the param had a grad (its flag ``before``, after
+    the last reduction), and no grad where no rank had one: torch's zero_grad zeroes a grad, and
+    leaves a None one None."""
     layout = bucket.layout
     flags = packed.view(world_size, layout.segment_numel)[:, layout.shard_numel :]
-    before = bucket.grad_buffer[layout.shard_numel :]
     for position, is_zeroed in enumerate(zeroed):
         if is_zeroed:
-            flags[:, position] = (before[position] > 0).to(flags.dtype)
+            flags[:, position] = 0 if before is None else (before[position] > 0).to(flags.dtype)
 
 
 def _clear_after_reduction(bucket: Bucket) -> tuple[list[bool], bool]:

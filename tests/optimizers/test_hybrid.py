@@ -23,6 +23,7 @@ from _parity import (
 )
 
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
+from optimizers import _device_part as device_part
 from optimizers import _host_part as host_part
 
 FRACTIONS = [0.0, 0.37, 1.0]
@@ -378,3 +379,26 @@ def test_found_inf_skips_the_step_bit_for_bit(name: str, fraction: float) -> Non
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)), f"step {step}"
     with pytest.raises(TypeError, match="found_inf must be a one-element float32 tensor"):
         opt.step(found_inf=torch.zeros(2))
+
+
+@pytest.mark.parametrize(("fraction", "round_numel"), [(0.0, 40), (0.0, 365), (0.37, 40)])
+def test_device_share_steps_in_bounded_rounds_as_in_one(
+    monkeypatch: pytest.MonkeyPatch, fraction: float, round_numel: int
+) -> None:
+    # The accelerator casts its share's bf16 grads to fp32 a round at a time into one scratch
+    # ([Note: main grads]). Small rounds: a param larger than a round alone, rounds of several
+    # params (of both groups, with 365), an empty param, grads missing for some params at one
+    # step. It steps as torch's fused kernel on whole params; a found_inf step changes nothing;
+    # and it holds fewer bytes than with one round.
+    whole = hybrid(make_params(torch.bfloat16, "cpu"), "adamw", fraction).memory_report()
+    monkeypatch.setattr(device_part, "ROUND_NUMEL", round_numel)
+    params = make_params(torch.bfloat16, "cpu")
+    refs = fp32_copies(params)
+    opt, ref_opt = hybrid(params, "adamw", fraction), reference(refs, "adamw", fused=True)
+    assert opt.memory_report().device_bytes < whole.device_bytes
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=5, skip={2: {0, 4}}):
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+        before = _snapshot(opt, params)
+        opt.step(found_inf=torch.ones(()))
+        after = _snapshot(opt, params)
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), f"step {step}"

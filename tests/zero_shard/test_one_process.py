@@ -1,7 +1,8 @@
 """One process with no process group: ``wrap`` makes a group of one and trains as torch AdamW,
 each param its own shard (not held twice), also after ``param.data = ...`` gives a param other
 memory and after a load into a state dict taken before wrap; under a launcher's environment for
-more ranks it refuses instead of training each rank alone.
+more ranks it refuses instead of training each rank alone. On one GPU, a step holds no more
+memory than torch's AdamW, between steps and at its peak.
 
 Each case runs in a fresh interpreter: the process group it makes would outlive it here."""
 
@@ -92,6 +93,72 @@ CONVERTED = textwrap.dedent(
 )
 
 
+PEAK_MEMORY = textwrap.dedent(
+    """
+    import torch
+    import zero_shard
+
+    BUCKET_MB = 4  # many buckets: the reduced grads of the whole model are 19 times one
+
+    def make():
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(512, 8, 2048, batch_first=True, dropout=0.0)
+        return torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False).cuda()
+
+    def measure(wrap, clear):
+        base = torch.cuda.memory_allocated()
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        if wrap:
+            opt = zero_shard.wrap(opt, model, bucket_mb=BUCKET_MB)
+        x = torch.randn(8, 512, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        held, peak = [], 0
+        for step in range(4):
+            if step == 2:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            model(x).square().mean().backward()
+            if wrap:
+                opt.clip_grad_norm_(1.0)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if clear == "opt":
+                opt.zero_grad()
+            else:  # the model's way, as Hugging Face's Trainer clears
+                model.zero_grad()
+            if wrap:
+                opt.finish_param_sync()
+            torch.cuda.synchronize()
+            held.append(torch.cuda.memory_allocated() - base)
+        peak = torch.cuda.max_memory_allocated() - base
+        out = model(x).sum().item()
+        del model, opt
+        torch.cuda.empty_cache()
+        return held[-1], peak, out
+
+    numel = sum(p.numel() for p in make().parameters())
+    torch.cuda.empty_cache()
+    torch_held, torch_peak, torch_out = measure(False, "opt")
+    print(f"torch AdamW (fused): held {{torch_held / 2**20:.1f}} MiB, peak {{torch_peak / 2**20:.1f}} MiB"
+          f" ({{numel * 4 / 2**20:.1f}} MiB of fp32 grads)")
+    for clear in ("opt", "model"):
+        held, peak, out = measure(True, clear)
+        print(f"zero-shard, {{clear}}.zero_grad(): held {{held / 2**20:.1f}} MiB, peak {{peak / 2**20:.1f}} MiB")
+        if clear == "opt":  # (the model's way drops the reduced grads at the next forward)
+            # After zero_grad the step holds what torch holds: params and two states (the
+            # presence flags are a few bytes a bucket).
+            assert held <= torch_held + (1 << 20), (clear, held, torch_held)
+        # In backward a bucket's grads and its reduced copy stand together until packed: one
+        # bucket over torch at most, the whole grads (19 buckets) if the reduced grads were held
+        # through the forward.
+        assert peak <= torch_peak + BUCKET_MB * 2**20, (clear, peak, torch_peak)
+        assert abs(out - torch_out) <= 1e-3 * abs(torch_out), (out, torch_out)
+    print("no more than torch")
+    """
+)
+
+
 def run(script: str, **env: str) -> subprocess.CompletedProcess:
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
                 "PMI_SIZE")  # fmt: skip
@@ -118,3 +185,11 @@ def test_a_model_converted_after_wrap_is_refused_not_put_back() -> None:
     result = run(CONVERTED)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused" in result.stdout
+
+
+@pytest.mark.cuda
+def test_one_gpu_holds_no_more_than_torch() -> None:
+    result = run(PEAK_MEMORY)
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "no more than torch" in result.stdout
