@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import psutil
 import pytest
 import torch
 from _harness import check_outcome, run_cases
@@ -26,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
 import zero_shard
-from offload import _host_memory, _pinned
+from offload import _pinned
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
 
 CASES = {}
@@ -231,7 +232,7 @@ def a_mesh_that_does_not_match_the_process_group(rank: int, world: int) -> None:
 def host_memory_short_on_one_rank(rank: int, world: int) -> None:
     model = make_model()
     tiny = mock.Mock(total=64 * GiB, available=1 << 10)  # rank 1's host is full
-    fake = mock.patch.object(_host_memory.psutil, "virtual_memory", return_value=tiny)
+    fake = mock.patch.object(psutil, "virtual_memory", return_value=tiny)
     expected = r"needs .* of host memory .* but only 1\.00 KiB is available"
     with fake if rank == 1 else contextlib.nullcontext():
         with pytest.raises(ValueError, match=("" if rank == 1 else "on rank 1: .*") + expected):
@@ -396,11 +397,12 @@ def test_host_memory_refused_before_any_allocation(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("ZERO_SHARD_SKIP_HOST_MEMORY_CHECK", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     tiny = mock.Mock(total=64 * GiB, available=1 << 10)
-    monkeypatch.setattr(_host_memory.psutil, "virtual_memory", lambda: tiny)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: tiny)
 
     def no_allocation(*args: object, **kwargs: object) -> None:
         raise AssertionError("host buffers were allocated before the memory check")
 
+    # Fault injection: no public API tells whether host memory was allocated before a refusal.
     monkeypatch.setattr(_pinned, "_allocate_block", no_allocation)
     net = Net()
     # 144 fp32 elements offloaded, 16 bytes each: main weight, two AdamW states, staging (which
@@ -422,6 +424,7 @@ def test_failed_pin_falls_back_and_training_goes_on(monkeypatch: pytest.MonkeyPa
             raise RuntimeError("CUDA error: out of memory (simulated cudaHostAlloc failure)")
         return real_empty(*args, **kwargs)
 
+    # The warn-once flag is private state: reset, so this test sees the warning whatever ran before.
     monkeypatch.setattr(_pinned, "_pin_failure_warned", False)
     monkeypatch.setattr(_pinned.torch, "empty", pin_fails)
     torch.manual_seed(0)

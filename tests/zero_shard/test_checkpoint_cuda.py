@@ -101,6 +101,8 @@ def check_placement(opt: ZeroShardOptimizer, fraction: float, device: torch.devi
     assert report.device == str(device), report
     assert report.num_host_elements == math.floor(fraction * num_elements + 0.5), report
     assert report.pinned is (None if fraction == 0 else True), report
+    # White-box: state_dict() shows a param cut between devices as a CPU copy, so only the
+    # records say where each piece's main weight, staging and state live.
     for record in opt._hybrid._records:
         for piece in record.pieces:
             on_host = piece.staging is not None
@@ -234,6 +236,8 @@ def async_save_beside_nccl_training(rank: int, world: int) -> None:
     snapshot_state = zero_shard.full_state_dict(opt)
     future = zero_shard.checkpoint.async_save(folder() / "async", model=model, optimizer=opt,
                                               extra={"step": 2})  # fmt: skip
+    # White-box: the checkpoint's own group is private; the outcome (a correct checkpoint beside
+    # NCCL training) is checked below.
     assert dist.get_backend(zero_shard.checkpoint._checkpoint_group()) == "gloo"
     train(model, opt, rank, world, range(2, 6))  # NCCL reduce-scatters and gathers meanwhile
     future.result(timeout=120)

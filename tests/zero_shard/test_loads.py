@@ -204,7 +204,9 @@ def fsdp2_shard_replaced_raises(rank: int, world: int) -> None:
     opt = zero_shard.wrap(adamw(net), net)
     train_step(net, opt, 0, rank, world)
     param = net.mid.weight
-    param._local_tensor = param._local_tensor.clone()  # as FSDP2's reset_sharded_param does
+    # DTensor's private field, set as FSDP2's reset_sharded_param sets it: the public route
+    # (net.mid.double().float()) fails in torch's swap_tensors while the optimizer holds the shards.
+    param._local_tensor = param._local_tensor.clone()
     x, y = global_batch(1)
     mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
     with pytest.raises(
@@ -311,6 +313,7 @@ def a_failed_async_save_raises_at_the_next_save(rank: int, world: int) -> None:
 
     # The commit failing on rank 0 alone, in the background: every rank's save fails (the
     # others do not wait for rank 0), and the next (synchronous) save raises on every rank.
+    # Fault injection: the commit is private, and no public input makes it fail on one rank.
     commit = checkpoint._commit
 
     def failing_commit(*args: Any) -> None:

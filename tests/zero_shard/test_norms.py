@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zero_shard._norms import global_norm, nonfinite_flag
+from zero_shard._norms import global_norm, nonfinite_flag  # private free functions, unit-tested
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -383,6 +383,7 @@ def writes_right_after_step_without_finish_param_sync_raise(rank: int, world: in
 @case
 def a_failed_gather_raises_at_every_wait(rank: int, world: int) -> None:
     # Every rank fails alike (one rank alone would leave the others' gathers to time out).
+    # Fault injection: no public input makes a gather fail on every rank alike.
     original = _gather.launch_all_gather
 
     def failing(*args: Any) -> None:
@@ -485,6 +486,7 @@ def bad_units_are_refused_on_every_rank(rank: int, world: int) -> None:
 def slow_gathers(seconds: float) -> contextlib.AbstractContextManager:
     """Every bucket's copy into the params comes ``seconds`` later: a forward that did not wait
     for it would read old weights."""
+    # Private: the race test slows the gather's copy itself; no public hook reaches it.
     return delayed(_gather, "unpack_params", lambda: time.sleep(seconds))
 
 

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+# Private free functions, unit-tested: the public API shows neither the layout nor the packing.
 from zero_shard._collectives import choose_reduce_scaling, pack_grads, unpack_params
 from zero_shard._layout import plan_buckets, shard_spec
 

@@ -60,7 +60,7 @@ def full(value: Any) -> Any:
     if not isinstance(value, DTensor):
         return value
     mesh = value.device_mesh
-    if value._local_tensor.device.type != mesh.device_type:  # an offloaded shard's host state
+    if value.to_local().device.type != mesh.device_type:  # an offloaded shard's host state
         value = DTensor.from_local(value.to_local().to(mesh.device_type), mesh, value.placements,
                                    shape=value.shape, stride=value.stride())  # fmt: skip
     return value.full_tensor()
@@ -120,6 +120,7 @@ def full_params(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     params = [param for group in opt.param_groups for param in group["params"]]
     whole = {}
     for fqn, param in zip(fqns, params, strict=True):
+        # torch DDP's private record of a tensor-parallel param's layout: nothing public keeps it.
         spec = getattr(param, "_st_info", None)
         if spec is not None:
             param = DTensor.from_local(param.detach(), spec.mesh, spec.placements,
@@ -225,13 +226,13 @@ def poison_on_last_rank(model: nn.Module, opt: Any) -> Any:
     params = [p for group in opt.param_groups for p in group["params"] if p.dim() == 2]
     if isinstance(params[0], DTensor) and params[0].device_mesh.ndim == 2:  # FSDP2's
         if last:
-            local = next(p.grad._local_tensor for p in params if p.grad._local_tensor.numel())
+            local = next(p.grad.to_local() for p in params if p.grad.to_local().numel())
             local.view(-1)[0] = float("inf")
         return None
 
     def poison(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
-        (grad._local_tensor if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
+        (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
         return grad
 
     return params[0].register_hook(poison) if last else None
