@@ -46,10 +46,7 @@ to ``--out`` after each operation, so a cut-off run keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -59,12 +56,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import (
+    Clock,
+    describe_run,
+    init_distributed,
+    peak_memory,
+    reset_peak_memory,
+    write_json,
+)
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import zero_shard
 
-DEVICE = "cuda"  # --smoke: "cpu" (gloo, tiny sizes), to check the script without a GPU
 OPERATIONS = ("save", "async_save", "load", "state_dict")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -74,38 +78,21 @@ def checkpoint_bytes_per_param(dtype: torch.dtype) -> int:
     return dtype.itemsize + 4 * (2 if dtype == torch.float32 else 3)
 
 
-def synchronize() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def reset_peak_memory() -> int:
-    """Starts a peak measurement; returns the bytes allocated now."""
-    if DEVICE != "cuda":
-        return 0
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
-
-
-def peak_memory() -> int:
-    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
-
-
 def build(
-    num_layers: int, width: int, dtype: torch.dtype, fraction: float
+    device: torch.device, num_layers: int, width: int, dtype: torch.dtype, fraction: float
 ) -> tuple[nn.Module, zero_shard.ZeroShardOptimizer]:
     """The param set, wrapped, after one step."""
     torch.manual_seed(0)  # the same replicated params on every rank
     model = nn.Sequential(
         *[
-            nn.Linear(width, width, bias=False, device=DEVICE, dtype=dtype)
+            nn.Linear(width, width, bias=False, device=device, dtype=dtype)
             for _ in range(num_layers)
         ]
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     offload = zero_shard.OffloadPolicy(fraction=fraction) if fraction > 0 else None
     opt = zero_shard.wrap(opt, model, offload=offload)
-    x = torch.randn(2, width, device=DEVICE, dtype=dtype)
+    x = torch.randn(2, width, device=device, dtype=dtype)
     model(x).float().sum().backward()
     opt.step()
     opt.zero_grad()
@@ -153,6 +140,7 @@ def remove_checkpoint(path: Path) -> None:
 
 def repeat(
     operation: Callable[[], dict[str, float]],
+    clock: Clock,
     reps: int,
     between: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
@@ -162,11 +150,11 @@ def repeat(
     samples = []
     for rep in range(reps):
         dist.barrier()
-        synchronize()
-        base = reset_peak_memory()
+        clock.synchronize()
+        base = reset_peak_memory(clock.device)
         values = operation()
-        synchronize()
-        values["peak_device_gib"] = (peak_memory() - base) / 2**30
+        clock.synchronize()
+        values["peak_device_gib"] = (peak_memory(clock.device) - base) / 2**30
         samples.append(values)
         if between is not None and rep < reps - 1:
             between()
@@ -182,10 +170,16 @@ def repeat(
     return result
 
 
-def bench(args: argparse.Namespace, report: dict[str, Any], write: Callable[[], None]) -> None:
+def bench(
+    args: argparse.Namespace,
+    device: torch.device,
+    report: dict[str, Any],
+    write: Callable[[], None],
+) -> None:
     num_layers = max(1, round(args.params_b * 1e9 / args.width**2))
     dtype = DTYPES[args.dtype]
-    model, opt = build(num_layers, args.width, dtype, args.fraction)
+    clock = Clock(device)
+    model, opt = build(device, num_layers, args.width, dtype, args.fraction)
     num_params = num_layers * args.width**2
     memory = opt.memory_report()
     report["params"] = {
@@ -231,13 +225,13 @@ def bench(args: argparse.Namespace, report: dict[str, Any], write: Callable[[], 
     def load() -> dict[str, float]:
         start = time.perf_counter()
         zero_shard.checkpoint.load(path, model=model, optimizer=opt)
-        synchronize()
+        clock.synchronize()
         return {"seconds": time.perf_counter() - start}
 
     def state_dict() -> dict[str, float]:
         start = time.perf_counter()
         opt.state_dict()
-        synchronize()
+        clock.synchronize()
         return {"seconds": time.perf_counter() - start}
 
     def run(
@@ -248,7 +242,7 @@ def bench(args: argparse.Namespace, report: dict[str, Any], write: Callable[[], 
         if dist.get_rank() == 0:
             print(f"{name} x {args.reps} ...", flush=True)
         try:
-            results[name] = repeat(operation, args.reps, between)
+            results[name] = repeat(operation, clock, args.reps, between)
         except (Exception, CheckpointException) as err:  # recorded; the other operations go on
             results[name] = {"failed": f"{type(err).__name__}: {err}"[:2000]}
             if dist.get_rank() == 0:
@@ -308,19 +302,7 @@ def print_table(report: dict[str, Any]) -> None:
             )
 
 
-def init_distributed(backend: str) -> None:
-    """torchrun's environment, or one process of its own."""
-    if "RANK" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0")
-        os.environ.update(WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group(backend)
-
-
 def main() -> None:
-    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params-b", type=float, default=1.0, help="billions of params")
     parser.add_argument("--width", type=int, default=4096, help="each layer is width x width")
@@ -336,26 +318,19 @@ def main() -> None:
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}; choose from {list(OPERATIONS)}")
     if args.smoke:
-        DEVICE = "cpu"
         args.width, args.params_b = 64, 4 * 64**2 / 1e9  # 4 layers
-    else:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    init_distributed("gloo" if args.smoke else "nccl")
+    device = init_distributed("cpu" if args.smoke else "cuda")
     report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": "cpu" if args.smoke else torch.cuda.get_device_name(),
+        **describe_run(device),
         "world_size": dist.get_world_size(),
-        "torch": torch.__version__,
         "args": {key: str(value) for key, value in vars(args).items()},
     }
 
     def write() -> None:
         if dist.get_rank() == 0:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "results.json").write_text(json.dumps(report, indent=1))
+            write_json(args.out / "results.json", report)
 
-    bench(args, report, write)
+    bench(args, device, report, write)
     if dist.get_rank() == 0:
         print_table(report)
         print(f"\nwrote {args.out / 'results.json'}")

@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from _common import median_ms, write_json
 
 from offload import resolve_thread_budget
 from optimizers._cpu_kernel import CpuAdamKernel, load_cpu_adam
-
-
-def median_ms(fn: Callable[[], None], repeat: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
 
 
 def cpu_breakdown(numel: int, chunk_numel: int, repeat: int) -> dict[str, float]:
@@ -137,8 +126,7 @@ def main() -> None:
         )
     print(json.dumps(report, indent=1))
     if args.out:
-        with open(args.out, "w") as file:
-            json.dump(report, file, indent=1)
+        write_json(Path(args.out), report)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ the same seed and plots both loss curves.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import describe_run, median_ms, package_version, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -90,18 +90,11 @@ def cpu_adamw_floor_ms(num_params: int, reps: int = 3) -> float:
     param = torch.zeros(num_params, dtype=torch.float32)
     param.grad = torch.full_like(param, 1e-3)
     opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
-    opt.step()  # creates the state
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        opt.step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return median_ms(opt.step, reps)  # the untimed first step creates the state
 
 
 def save(report: dict[str, Any], args: argparse.Namespace) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(report, indent=1))
+    write_json(args.out / "results.json", report)
 
 
 def speed(args: argparse.Namespace, report: dict[str, Any]) -> None:
@@ -143,13 +136,6 @@ def megatron_unavailable(device: str) -> str | None:
     except ImportError as err:
         return str(err)
     return None
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -264,12 +250,12 @@ def main() -> None:
     args.megatron_fractions = [float(f) for f in args.megatron_fractions.split(",") if f]
     if args.megatron_fractions and args.nproc != 1:
         parser.error("--megatron-fractions runs on one GPU: leave --nproc at 1")
+    # The GPUs the example's processes see; this process only times the CPU floor.
+    visible = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report: dict[str, Any] = {
         "part": args.part,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
+        **describe_run(visible),
         "cpu_count": os.cpu_count(),
-        "date": time.strftime("%Y-%m-%d"),
         "runs": [],
     }
     {"speed": speed, "largest": largest, "converge": converge}[args.part](args, report)

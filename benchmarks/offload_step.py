@@ -59,11 +59,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import gc
 import importlib
-import importlib.metadata
-import json
-import math
 import os
 import platform
 import shlex
@@ -72,11 +68,20 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from _common import (
+    Clock,
+    device_name,
+    free_memory,
+    package_version,
+    peak_memory,
+    reset_peak_memory,
+)
+from _offload_report import Result, check_targets, fmt, plot, print_report, save_report
 
 from offload import usable_cores
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
@@ -84,13 +89,9 @@ from optimizers import HybridDeviceOptimizer, OffloadPolicy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from megatron_hdo import build_hybrid_device_optimizer
 
-GIB = 1 << 30
 BATCH = 8  # rows of the tiny matmul per param: dense rank-8 grads
 LR = 1e-4
 WEIGHT_DECAY = 0.1
-TARGET_FULL_VS_CPU = 1.15
-TARGET_HALF_VS_FULL = 0.6
-TARGET_NONE_VS_GPU = 1.1
 
 
 class Skip(Exception):
@@ -121,24 +122,6 @@ class Settings:
     peer_fractions: tuple[float, ...]
 
 
-@dataclass
-class Result:
-    """One system's measurements (times in ms, medians over the timed iterations)."""
-
-    system: str
-    fraction: float | None = None
-    iter_ms: float | None = None
-    step_ms: float | None = None
-    iter_samples_ms: list[float] = field(default_factory=list)
-    step_samples_ms: list[float] = field(default_factory=list)
-    gpu_peak_bytes: int | None = None
-    host_rss_bytes: int | None = None  # while the system is alive, after its timed iterations
-    host_rss_delta_bytes: int | None = None  # of host_rss_bytes: over the RSS before it was built
-    extra: dict[str, Any] = field(default_factory=dict)
-    skipped: str | None = None
-    error: str | None = None
-
-
 class Model(NamedTuple):
     """Params on the device and the inputs of their tiny matmuls."""
 
@@ -149,30 +132,6 @@ class Model(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------
 # Measuring
-
-
-class Clock:
-    """Timestamps in stream order: CUDA events on a GPU, ``time.perf_counter`` on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._events = device.type != "cpu"
-
-    def mark(self) -> Any:
-        if not self._events:
-            return time.perf_counter()
-        module = torch.get_device_module(self.device)
-        event = module.Event(enable_timing=True)
-        event.record(module.current_stream(self.device))
-        return event
-
-    def synchronize(self) -> None:
-        if self._events:
-            torch.get_device_module(self.device).synchronize(self.device)
-
-    def ms(self, start: Any, end: Any) -> float:
-        """Milliseconds from ``start`` to ``end``; call after :meth:`synchronize`."""
-        return start.elapsed_time(end) if self._events else (end - start) * 1e3
 
 
 class Timing(NamedTuple):
@@ -217,18 +176,6 @@ def host_rss_bytes() -> int | None:
         return None
 
 
-def free_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        # Pinned blocks freed by the last system stay in torch's caching host allocator (and in
-        # RSS) until emptied; the private hook exists in CUDA builds of torch >= 2.5.
-        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
-        if empty_host_cache is not None:
-            empty_host_cache()
-
-
 def median_or_none(samples: list[float]) -> float | None:
     return statistics.median(samples) if samples else None
 
@@ -248,7 +195,7 @@ def make_result(
         step_ms=median_or_none(timing.step_samples_ms),
         iter_samples_ms=timing.iter_samples_ms,
         step_samples_ms=timing.step_samples_ms,
-        gpu_peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        gpu_peak_bytes=peak_memory(device) if device.type == "cuda" else None,
         host_rss_bytes=host_rss_bytes(),
         extra=extra or {},
     )
@@ -259,8 +206,7 @@ def run_guarded(
 ) -> Result:
     """Runs one system with memory freed before and after; a failure is recorded, not raised."""
     free_memory(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     rss_before = host_rss_bytes()
     started = time.perf_counter()
     try:
@@ -327,18 +273,17 @@ def require_cuda(device: torch.device) -> None:
 
 
 def run_zero_shard(
-    workload: Workload, fraction: float, settings: Settings, variant: str = ""
+    workload: Workload, fraction: float, settings: Settings, *, torch_kernel: bool = False
 ) -> Result:
-    """zero-shard with its defaults, or a variant: "torch_kernel" (torch's fused CPU AdamW and
-    separate casts) or "hooks" (grads sent D2H from backward hooks rather than at step())."""
+    """zero-shard with its defaults, or with ``torch_kernel`` torch's fused CPU AdamW and
+    separate casts instead of the single-pass kernel."""
     device = settings.device
     model = make_model(workload, device, torch.bfloat16)
-    overrides = {
-        "": {},
-        "torch_kernel": {"cpu_kernel": "torch"},
-        "hooks": {"d2h_during_backward": True},
-    }[variant]
-    policy = OffloadPolicy(fraction=fraction, num_threads=settings.threads, **overrides)
+    policy = OffloadPolicy(
+        fraction=fraction,
+        num_threads=settings.threads,
+        cpu_kernel="torch" if torch_kernel else "auto",
+    )
     opt = HybridDeviceOptimizer(
         model.params, torch.optim.AdamW, policy=policy, lr=LR, weight_decay=WEIGHT_DECAY
     )
@@ -352,7 +297,7 @@ def run_zero_shard(
         "memory_report": dataclasses.asdict(opt.memory_report()),
         "policy": dataclasses.asdict(policy),
     }
-    name = f"zero_shard_{variant}" if variant else "zero_shard"
+    name = "zero_shard_torch_kernel" if torch_kernel else "zero_shard"
     return make_result(name, fraction, timing, device, extra)
 
 
@@ -455,13 +400,6 @@ def run_pinned_copies(workload: Workload, settings: Settings) -> Result:
     return make_result("pinned_copies", None, Timing([], samples["both"]), device, extra)
 
 
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def import_torchao_offload() -> type:
     reasons = []
     for module_name in ("torchao.optim", "torchao.prototype.low_bit_optim"):
@@ -523,10 +461,9 @@ def run_workload(
     for fraction in settings.fractions:
         run = functools.partial(run_zero_shard, workload, fraction, settings)
         runs.append(("zero_shard", fraction, run))
-    # At 1.0, each of the step's two mechanisms turned off in the same run, to show its share.
-    for variant in ("torch_kernel", "hooks"):
-        run = functools.partial(run_zero_shard, workload, 1.0, settings, variant)
-        runs.append((f"zero_shard_{variant}", 1.0, run))
+    # At 1.0, the single-pass kernel turned off in the same run, to show its share.
+    run = functools.partial(run_zero_shard, workload, 1.0, settings, torch_kernel=True)
+    runs.append(("zero_shard_torch_kernel", 1.0, run))
     for dtype, name in ((torch.bfloat16, "torchao_bf16"), (torch.float32, "torchao_fp32")):
         runs.append((name, 1.0, functools.partial(run_torchao, workload, dtype, settings)))
     for fraction in settings.peer_fractions:
@@ -535,174 +472,6 @@ def run_workload(
     for system, fraction, run in runs:
         results.append(run_guarded(system, fraction, run, settings.device))
         save()
-
-
-# ---------------------------------------------------------------------------------------------
-# Reporting
-
-
-def to_gib(num_bytes: int | None) -> float | None:
-    return None if num_bytes is None else num_bytes / GIB
-
-
-def fmt(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def find(results: list[Result], system: str, fraction: float | None = None) -> Result | None:
-    for result in results:
-        if result.system == system and result.step_ms is not None:
-            if fraction is None or result.fraction == fraction:
-                return result
-    return None
-
-
-def check_targets(results: list[Result]) -> list[dict[str, Any]]:
-    """The project's three step-time targets, each with its ratio and verdict."""
-    cpu, gpu = find(results, "cpu_fused_adamw"), find(results, "gpu_fused_adamw")
-    full, half = find(results, "zero_shard", 1.0), find(results, "zero_shard", 0.5)
-    none = find(results, "zero_shard", 0.0)
-    checks = [
-        ("fraction 1.0 step <= 1.15 x cpu_fused_adamw", full, cpu, TARGET_FULL_VS_CPU),
-        ("fraction 0.5 step <= 0.6 x own fraction 1.0", half, full, TARGET_HALF_VS_FULL),
-        ("fraction 0 step <= 1.1 x gpu_fused_adamw", none, gpu, TARGET_NONE_VS_GPU),
-    ]
-    targets = []
-    for name, measured, reference, limit in checks:
-        ratio = None
-        if measured is not None and reference is not None and reference.step_ms > 0:
-            ratio = measured.step_ms / reference.step_ms
-        verdict = "n/a" if ratio is None else ("PASS" if ratio <= limit else "FAIL")
-        targets.append({"target": name, "limit": limit, "ratio": ratio, "verdict": verdict})
-    return targets
-
-
-def ratio_to_cpu_floor(result: Result, cpu: Result | None) -> float | None:
-    if cpu is None or result.step_ms is None or not result.fraction:
-        return None
-    if result.system in ("pinned_copies", "gpu_fused_adamw"):
-        return None
-    return result.step_ms / (cpu.step_ms * result.fraction)
-
-
-HEADER = ("system", "fraction", "iter ms", "step ms", "GPU peak GiB", "RSS GiB", "vs CPU floor x f")
-WIDTHS = (18, 8, 9, 9, 12, 8, 16)
-
-
-def table_rows(results: list[Result]) -> list[tuple[list[str], str]]:
-    """(cells, note) per row; a skipped or failed system has no numbers, only a note."""
-    cpu = find(results, "cpu_fused_adamw")
-    rows = []
-    for result in results:
-        fraction = "-" if result.fraction is None else f"{result.fraction:g}"
-        if result.skipped or result.error:
-            note = f"skipped: {result.skipped}" if result.skipped else f"error: {result.error}"
-            rows.append(([result.system, fraction], note[:100]))
-            continue
-        cells = [
-            result.system,
-            fraction,
-            fmt(result.iter_ms),
-            fmt(result.step_ms),
-            fmt(to_gib(result.gpu_peak_bytes), 2),
-            fmt(to_gib(result.host_rss_bytes), 2),
-            fmt(ratio_to_cpu_floor(result, cpu), 2),
-        ]
-        note = "step = d2h + h2d at once" if result.system == "pinned_copies" else ""
-        rows.append((cells, note))
-        if result.system == "pinned_copies":
-            for mode in ("d2h", "h2d"):
-                ms = fmt(result.extra[f"{mode}_ms"])
-                rows.append(
-                    (
-                        [f"  {mode} alone", "-", "-", ms, "-", "-", "-"],
-                        f"{result.extra[f'{mode}_gb_per_s']:.1f} GB/s",
-                    )
-                )
-    return rows
-
-
-def format_row(cells: list[str], note: str) -> str:
-    padded = [
-        cell.ljust(width) if index == 0 else cell.rjust(width)
-        for index, (cell, width) in enumerate(zip(cells, WIDTHS, strict=False))
-    ]
-    return "  " + " ".join([*padded, note]).rstrip()
-
-
-def print_report(workload: Workload, results: list[Result], targets: list[dict[str, Any]]) -> None:
-    print(
-        f"\nworkload: {workload.num_tensors} x {workload.dim}x{workload.dim} bf16 = "
-        f"{workload.numel / 1e6:.0f}M params"
-    )
-    for target in targets:
-        ratio = fmt(target["ratio"], 2)
-        print(f"  target: {target['target']:<46} ratio {ratio:>5}  {target['verdict']}")
-    print(format_row(list(HEADER), ""))
-    for cells, note in table_rows(results):
-        print(format_row(cells, note))
-
-
-def plot(report: dict[str, Any], path: Path) -> str | None:
-    """Step ms vs offload fraction per workload; returns why no plot was written, or None."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as err:
-        return f"matplotlib does not import: {err}"
-    workloads = report["workloads"]
-    fig, axes = plt.subplots(1, len(workloads), figsize=(7 * len(workloads), 5), squeeze=False)
-    for ax, entry in zip(axes[0], workloads, strict=True):
-        results = [r for r in entry["results"] if r["step_ms"] is not None]
-        by_system: dict[str, list[dict[str, Any]]] = {}
-        for result in results:
-            by_system.setdefault(result["system"], []).append(result)
-        plot_workload(ax, by_system)
-        ax.set_title(
-            f"{entry['num_tensors']} x {entry['dim']}^2 bf16 ({entry['num_params'] / 1e6:.0f}M)"
-        )
-    fig.suptitle(f"offload_step on {report['device_name']}, {report['threads']} CPU threads")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
-
-
-def plot_workload(ax: Any, by_system: dict[str, list[dict[str, Any]]]) -> None:
-    zero = sorted(by_system.get("zero_shard", []), key=lambda r: r["fraction"])
-    fractions = [r["fraction"] for r in zero]
-    ax.plot(fractions, [r["step_ms"] for r in zero], "o-", color="C0", label="zero-shard step")
-    ax.plot(
-        fractions,
-        [r["iter_ms"] for r in zero],
-        "o--",
-        color="C0",
-        alpha=0.5,
-        label="zero-shard iteration",
-    )
-    floors = {"cpu_fused_adamw": "C1", "gpu_fused_adamw": "C2", "pinned_copies": "C7"}
-    for system, color in floors.items():
-        for result in by_system.get(system, []):
-            ax.axhline(result["step_ms"], color=color, linestyle=":", label=f"{system} floor")
-    for result in by_system.get("cpu_fused_adamw", []):
-        ax.plot([0, 1], [0, result["step_ms"]], color="C1", alpha=0.4, label="CPU floor x fraction")
-    peers = (("torchao_bf16", "s", "C3"), ("torchao_fp32", "D", "C4"), ("megatron_hdo", "^", "C5"))
-    for system, marker, color in peers:
-        points = sorted(by_system.get(system, []), key=lambda r: r["fraction"])
-        fractions = [r["fraction"] for r in points]
-        if points:
-            steps = [r["step_ms"] for r in points]
-            ax.plot(fractions, steps, marker, color=color, label=f"{system} step")
-            iters = [math.nan if r["iter_ms"] is None else r["iter_ms"] for r in points]
-            label = f"{system} iteration"
-            ax.plot(fractions, iters, marker, color=color, fillstyle="none", label=label)
-    ax.set_xlabel("offload fraction")
-    ax.set_ylabel("ms")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -751,10 +520,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def describe_environment(device: torch.device, threads: int) -> dict[str, Any]:
-    if device.type == "cuda":
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = platform.processor() or platform.machine()
     return {
         "benchmark": "offload_step",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -762,22 +527,11 @@ def describe_environment(device: torch.device, threads: int) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "device": str(device),
-        "device_name": device_name,
+        "device_name": device_name(device),
         "host": platform.node(),
         "usable_cores": usable_cores(),
         "threads": threads,
     }
-
-
-def save_report(report: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Writes results.json from ``report`` (whose workloads hold Result objects); returns it."""
-    workloads = [
-        {**entry, "results": [dataclasses.asdict(result) for result in entry["results"]]}
-        for entry in report["workloads"]
-    ]
-    payload = {**report, "workloads": workloads}
-    (out / "results.json").write_text(json.dumps(payload, indent=2) + "\n")
-    return payload
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -828,8 +582,8 @@ def main(argv: list[str] | None = None) -> None:
     why_no_plot = plot(payload, out / "offload_step.png")
     wrote = "no plot: " + why_no_plot if why_no_plot else f"wrote {out / 'offload_step.png'}"
     print(f"\nwrote {out / 'results.json'}; {wrote}")
-    for workload, entry in zip(workloads, report["workloads"], strict=True):
-        print_report(workload, entry["results"], entry["targets"])
+    for entry in report["workloads"]:
+        print_report(entry)
 
 
 if __name__ == "__main__":

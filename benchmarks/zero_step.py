@@ -5,6 +5,10 @@ Run with one process per GPU (NCCL), from the repository root::
     NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD torchrun --nproc-per-node 2 benchmarks/zero_step.py \\
         --out $OUT/zero_step
 
+Check it without a GPU (CPU + gloo, tiny sizes)::
+
+    PYTHONPATH=$PWD torchrun --nproc-per-node 2 benchmarks/zero_step.py --smoke --out runs/smoke
+
 Three parts, each timed with CUDA events after a barrier; medians over ``--iters`` after
 warm-ups. Rank 0 prints tables and writes ``results.json`` to ``--out``.
 
@@ -32,18 +36,27 @@ warm-ups. Rank 0 prints tables and writes ``results.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import (
+    Clock,
+    describe_run,
+    free_memory,
+    init_distributed,
+    peak_memory,
+    reset_peak_memory,
+    write_json,
+)
 
 import zero_shard
 
@@ -52,37 +65,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 DESIGN_BUS_GBPS = (1 << 30) / 2 / 2.0e-3 / 1e9  # 1 GiB in 2.0 ms on 2 ranks: 268 GB/s
 
 
-DEVICE = "cuda"  # --smoke: "cpu" (gloo, tiny sizes), to check the script without a GPU
-
-
-class Stopwatch:
-    """Marks on the device's timeline: CUDA events, or host time on the CPU."""
-
-    def __init__(self, num_marks: int) -> None:
-        if DEVICE == "cuda":
-            self._marks = [torch.cuda.Event(enable_timing=True) for _ in range(num_marks)]
-        else:
-            self._marks = [0.0] * num_marks
-
-    def mark(self, index: int) -> None:
-        if DEVICE == "cuda":
-            self._marks[index].record()
-        else:
-            self._marks[index] = time.perf_counter()
-
-    def ms(self, start: int, end: int) -> float:
-        if DEVICE == "cuda":
-            return self._marks[start].elapsed_time(self._marks[end])
-        return (self._marks[end] - self._marks[start]) * 1e3
-
-
-def synchronize() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(
     function: Callable[[], None],
+    clock: Clock,
     iters: int,
     warmup: int = 3,
     setup: Callable[[], None] | None = None,
@@ -93,44 +78,30 @@ def timed(
         if setup is not None:
             setup()
         dist.barrier()
-        synchronize()
-        watch = Stopwatch(2)
-        watch.mark(0)
+        clock.synchronize()
+        start = clock.mark()
         function()
-        watch.mark(1)
-        synchronize()
+        end = clock.mark()
+        clock.synchronize()
         if index >= warmup:
-            times.append(watch.ms(0, 1))
+            times.append(clock.ms(start, end))
     return statistics.median(times)
 
 
-def memory_allocated() -> int:
-    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
-
-
-def peak_memory_since_reset() -> int:
-    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
-
-
-def reset_memory() -> None:
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def bench_collectives(iters: int, sizes_mib: list[int]) -> list[dict[str, Any]]:
-    world, rows = dist.get_world_size(), []
+def bench_collectives(
+    device: torch.device, iters: int, sizes_mib: list[int]
+) -> list[dict[str, Any]]:
+    world, rows, clock = dist.get_world_size(), [], Clock(device)
     for size_mib in sizes_mib:
         numel = (size_mib << 20) // 2
-        full = torch.randn(numel, device=DEVICE, dtype=torch.bfloat16)
-        shard = torch.empty(numel // world, device=DEVICE, dtype=torch.bfloat16)
+        full = torch.randn(numel, device=device, dtype=torch.bfloat16)
+        shard = torch.empty(numel // world, device=device, dtype=torch.bfloat16)
         row = {"size_mib": size_mib}
         for name, run in (
             ("reduce_scatter", lambda s=shard, f=full: dist.reduce_scatter_tensor(s, f)),
             ("all_gather", lambda s=shard, f=full: dist.all_gather_into_tensor(f, s)),
         ):
-            ms = timed(run, iters)
+            ms = timed(run, clock, iters)
             bus = (size_mib << 20) * (world - 1) / world / (ms * 1e-3) / 1e9
             row[f"{name}_ms"] = ms
             row[f"{name}_bus_gbps"] = bus
@@ -145,28 +116,28 @@ def _all_reduce_chunks(flat: torch.Tensor, chunk_numel: int) -> None:
 
 
 def bench_step(
-    num_tensors: int, dim: int, iters: int, buckets_mb: list[float]
+    device: torch.device, num_tensors: int, dim: int, iters: int, buckets_mb: list[float]
 ) -> list[dict[str, Any]]:
-    rows = []
+    rows, clock = [], Clock(device)
     numel = num_tensors * dim * dim
-    gen = torch.Generator(DEVICE).manual_seed(dist.get_rank())
-    grad_flat = torch.randn(numel, device=DEVICE, generator=gen) * 1e-3
+    gen = torch.Generator(device).manual_seed(dist.get_rank())
+    grad_flat = torch.randn(numel, device=device, generator=gen) * 1e-3
     grads = list(grad_flat.view(num_tensors, dim, dim).unbind())
 
     def params() -> list[torch.nn.Parameter]:
         torch.manual_seed(0)
         return [
-            torch.nn.Parameter(torch.randn(dim, dim, device=DEVICE)) for _ in range(num_tensors)
+            torch.nn.Parameter(torch.randn(dim, dim, device=device)) for _ in range(num_tensors)
         ]
 
     def measure(
         name: str, build: Callable[[], tuple[Callable[[], None], Callable[[], None]]]
     ) -> None:
-        reset_memory()
-        base = memory_allocated()
+        free_memory(device)
+        base = reset_peak_memory(device)
         run, setup = build()
-        ms = timed(run, iters, setup=setup)
-        peak = peak_memory_since_reset() - base
+        ms = timed(run, clock, iters, setup=setup)
+        peak = peak_memory(device) - base
         rows.append({"system": name, "step_ms": ms, "peak_gib": peak / 2**30})
         if dist.get_rank() == 0:
             print(f"  {name}: {ms:.1f} ms, peak {peak / 2**30:.2f} GiB", flush=True)
@@ -176,7 +147,7 @@ def bench_step(
         flat = grad_flat.clone()
         for p, g in zip(ps, flat.view(num_tensors, dim, dim).unbind(), strict=True):
             p.grad = g
-        opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=DEVICE == "cuda")
+        opt = torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
 
         def run() -> None:
             _all_reduce_chunks(flat, 32 << 20)
@@ -192,7 +163,11 @@ def bench_step(
         for p, g in zip(ps, flat.view(num_tensors, dim, dim).unbind(), strict=True):
             p.grad = g
         opt = ZeroRedundancyOptimizer(
-            ps, optimizer_class=torch.optim.AdamW, lr=1e-4, weight_decay=0.1, fused=DEVICE == "cuda"
+            ps,
+            optimizer_class=torch.optim.AdamW,
+            lr=1e-4,
+            weight_decay=0.1,
+            fused=device.type == "cuda",
         )
 
         def run() -> None:
@@ -228,30 +203,40 @@ def bench_step(
     return rows
 
 
-def _train_iterations(model, opt, inputs, targets, count: int) -> tuple[Stopwatch, list]:  # type: ignore[no-untyped-def]
-    """``count`` iterations back to back, no host synchronization between them; marks at each
-    forward's start, forward's end, backward's end and step's end (device and host time)."""
-    watch, host = Stopwatch(4 * count + 1), []
-    for index in range(count):
+def _train_iterations(
+    model: torch.nn.Module,
+    opt: zero_shard.ZeroShardOptimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    clock: Clock,
+    count: int,
+) -> tuple[list[Any], list[list[float]]]:
+    """``count`` iterations back to back, no host synchronization between them. Returns the
+    clock's marks at each forward's start, forward's end, backward's end and step's end, and one
+    after the last (read them after a synchronize); and per iteration the host times of its
+    first four marks."""
+    device_marks, host = [], []
+    for _ in range(count):
         marks = [time.perf_counter()]
-        watch.mark(4 * index)
+        device_marks.append(clock.mark())
         logits = model(inputs)
         loss = torch.nn.functional.cross_entropy(logits.float().view(-1, 256), targets.reshape(-1))
-        watch.mark(4 * index + 1)
+        device_marks.append(clock.mark())
         marks.append(time.perf_counter())
         loss.backward()
-        watch.mark(4 * index + 2)
+        device_marks.append(clock.mark())
         marks.append(time.perf_counter())
         opt.step()
         opt.zero_grad()
-        watch.mark(4 * index + 3)
+        device_marks.append(clock.mark())
         marks.append(time.perf_counter())
         host.append(marks)
-    watch.mark(4 * count)
-    return watch, host
+    device_marks.append(clock.mark())
+    return device_marks, host
 
 
 def bench_iteration(
+    device: torch.device,
     layers: int,
     width: int,
     batch: int,
@@ -263,86 +248,101 @@ def bench_iteration(
 ) -> list[dict[str, Any]]:
     from gpt import GPT, GPTConfig
 
-    rows = []
+    rows, clock = [], Clock(device)
     config = GPTConfig(layers, num_heads=max(width // 128, 1), d_model=width, seq_len=seq_len)
-    gen = torch.Generator(DEVICE).manual_seed(dist.get_rank())
-    tokens = torch.randint(0, 256, (batch, seq_len + 1), device=DEVICE, generator=gen)
+    gen = torch.Generator(device).manual_seed(dist.get_rank())
+    tokens = torch.randint(0, 256, (batch, seq_len + 1), device=device, generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     configs = [(g, b, o) for g in gathers for b in buckets_mb for o in (True, False)]
     for gather, bucket_mb, overlap in configs:
-        reset_memory()
+        free_memory(device)
+        reset_peak_memory(device)
         torch.manual_seed(0)
-        model = GPT(config).to(DEVICE, torch.bfloat16)
+        model = GPT(config).to(device, torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         opt = zero_shard.wrap(opt, model, overlap_param_gather=overlap, bucket_mb=bucket_mb)
-        _use_gather(gather, opt)
-        _train_iterations(model, opt, inputs, targets, 3)  # warm-up
-        dist.barrier()
-        synchronize()
-        watch, host = _train_iterations(model, opt, inputs, targets, iters)
-        synchronize()
-        phases = {
-            "forward": [watch.ms(4 * i, 4 * i + 1) for i in range(iters)],
-            "backward": [watch.ms(4 * i + 1, 4 * i + 2) for i in range(iters)],
-            "step": [watch.ms(4 * i + 2, 4 * i + 3) for i in range(iters)],
-            "iter": [watch.ms(4 * i, 4 * i + 4) for i in range(iters)],
-        }
-        row = {
-            "gather": gather,
-            "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
-            "bucket_mb": bucket_mb,
-            "overlap_param_gather": overlap,
-            "num_params": sum(p.numel() for p in model.parameters()),
-            "num_buckets": len(opt._comm.buckets),
-        }
-        row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
-        for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):
-            row[f"host_{name}_ms"] = statistics.median((m[b] - m[a]) * 1e3 for m in host)
-        if opt.num_skipped_steps:
-            raise RuntimeError(f"{opt.num_skipped_steps} steps skipped as non-finite")
-        row["peak_gib"] = peak_memory_since_reset() / 2**30
-        row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
-        rows.append(row)
-        if dist.get_rank() == 0:
-            print(f"  {row}", flush=True)
-        if profile_dir is not None and overlap and bucket_mb == buckets_mb[-1]:
-            _profile(model, opt, inputs, targets, profile_dir / gather)
-        opt.finish_param_sync()
-        _use_gather("nccl", opt)
+        with _experiment_gather(gather, opt):
+            _train_iterations(model, opt, inputs, targets, clock, 3)  # warm-up
+            dist.barrier()
+            clock.synchronize()
+            marks, host = _train_iterations(model, opt, inputs, targets, clock, iters)
+            clock.synchronize()
+            phases = {
+                "forward": [clock.ms(marks[4 * i], marks[4 * i + 1]) for i in range(iters)],
+                "backward": [clock.ms(marks[4 * i + 1], marks[4 * i + 2]) for i in range(iters)],
+                "step": [clock.ms(marks[4 * i + 2], marks[4 * i + 3]) for i in range(iters)],
+                "iter": [clock.ms(marks[4 * i], marks[4 * i + 4]) for i in range(iters)],
+            }
+            row = {
+                "gather": gather,
+                "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
+                "bucket_mb": bucket_mb,
+                "overlap_param_gather": overlap,
+                "num_params": sum(p.numel() for p in model.parameters()),
+                "num_buckets": len(opt._comm.buckets),
+            }
+            row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
+            for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):
+                row[f"host_{name}_ms"] = statistics.median((m[b] - m[a]) * 1e3 for m in host)
+            if opt.num_skipped_steps:
+                raise RuntimeError(f"{opt.num_skipped_steps} steps skipped as non-finite")
+            row["peak_gib"] = peak_memory(device) / 2**30
+            row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
+            rows.append(row)
+            if dist.get_rank() == 0:
+                print(f"  {row}", flush=True)
+            if profile_dir is not None and overlap and bucket_mb == buckets_mb[-1]:
+                _profile(model, opt, inputs, targets, clock, profile_dir / gather)
+            opt.finish_param_sync()
         del model, opt
     return rows
 
 
-def _use_gather(kind: str, opt: zero_shard.ZeroShardOptimizer) -> None:
-    """Makes zero-shard's param gathers NCCL's all-gather (``nccl``) or the copy-engine one of
-    ``_ce_gather`` (``ce``), patched in for this experiment."""
-    from zero_shard import _collectives, _gather
-
+@contextlib.contextmanager
+def _experiment_gather(kind: str, opt: zero_shard.ZeroShardOptimizer) -> Iterator[None]:
+    """zero-shard's param gathers as they are (``nccl``), or, inside the block, the copy-engine
+    all-gather of ``_ce_gather`` (``ce``). zero-shard takes no gather of the caller's, so the
+    experiment patches the function its gather thread calls."""
     if kind == "nccl":
-        _gather.launch_all_gather = _collectives.launch_all_gather
+        yield
         return
     from _ce_gather import CopyEngineGather
 
+    from zero_shard import _gather
+
     shards = [bucket.shard_buffer for bucket in opt._comm.buckets]
+    original = _gather.launch_all_gather
     _gather.launch_all_gather = CopyEngineGather(
         opt.mesh.get_group(0),
         max(shard.numel() for shard in shards),
         shards[0].dtype,
         shards[0].device,
     )
+    try:
+        yield
+    finally:
+        _gather.launch_all_gather = original
 
 
-def _profile(model, opt, inputs, targets, out: Path) -> None:  # type: ignore[no-untyped-def]
+def _profile(
+    model: torch.nn.Module,
+    opt: zero_shard.ZeroShardOptimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    clock: Clock,
+    out: Path,
+) -> None:
     """Rank 0's profile of 3 iterations: the top ops by device and by host time, as text."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    on_cuda = clock.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
-        _train_iterations(model, opt, inputs, targets, 3)
-        synchronize()
+        _train_iterations(model, opt, inputs, targets, clock, 3)
+        clock.synchronize()
     if dist.get_rank() == 0:
         averages = prof.key_averages()
-        device_key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+        device_key = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
         text = "\n\n".join(
             [
                 averages.table(sort_by=device_key, row_limit=30),
@@ -354,7 +354,6 @@ def _profile(model, opt, inputs, targets, out: Path) -> None:  # type: ignore[no
 
 
 def main() -> None:
-    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-tensors", type=int, default=64, help="4096x4096 fp32 params")
     parser.add_argument("--layers", type=int, default=16)
@@ -372,29 +371,25 @@ def main() -> None:
     args = parser.parse_args()
     sizes_mib, dim, seq_len = [4, 25, 64, 256, 1024], 4096, 1024
     if args.smoke:
-        DEVICE = "cpu"
         sizes_mib, dim, seq_len = [1], 64, 32
         args.layers, args.width, args.batch, args.iters = 2, 128, 2, 2
     else:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.backends.cuda.matmul.allow_tf32 = True
-    dist.init_process_group("gloo" if args.smoke else "nccl")
+    device = init_distributed("cpu" if args.smoke else "cuda")
     results: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": "cpu" if args.smoke else torch.cuda.get_device_name(),
+        **describe_run(device),
         "world_size": dist.get_world_size(),
-        "torch": torch.__version__,
         "args": {k: str(v) for k, v in vars(args).items()},
     }
     parts = args.parts.split(",")
     buckets_mb = [float(b) for b in args.buckets_mb.split(",")]
     if "collectives" in parts:
-        results["collectives"] = bench_collectives(args.iters, sizes_mib)
+        results["collectives"] = bench_collectives(device, args.iters, sizes_mib)
     if "step" in parts:
-        results["step"] = bench_step(args.num_tensors, dim, args.iters, buckets_mb)
+        results["step"] = bench_step(device, args.num_tensors, dim, args.iters, buckets_mb)
     if "iteration" in parts:
         results["iteration"] = bench_iteration(
+            device,
             args.layers,
             args.width,
             args.batch,
@@ -405,8 +400,7 @@ def main() -> None:
             args.gathers.split(","),
         )
     if dist.get_rank() == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        write_json(args.out / "results.json", results)
         print(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

@@ -1,0 +1,74 @@
+"""The benchmarks' CPU smoke modes still run and write the results.json keys the docs read.
+
+Each script runs as a user runs it (a subprocess from the repository root), at its smallest size.
+The GPU runs themselves are recorded in docs/benchmarks/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _common import Clock, median_ms  # noqa: E402
+
+
+def run_script(script: str, *flags: str) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, str(ROOT / "benchmarks" / script), *flags]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_clock_on_the_cpu_is_the_host_clock() -> None:
+    clock = Clock(torch.device("cpu"))
+    start = clock.mark()
+    end = clock.mark()
+    clock.synchronize()
+    assert 0.0 <= clock.ms(start, end) < 1e3
+    assert median_ms(lambda: None, 3) >= 0.0
+
+
+def test_offload_step_quick(tmp_path: Path) -> None:
+    run_script("offload_step.py", "--device", "cpu", "--quick", "--fractions", "0.5,1",
+               "--out", str(tmp_path))  # fmt: skip
+    report = json.loads((tmp_path / "results.json").read_text())
+    (workload,) = report["workloads"]
+    rows = {(r["system"], r["fraction"]): r for r in workload["results"]}
+    for key in (("cpu_fused_adamw", 1.0), ("zero_shard", 0.5), ("zero_shard", 1.0),
+                ("zero_shard_torch_kernel", 1.0)):  # fmt: skip
+        assert rows[key]["error"] is None and rows[key]["step_ms"] > 0, rows[key]
+    assert rows[("gpu_fused_adamw", 0.0)]["skipped"]  # CUDA only
+    assert [t["verdict"] for t in workload["targets"]][2] == "n/a"  # no GPU floor here
+
+
+def test_checkpoint_save_smoke(tmp_path: Path) -> None:
+    run_script("checkpoint_save.py", "--smoke", "--reps", "1", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert {"date", "device", "world_size", "torch", "args", "params", "disk"} <= report.keys()
+    for name in ("save", "async_save", "load", "state_dict"):
+        assert "seconds_median" in report["results"][name], report["results"][name]
+
+
+def test_zero_step_smoke(tmp_path: Path) -> None:
+    run_script("zero_step.py", "--smoke", "--buckets-mb", "1", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert {"date", "device", "world_size", "torch", "args"} <= report.keys()
+    assert [row["size_mib"] for row in report["collectives"]] == [1]
+    assert {row["system"] for row in report["step"]} == {
+        "ddp_fused_adamw", "torch_zero1", "zero_shard_stage2_bucket1", "zero_shard_stage1_bucket1"
+    }  # fmt: skip
+    assert [(r["overlap_param_gather"], r["num_buckets"] > 0) for r in report["iteration"]] == [
+        (True, True),
+        (False, True),
+    ]
