@@ -51,6 +51,12 @@ def _step_tensor(value: Any, piece: Piece, group: dict[str, Any]) -> torch.Tenso
     return value.to(dtype=_scalar_dtype(), device="cpu", copy=True)
 
 
+def _keeps_state_of(optimizer: torch.optim.Optimizer, cls: type) -> bool:
+    """Whether ``optimizer`` keeps ``cls``'s per-param state: an instance of ``cls``, or an adapter
+    that declares the class it keeps the state of as ``optimizer_cls`` (FusedAdamAdapter)."""
+    return issubclass(getattr(optimizer, "optimizer_cls", type(optimizer)), cls)
+
+
 def _starts_zero(cls: type, group: dict[str, Any]) -> bool:
     if issubclass(cls, _ZERO_INITIAL_STATE):
         return True
@@ -70,7 +76,7 @@ def init_state(records: Iterable[ParamRecord], cls: type, layouts: Sequence[Stat
         if any(key != "step" for key in layout.scalar_keys):
             continue  # a scalar other than the step count starts non-zero: stay lazy
         for piece in record.pieces:
-            if piece.state or not isinstance(piece.optimizer, cls):
+            if piece.state or not _keeps_state_of(piece.optimizer, cls):
                 continue
             group = piece.group
             if not _starts_zero(cls, group):
