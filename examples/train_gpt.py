@@ -195,7 +195,11 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             model = parallelize(model, mesh["tp"])
             groups = weight_decay_groups(model, weight_decay=0.1)
         adamw = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
-        policy = zero_shard.OffloadPolicy(fraction=args.offload_fraction, num_threads=args.threads)
+        policy = zero_shard.OffloadPolicy(
+            fraction=args.offload_fraction,
+            num_threads=args.threads,
+            delayed_update=args.delayed_update,
+        )
         optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
         scaler_type = zero_shard.GradScaler
     schedule = functools.partial(
@@ -610,6 +614,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(dp, tp) mesh, zero-shard sharding over dp; zero-shard only")  # fmt: skip
     add("--threads", type=int, help="CPU optimizer threads per rank (megatron-hdo: torch's "
         "intra-op threads); default: cores / ranks")  # fmt: skip
+    add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
+        "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
     add("--checkpoint-activations", action="store_true", help="recompute in backward")
     add("--seed", type=int, default=0)
     add("--eval-every", type=int, help="steps between evals; default a tenth of the run")

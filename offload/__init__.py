@@ -3,7 +3,8 @@
 This layer knows no optimizer and no process group.
 """
 
-from ._copy_engine import CopyEngine, CopyPair, copy_async, wait_event
+from ._copy_engine import CopyEngine, CopyPair, copy_async
+from ._flag import HostFlag
 from ._host_memory import check_host_memory, format_bytes, local_world_size
 from ._pinned import HostBufferRequest, HostBuffers
 from ._streams import (
@@ -12,6 +13,8 @@ from ._streams import (
     side_stream,
     use_device,
     use_stream,
+    wait_event,
+    wait_for_event,
     wait_stream,
 )
 from ._threads import ThreadBudget, resolve_thread_budget, usable_cores
@@ -21,6 +24,7 @@ __all__ = [
     "CopyPair",
     "HostBufferRequest",
     "HostBuffers",
+    "HostFlag",
     "ThreadBudget",
     "check_host_memory",
     "copy_async",
@@ -34,5 +38,6 @@ __all__ = [
     "use_device",
     "use_stream",
     "wait_event",
+    "wait_for_event",
     "wait_stream",
 ]

@@ -10,14 +10,13 @@ runs in CI.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["CopyEngine", "CopyPair", "copy_async", "wait_event"]
+from ._streams import Event, Stream, record_event, side_stream, use_stream, wait_for_event
 
-Event = Any  # the device module's Event type (torch.cuda.Event, ...)
-Stream = Any
+__all__ = ["CopyEngine", "CopyPair", "copy_async"]
 
 
 class CopyPair(NamedTuple):
@@ -45,15 +44,11 @@ def copy_async(
         for pair in pairs:
             pair.dst.copy_(pair.src)
         return None
-    module = torch.get_device_module(stream.device)
     for event in after:
-        if event is not None:
-            stream.wait_event(event)
-    with module.stream(stream):
+        wait_for_event(stream, event)
+    with use_stream(stream):
         _copy_on(stream, pairs)
-        event = module.Event()
-        event.record(stream)
-    return event
+    return record_event(stream)
 
 
 def _copy_on(stream: Stream, pairs: Sequence[CopyPair]) -> None:
@@ -69,17 +64,8 @@ def _copy_on(stream: Stream, pairs: Sequence[CopyPair]) -> None:
         tensor.record_stream(stream)
 
 
-def wait_event(event: Event | None) -> None:
-    """Blocks the calling host thread until ``event`` completed (``None``: already done).
-
-    The wait releases the GIL, so a worker thread waiting here lets the main thread run on.
-    """
-    if event is not None:
-        event.synchronize()
-
-
 class CopyEngine:
-    """The D2H and H2D streams of one device, and the events that order work between them.
+    """The D2H and H2D streams of one device; each copy returns the event that follows it.
 
     Args:
         device: the accelerator the copies go to and from. For ``cpu`` there are no streams and
@@ -92,51 +78,12 @@ class CopyEngine:
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        if self.device.type == "cpu":
-            self.d2h_stream = None
-            self.h2d_stream = None
-            return
-        module = torch.get_device_module(self.device)
-        self.d2h_stream = module.Stream(device=self.device)
-        self.h2d_stream = module.Stream(device=self.device)
+        self.d2h_stream = side_stream(self.device)
+        self.h2d_stream = side_stream(self.device)
 
     @property
     def is_async(self) -> bool:
         return self.d2h_stream is not None
-
-    def record_current(self) -> Event | None:
-        """Records an event on the device's current stream (``None`` on CPU)."""
-        if not self.is_async:
-            return None
-        module = torch.get_device_module(self.device)
-        event = module.Event()
-        event.record(module.current_stream(self.device))
-        return event
-
-    def d2h_behind_current(self, pairs: Sequence[CopyPair]) -> None:
-        """Queues D2H copies behind the work already on the current stream, recording no event
-        of their own (cheap enough for a per-param backward hook); :meth:`mark_d2h` later gives
-        one event that covers them all."""
-        if not self.is_async:
-            copy_async(pairs, None)
-            return
-        module = torch.get_device_module(self.device)
-        self.d2h_stream.wait_stream(module.current_stream(self.device))
-        with module.stream(self.d2h_stream):
-            _copy_on(self.d2h_stream, pairs)
-
-    def mark_d2h(self) -> Event | None:
-        """An event on the D2H stream: done once every D2H queued so far is done."""
-        if not self.is_async:
-            return None
-        event = torch.get_device_module(self.device).Event()
-        event.record(self.d2h_stream)
-        return event
-
-    def wait_on_current(self, event: Event | None) -> None:
-        """Makes the current stream wait for ``event`` without blocking the host."""
-        if event is not None:
-            torch.get_device_module(self.device).current_stream(self.device).wait_event(event)
 
     def d2h(self, pairs: Sequence[CopyPair], *, after: Sequence[Event | None] = ()) -> Event | None:
         """Device-to-host copies on the D2H stream; see :func:`copy_async`."""

@@ -18,6 +18,8 @@ __all__ = [
     "side_stream",
     "use_device",
     "use_stream",
+    "wait_event",
+    "wait_for_event",
     "wait_stream",
 ]
 
@@ -75,3 +77,19 @@ def record_event(stream: Stream | None) -> Event | None:
     event = torch.get_device_module(stream.device).Event()
     event.record(stream)
     return event
+
+
+def wait_for_event(stream: Stream | None, event: Event | None) -> None:
+    """Orders later work on ``stream`` after ``event`` without blocking the host (nothing for
+    ``None`` on either side)."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+def wait_event(event: Event | None) -> None:
+    """Blocks the calling host thread until ``event`` completed (``None``: already done).
+
+    The wait releases the GIL, so a worker thread waiting here lets the main thread run on.
+    """
+    if event is not None:
+        event.synchronize()

@@ -52,6 +52,7 @@ class _AdamArgs(ctypes.Structure):
             "decay",
             "step_size",
             "bc2_sqrt",
+            "grad_scale",
         )
     ]
 
@@ -192,8 +193,10 @@ class CpuAdamKernel:
         staging: torch.Tensor,
         state: dict[str, Any],
         group: dict[str, Any],
+        grad_scale: float | None = None,
     ) -> None:
-        """One Adam step of ``main`` with the grad in ``staging``; the new weight goes there too.
+        """One Adam step of ``main`` with the grad in ``staging`` (multiplied by ``grad_scale`` in
+        fp32 first, if given); the new weight goes there too.
 
         ``state`` is torch's per-param state (``step``, ``exp_avg``, ``exp_avg_sq``), updated in
         place, so ``state_dict`` and torch's own step can take over at any point.
@@ -214,6 +217,7 @@ class CpuAdamKernel:
             decay=1.0 - lr * weight_decay if decoupled else 1.0,
             step_size=lr / (1.0 - beta1**step),
             bc2_sqrt=math.sqrt(1.0 - beta2**step),
+            grad_scale=1.0 if grad_scale is None else grad_scale,
         )
         function = (
             self._library.zero_shard_adam_bf16

@@ -124,6 +124,14 @@ class DevicePart:
         for round_ in self.rounds:
             yield from zip(round_.optimizer.param_groups, round_.group_map, strict=True)
 
+    def check_options(self) -> None:
+        """Raises, before anything is stepped, if a sub-optimizer cannot honour its groups' current
+        options (an edit after construction that a FusedAdam backend has no variant for)."""
+        for round_ in self.rounds:
+            check = getattr(round_.optimizer, "check_options", None)
+            if check is not None:
+                check()
+
     @property
     def skips_on_device(self) -> bool:
         """Whether a step given ``found_inf`` is skipped by the kernels themselves, with no host

@@ -1,29 +1,23 @@
 """The elements stepped on the CPU: D2H of grads -> CPU step on a worker thread -> H2D of params.
 
 [Note: host pipeline]
-With ``d2h_during_backward``, a post-accumulate-grad hook queues each offloaded grad's copy on the
-D2H stream behind the current stream as soon as backward produced it (``send_grad``); once every
-param of a chunk was sent, an event on the D2H stream marks the chunk's grads (re-recorded if a
-grad is sent again, as in accumulation). ``start`` records an event on the current stream (the
-grads are complete there), queues the copies of the grads not sent by a hook or changed since on
-the D2H stream behind that event, and hands each chunk to one worker thread, which waits for its
-chunk's copies and steps it: the single-pass kernel reads the model-dtype grads from the chunk's
-staging buffer and writes the model-dtype weights back there; otherwise the grads are cast to
-fp32, the chunk's CPU sub-optimizer steps and the weights are cast back. It returns a
-``HostStep`` that completes the chunks in the same order: it queues each one's copies to the model
-params on the H2D stream and makes the current stream wait for them (the H2D stream runs in
-order), so the next forward sees the new params with no host synchronization (see [Note: deferred
-host step]). Meanwhile the accelerator's own share is stepped on the current stream. So the D2H of
-chunk k+1, the CPU step of chunk k and the H2D of chunk k-1 overlap each other and the
-accelerator's step.
+``start`` records an event on the current stream (the grads are complete there), queues each
+chunk's grads on the D2H stream behind that event, and hands each chunk to one worker thread,
+which waits for its chunk's copies and steps it: the single-pass kernel reads the model-dtype
+grads from the chunk's staging buffer and writes the model-dtype weights back there; otherwise
+the grads are cast to fp32, the chunk's CPU sub-optimizer steps and the weights are cast back.
+It returns a ``HostStep`` that completes the chunks in the same order: it queues each one's
+copies to the model params on the H2D stream and makes the current stream wait for them (the H2D
+stream runs in order), so the next forward sees the new params with no host synchronization (see
+[Note: deferred host step]). Meanwhile the accelerator's own share is stepped on the current
+stream. So the D2H of chunk k+1, the CPU step of chunk k and the H2D of chunk k-1 overlap each
+other and the accelerator's step.
 
 [Note: pinned buffer reuse]
 A chunk's staging buffer carries grads in (D2H) and params out (H2D). The next D2H into it is
-queued behind the current stream (a hook's copy during backward, or start's after backward),
-and the current stream waited
-for this step's last H2D before that backward (every chunk is completed before the next backward
-or step): so no copy into staging can start before
-the previous copy out of it ended. The worker touches staging only after its D2H event
+queued behind the current stream (at the next ``start``), and the current stream waited for this
+step's last H2D before then (every chunk is completed before the next step): so no copy into
+staging can start before the previous copy out of it ended. The worker touches staging only after its D2H event
 completed and before its H2D is queued. This assumes that forward and backward run on the stream
 that was current when ``step()`` ran (as in ordinary training); a model run on another stream must
 make that stream wait for the current one first.
@@ -34,8 +28,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.profiler import record_function
@@ -45,8 +39,11 @@ from offload import (
     CopyPair,
     HostBufferRequest,
     HostBuffers,
+    HostFlag,
     ThreadBudget,
     check_host_memory,
+    current_stream,
+    record_event,
     wait_event,
 )
 
@@ -55,9 +52,9 @@ from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._host_step import ChunkJob, HostStep
 from ._layout import ChunkSpec
-from ._records import ParamRecord, Piece, SentGrad, flat_param
+from ._records import ParamRecord, Piece, flat_param
 
-__all__ = ["HostChunk", "HostPart", "Verdict"]
+__all__ = ["HostChunk", "HostPart"]
 
 
 @dataclass
@@ -72,10 +69,6 @@ class HostChunk:
     staging: torch.Tensor  # 1-D model dtype, pinned when possible
     optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
     kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step()
-    num_records: int  # distinct params with pieces in the chunk
-    sent_by_hooks: set[int] = field(default_factory=set)  # record indices sent this step
-    hooks_done: Any = None  # D2H-stream event after the hooks sent every param of the chunk;
-    #                         None until they all did (or on CPU)
 
 
 def _needs_grad_buffer(spec: ChunkSpec, kernel: CpuAdamKernel | None) -> bool:
@@ -109,11 +102,10 @@ class HostPart:
     _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
     _cls: type[torch.optim.Optimizer]
-    _chunks_of: dict[int, list[HostChunk]]  # record index -> the chunks holding its pieces
     _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
     pending: HostStep | None  # the step the worker is on, until every chunk is completed
-    _found_inf: torch.Tensor  # 1 element, fp32, pinned when possible: the step's found_inf, read
-    #                           by the worker once the D2H copy of it is done
+    _found_inf: HostFlag  # the step's found_inf on its way to the worker (reused each step: the
+    #                      step in flight is settled before the next start sends another)
 
     def __init__(
         self,
@@ -144,7 +136,7 @@ class HostPart:
         self.threads = threads
         self._cls = cls
         self.pending = None
-        self._found_inf = torch.zeros(1, pin_memory=self.engine.is_async)
+        self._found_inf = HostFlag(device)
         self.buffers = HostBuffers(
             [HostBufferRequest(spec.numel, spec.dtype) for spec in specs],
             pin=pin_memory and device.type != "cpu",
@@ -155,12 +147,6 @@ class HostPart:
                 (i, s, kernels[i]) for i, s in enumerate(specs) if s.group_index == group_index
             ]
             self._build_group(records, group_specs, groups[group_index], optimizer_spec)
-        self._chunks_of = {}
-        for chunk in self.chunks:
-            for record, _ in chunk.pieces:
-                chunks = self._chunks_of.setdefault(record.index, [])
-                if not chunks or chunks[-1] is not chunk:
-                    chunks.append(chunk)
         self._executor = None
         if self.chunks:
             self._executor = ThreadPoolExecutor(
@@ -217,10 +203,7 @@ class HostPart:
                 record.pieces.append(piece)
                 pieces.append((record, piece))
                 offset += piece_spec.numel
-            num_records = len({record.index for record, _ in pieces})
-            self.chunks.append(
-                HostChunk(spec, pieces, main, grad, staging, optimizer, kernel, num_records)
-            )
+            self.chunks.append(HostChunk(spec, pieces, main, grad, staging, optimizer, kernel))
 
     @property
     def num_bytes(self) -> int:
@@ -238,13 +221,9 @@ class HostPart:
     @torch.no_grad()
     def reload_from_params(self, indices: set[int] | None = None) -> None:
         """Refreshes host fp32 main weights from the model params, through staging: of every
-        param, or of the params whose record index is in ``indices``.
-
-        Staging then holds weights, not grads: grads the backward hooks sent are sent again.
-        """
+        param, or of the params whose record index is in ``indices``."""
         self.settle()
-        self._forget_sent_grads()
-        after = self.engine.record_current()
+        after = record_event(current_stream(self.engine.device))
         for chunk in self.chunks:
             chosen = [(r, p) for r, p in chunk.pieces if indices is None or r.index in indices]
             pairs = [
@@ -259,13 +238,6 @@ class HostPart:
             else:
                 for _, piece in chosen:
                     piece.main.copy_(piece.staging)
-
-    def _forget_sent_grads(self) -> None:
-        for chunk in self.chunks:
-            chunk.sent_by_hooks.clear()
-            chunk.hooks_done = None
-            for record, _ in chunk.pieces:
-                record.sent = None
 
     @torch.no_grad()
     def start(
@@ -286,42 +258,32 @@ class HostPart:
         for chunk in self.chunks:  # refuse before any chunk is handed to the worker
             if chunk.kernel is not None:
                 self._check_kernel_still_applies(chunk)
-        start_event = self.engine.record_current()
+        start_event = record_event(current_stream(self.engine.device))
         verdict = None
         if found_inf is not None and self.chunks:
-            # Behind start_event: the flag is final there. The worker reads it after this copy;
-            # the buffer is free again once the step is settled (before the next start).
-            pair = CopyPair(self._found_inf, found_inf.detach().reshape(1))  # fp32, checked
-            verdict = Verdict(self._found_inf, self.engine.d2h([pair], after=[start_event]))
-        everything_sent = None  # covers all hook copies so far; made when a chunk needs it
-        jobs = []
+            # Behind start_event: the flag is final there. The worker reads it after this copy.
+            self._found_inf.send(found_inf, stream=self.engine.d2h_stream, after=[start_event])
+            verdict = self._found_inf
+        jobs, d2h_done = [], None
         for chunk in self._chunk_order(need_order):
             active = [(r, p) for r, p in chunk.pieces if r.index in grads]
             for record, piece in chunk.pieces:
                 piece.main.grad = piece.grad if record.index in grads else None
             if not active:
                 continue
-            # Grads sent during backward and unchanged since are on their way; the rest (none
-            # sent, or changed after: accumulation, clipping, a new .grad) are sent now.
-            current = [r.sent_grad_is_current() for r, _ in active]
-            events = []
-            if any(current):
-                if chunk.hooks_done is None and everything_sent is None:
-                    everything_sent = self.engine.mark_d2h()
-                events.append(chunk.hooks_done or everything_sent)
             with record_function("zero_shard::d2h"):
                 pairs = [
                     CopyPair(
                         piece.staging, _slice(grads[r.index], piece.spec.start, piece.spec.numel)
                     )
-                    for (r, piece), sent in zip(active, current, strict=True)
-                    if not sent
+                    for r, piece in active
                 ]
-                if pairs:
-                    events.append(self.engine.d2h(pairs, after=[start_event]))
-            future = self._executor.submit(_step_chunk, chunk, active, events, grad_scale, verdict)
+                d2h_done = self.engine.d2h(pairs, after=[start_event])
+            future = self._executor.submit(
+                _step_chunk, chunk, active, d2h_done, grad_scale, verdict
+            )
             jobs.append(ChunkJob(chunk, active, future))
-        step = HostStep(self, jobs, grads, start_event, self._step_done, found_inf)
+        step = HostStep(self, jobs, start_event, d2h_done, self._step_done)
         if step.done:  # no chunk had a grad
             step.wait()
         else:
@@ -336,39 +298,12 @@ class HostPart:
 
     def _step_done(self) -> None:
         self.pending = None
-        self._forget_sent_grads()  # consumed, or to be sent again if the step failed
 
     def settle(self) -> None:
         """Completes the step in flight, if any: its chunks' weights reach the params."""
         pending = self.pending  # once: another thread completing the step may clear it
         if pending is not None:
             pending.wait()
-
-    @torch.no_grad()
-    def send_grad(self, record: ParamRecord) -> None:
-        """Backward hook: queue the D2H of this param's offloaded grad elements right away.
-
-        Runs on autograd's thread for the device, while the caller is inside ``backward()``: no
-        step is running. The copy waits for the current stream (the grad is complete there), and
-        that stream already waited for the last step's H2D out of the same staging slots.
-        """
-        self.settle()  # a step launched with launch_step() still owns staging
-        grad = record.param.grad
-        if grad is None or not grad.is_contiguous():
-            return  # sent at step time instead (a non-contiguous grad needs a temporary)
-        flat = grad.view(-1)
-        pairs = [
-            CopyPair(piece.staging, _slice(flat, piece.spec.start, piece.spec.numel))
-            for piece in record.pieces
-            if piece.staging is not None
-        ]
-        self.engine.d2h_behind_current(pairs)
-        record.sent = SentGrad(grad, grad._version)
-        for chunk in self._chunks_of[record.index]:
-            chunk.sent_by_hooks.add(record.index)
-            if len(chunk.sent_by_hooks) == chunk.num_records:
-                # Recorded again at every later send (accumulation): it must follow the last.
-                chunk.hooks_done = self.engine.mark_d2h()
 
     def _check_kernel_still_applies(self, chunk: HostChunk) -> None:
         group = chunk.optimizer.param_groups[0]
@@ -381,37 +316,23 @@ class HostPart:
             )
 
 
-class Verdict(NamedTuple):
-    """Whether to skip a step, on its way to the host: ``flag`` holds it once ``event`` is done."""
-
-    flag: torch.Tensor  # 1 element, host
-    event: Any  # on the D2H stream; None on CPU (the copy was synchronous)
-
-    def skips(self) -> bool:
-        wait_event(self.event)
-        return bool(self.flag[0] != 0)
-
-
 def _step_chunk(
     chunk: HostChunk,
     active: list[tuple[ParamRecord, Piece]],
-    d2h_events: list[Any],
+    d2h_done: Any,
     grad_scale: float | None,
-    verdict: Verdict | None,
+    verdict: HostFlag | None,
 ) -> bool:
     """Worker thread: grads in staging -> fp32 -> CPU step -> weights back into staging.
     Returns whether it stepped (False: skipped, staging still holds the grads)."""
-    for event in d2h_events:
-        wait_event(event)  # the chunk's grads have landed in staging
-    if verdict is not None and verdict.skips():
+    wait_event(d2h_done)  # the chunk's grads have landed in staging
+    if verdict is not None and verdict.read() != 0:
         return False
     with record_function("zero_shard::cpu_step"):
         if chunk.kernel is not None:
             group = chunk.optimizer.param_groups[0]
             for _, piece in active:
-                if grad_scale is not None:  # bf16 or fp32 grads: a power-of-two scale is exact
-                    piece.staging.mul_(grad_scale)
-                chunk.kernel.step_piece(piece.main, piece.staging, piece.state, group)
+                chunk.kernel.step_piece(piece.main, piece.staging, piece.state, group, grad_scale)
             return True
         whole = len(active) == len(chunk.pieces)
         if chunk.grad is not chunk.staging:

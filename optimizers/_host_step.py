@@ -20,7 +20,9 @@ a backward hook sending a grad) completes the step first (``HostPart.settle``).
 Buffer lifetimes: the D2H copies read the grads on the D2H stream behind the event ``start``
 recorded; the worker waits for them before it steps, and only then is the chunk's H2D queued. So
 once the current stream has waited for a chunk's H2D, both copies of that chunk are done, and the
-grads they read may be written again (by the next backward).
+grads they read may be written again (by the next backward). The grads are not held here: each
+copy recorded the D2H stream on the memory it reads (``copy_async``), so the caller may drop them
+at once (``zero_grad``) and their memory waits for the copies, not for the whole CPU step.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.profiler import record_function
 
-from offload import CopyPair
+from offload import CopyPair, current_stream, wait_for_event
 
 from ._records import ParamRecord, Piece, flat_param
 
@@ -61,9 +63,8 @@ class HostStep:
     _num_completed: int  # jobs[:_num_completed] are done and their H2D is queued (or they failed)
     _last_job_of: dict[int, int]  # record index -> position of the last job with a piece of it
     _start_event: Any  # on the current stream after backward; the H2D copies wait for it
+    _grads_copied: Any  # on the D2H stream after the last D2H of grads (it runs in order)
     _on_done: Callable[[], None] | None  # runs once the last job is completed; then None
-    _grads: dict[int, torch.Tensor] | None  # what the D2H copies read, held until they are done
-    _found_inf: torch.Tensor | None  # the step's flag, which the D2H stream reads too: held alike
     _h2d_event: Any  # after the H2D of every chunk completed so far; None: none queued (or CPU)
     _lock: threading.Lock  # held while completing chunks
 
@@ -71,14 +72,12 @@ class HostStep:
         self,
         part: HostPart,
         jobs: Sequence[ChunkJob],
-        grads: dict[int, torch.Tensor],
         start_event: Any,
+        grads_copied: Any,
         on_done: Callable[[], None],
-        found_inf: torch.Tensor | None = None,
     ) -> None:
         self._part = part
-        self._grads = grads
-        self._found_inf = found_inf
+        self._grads_copied = grads_copied
         self._jobs = list(jobs)
         self._num_completed = 0
         self._start_event = start_event
@@ -102,6 +101,11 @@ class HostStep:
         """Completes the chunks up to the last one holding a param with one of these record
         indices: afterwards the current stream sees those params' new weights."""
         self._complete_through(self._last_position(indices))
+
+    def wait_grads_copied(self) -> None:
+        """Makes the current stream wait until every grad of the step was copied to the host (a
+        stream wait): afterwards the grads may be written again (the next backward)."""
+        wait_for_event(current_stream(self._part.engine.device), self._grads_copied)
 
     def wait(self) -> None:
         """Completes every chunk: the current stream then sees all the new weights."""
@@ -135,10 +139,9 @@ class HostStep:
                 ]
                 self._h2d_event = engine.h2d(pairs, after=[self._start_event])
         # The H2D stream runs in order: its last event covers every chunk queued so far.
-        engine.wait_on_current(self._h2d_event)
+        wait_for_event(current_stream(engine.device), self._h2d_event)
         if self.done and self._on_done is not None:
             on_done, self._on_done = self._on_done, None
-            self._grads = self._found_inf = None
             on_done()
         if error is not None:
             raise error

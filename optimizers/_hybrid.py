@@ -149,11 +149,6 @@ def _check_impl_flags(groups: Sequence[dict[str, Any]]) -> None:
         )
 
 
-def _remove_hooks(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-
-
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     """An elementwise torch optimizer whose state is split between the accelerator and the CPU.
 
@@ -350,24 +345,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         init_state(trainable, self.optimizer_cls, layouts)
         self._layouts = layouts
         self._records = records
-        if self.policy.d2h_during_backward:
-            self._register_grad_hooks(trainable)
-
-    def _register_grad_hooks(self, records: Iterable[ParamRecord]) -> None:
-        """A post-accumulate-grad hook per offloaded param, sending its grad D2H at once."""
-        host = weakref.ref(self._host)  # hooks must not keep the optimizer alive
-        handles = []
-        for record in records:
-            if not any(piece.staging is not None for piece in record.pieces):
-                continue
-
-            def send(param: torch.Tensor, record: ParamRecord = record) -> None:
-                part = host()
-                if part is not None:
-                    part.send_grad(record)
-
-            handles.append(record.param.register_post_accumulate_grad_hook(send))
-        weakref.finalize(self, _remove_hooks, handles)
 
     def _select_cpu_kernel(
         self, chunks: Iterable[ChunkSpec], threads: ThreadBudget | None
@@ -449,7 +426,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Steps every param that has a grad; returns the closure's loss if one is given.
 
         On return the model params hold the new weights as seen by the current stream: later
-        work on it waits for the copies, the host does not.
+        work on it waits for the copies, the host does not. With
+        ``OffloadPolicy(delayed_update=True)`` they hold the last step's instead (this step's
+        reach them at the next step, or at ``state_dict()``, ``load_state_dict()`` or
+        ``reload_model_params()``); the current stream then waits only until the grads were
+        copied to the host, so that the next backward may write them.
 
         Args:
             closure: recomputes the loss, as for any torch optimizer.
@@ -465,9 +446,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Last params first: with d2h_during_backward their grads are on their way first.
-        self._launch(grad_scale, found_inf, need_order=None).wait()
+        # Last params first: backward made their grads first.
+        pending = self._launch(grad_scale, found_inf, need_order=None)
+        if self.policy.delayed_update:
+            pending.wait_grads_copied()  # completed by the next step, or a state dict's settle
+        else:
+            pending.wait()
         return loss
+
+    def finish_step(self) -> None:
+        """Completes the step in flight, if any (one that ``launch_step`` returned, or a delayed
+        update): the CPU share's weights reach the params, as the current stream sees them."""
+        self._host.settle()
 
     @torch.no_grad()
     def launch_step(
@@ -515,8 +505,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._host.settle()
         self._mark_stepped()
         self._sync_hyperparams()
+        self._device.check_options()  # refuse before the CPU's share is handed to the worker
         # A non-contiguous grad is copied to a temporary here, which the D2H stream reads: the
-        # HostStep holds it until its chunks are completed, after the worker saw those copies end.
+        # copy records that stream on it, so dropping it is safe (copy_async).
         grads = self._collect_grads()
         pending = self._host.start(grads, grad_scale, need_order=need_order, found_inf=found_inf)
         try:

@@ -34,15 +34,20 @@ class OffloadPolicy:
             torch's fused CPU AdamW with separate casts. ``"auto"`` (default): ``"fused"`` where it
             applies (Adam/AdamW without amsgrad or maximize, bf16 or fp32 params) and builds,
             else ``"torch"``. Other optimizers always use torch's kernels.
-        d2h_during_backward: send each offloaded grad to the host from a post-accumulate-grad
-            hook as soon as backward produces it, instead of at ``step()`` (faster: the copy
-            leaves the step, see docs/benchmarks/offload_step.md). Only for training loops whose
-            grads are final when backward returns, or change only through operations that bump
-            the grad's version counter: a new ``.grad``, accumulation over several backward
-            passes, ``torch.nn.utils.clip_grad_norm_`` and other ordinary in-place ops are
-            detected and sent again. Not detected: ``GradScaler.unscale_`` (fp16 AMP),
-            ``dist.all_reduce(p.grad)``, writes through ``p.grad.data``; the step would use the
-            grads as backward left them. Default False.
+        delayed_update: with ``fraction=1.0``, the one-step delayed update of DeepSpeed's
+            ZeRO-Offload: the CPU's step with the grads of step k runs during the forward and
+            backward of step k+1, and its weights reach the params at step k+1's ``step()``. So
+            the params lag the optimizer by one step: the grads of step k+1 are computed at the
+            weights of step k-1 (those of step 1 and 2 at the initial weights). The rest is as
+            without it: clipping and the non-finite skip apply to each step's own grads, and
+            the state and main weights are those torch's optimizer would hold after the same
+            updates. Code that needs the params to hold every update applies the one in flight
+            first: ``finish_param_sync()``, the optimizer's ``state_dict()`` /
+            ``load_state_dict()`` / ``reload_model_params()``, and a model's ``state_dict()`` /
+            ``load_state_dict()`` under ``zero_shard.wrap`` do it (it waits for the CPU step);
+            a forward does not (it runs on the lagging weights by design). Under
+            ``zero_shard.wrap`` only for a plain model that zero-shard shards (not DDP, not
+            FSDP2). Default False.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
@@ -55,7 +60,7 @@ class OffloadPolicy:
     chunk_numel: int = 1 << 24
     device_impl: str = "torch"
     cpu_kernel: str = "auto"
-    d2h_during_backward: bool = False
+    delayed_update: bool = False
 
     def __post_init__(self) -> None:
         fraction = self.fraction
@@ -66,9 +71,15 @@ class OffloadPolicy:
                 f"offload fraction must be in [0, 1] (0 = all on the accelerator, 1 = all on "
                 f"the CPU), got {fraction}"
             )
-        for name in ("pin_memory", "d2h_during_backward"):
+        for name in ("pin_memory", "delayed_update"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.delayed_update and fraction != 1.0:
+            raise ValueError(
+                f"delayed_update=True delays the CPU's step, so it needs fraction=1.0 (everything "
+                f"on the CPU), got fraction={fraction}: the accelerator's share would update at "
+                "once while the CPU's lagged. Use fraction=1.0, or delayed_update=False"
+            )
         threads = self.num_threads
         if threads is not None and (
             isinstance(threads, bool) or not isinstance(threads, int) or threads < 1

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from ._layout import PieceSpec
 
-__all__ = ["ParamRecord", "Piece", "SentGrad", "flat_grad", "flat_param"]
-
-
-class SentGrad(NamedTuple):
-    """A grad whose offloaded elements were queued D2H during backward (on the D2H stream, in
-    order: the event the step records there covers the copy)."""
-
-    grad: torch.Tensor  # the param's .grad at the time (identity is checked at step)
-    version: int  # grad._version at the time: an in-place change since means resend
+__all__ = ["ParamRecord", "Piece", "flat_grad", "flat_param"]
 
 
 @dataclass
@@ -47,12 +38,6 @@ class ParamRecord:
     index: int  # position over all param groups: the key in state_dict()["state"]
     group_index: int
     pieces: list[Piece] = field(default_factory=list)  # element order: accelerator piece first
-    sent: SentGrad | None = None  # its host pieces' grads, queued D2H by the backward hook
-
-    def sent_grad_is_current(self) -> bool:
-        """Whether the grad sent during backward is still the param's grad, unchanged."""
-        sent, grad = self.sent, self.param.grad
-        return sent is not None and sent.grad is grad and sent.version == grad._version
 
     @property
     def ignored(self) -> bool:

@@ -155,11 +155,16 @@ class FSDPComm:
             for module in modules:
                 module.set_requires_gradient_sync(True, recurse=False)
 
-    def after_step(self, host_step: HostStep | None) -> None:
+    def after_step(self, host_step: HostStep | None, *, delayed: bool = False) -> None:
+        if delayed:
+            raise AssertionError("expected no delayed update under FSDP2 (refused at wrap)")
         if host_step is not None:
             host_step.wait()  # the step writes the params' local shards in place
         for sharded in self.sharded:
             sharded.record_version()
+
+    def flush(self) -> None:
+        self.finish()
 
     def finish(self) -> None:
         """Checks that every shard still is its param's memory: the step writes the shards, and
@@ -292,14 +297,23 @@ class _GatheredComm:
         """The hybrid's param indices in bucket order: the order the next forward needs them."""
         return [index for indices in self._bucket_indices for index in indices]
 
-    def after_step(self, host_step: HostStep | None) -> None:
+    def after_step(self, host_step: HostStep | None, *, delayed: bool = False) -> None:
         """Gathers the shards into the params once ``host_step`` (the CPU's share of a step, if
-        any) has written them; see [Note: param gather]."""
+        any) has written them; see [Note: param gather]. ``delayed``: at the next step instead,
+        and the last step's now (see [Note: delayed update])."""
         writes = None if host_step is None else HostWrites(host_step, self._bucket_indices)
-        self.gatherer.after_step(writes)
+        if delayed and writes is not None:
+            self.gatherer.after_delayed_step(writes)
+        else:
+            self.gatherer.after_step(writes)
 
     def finish(self) -> None:
+        """Waits for the gathers in flight."""
         self.gatherer.finish()
+
+    def flush(self) -> None:
+        """Gathers a delayed update still deferred (collective), then waits for every gather."""
+        self.gatherer.flush()
 
     @torch.no_grad()
     def refresh_shards(self, records: Sequence[ShardedParam]) -> None:
@@ -386,8 +400,17 @@ class ReplicatedComm(_GatheredComm):
         handles = super().install(mesh, device=device, overlap=overlap)
         # The reductions write the grad buffers that the last step's D2H copies read: the step
         # must be complete first (the gathers waited for every CPU chunk), whatever the forward
-        # waited for (see [Note: deferred host step]).
-        self.reducer.before_first = self.gatherer.finish
+        # waited for (see [Note: deferred host step]); a delayed update's CPU step runs on, but
+        # its copies of the grads must be done (see [Note: delayed update]).
+        gatherer = weakref.ref(self.gatherer)
+
+        def before_first_reduction() -> None:
+            alive = gatherer()
+            if alive is not None:
+                alive.finish()
+                alive.wait_deferred_reads()
+
+        self.reducer.before_first = before_first_reduction
         reducer = weakref.ref(self.reducer)
 
         def before_forward(module: nn.Module, args: Any) -> None:

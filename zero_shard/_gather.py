@@ -23,6 +23,18 @@ it reads finished shards and overwrites params that nothing reads any more. A ga
 allocated on the job's stream and dropped once the copy out of it is queued there; the allocator
 reuses it only behind that copy, so about one bucket of output is in flight.
 
+[Note: delayed update]
+With ``OffloadPolicy(delayed_update=True)`` (full offload, a plain model) the step hands its
+writes to the gatherer as *deferred*: they are gathered by the next step, after its launch has
+completed them (the CPU step ran during this forward and backward; its H2D copies then write the
+shards, and the new step's D2H copies of grads into the same staging buffers queue behind them).
+So the next forward runs on the weights of the step before, and the CPU step overlaps it. The
+next backward's first reduction waits (a stream wait) until the deferred step's D2H copies have
+read the grads, not for its CPU step. A flush gathers the deferred writes at once, waiting for
+the CPU step: ``finish_param_sync()`` and the optimizer's state dicts (every rank calls them:
+the gathers are collectives), and a module's ``state_dict`` / ``load_state_dict`` at one rank;
+at more ranks those refuse instead, since some ranks may call them alone.
+
 A write to a param between ``step()`` and the wait for its bucket (a weight constraint such as
 ``p.clamp_()``, a load through ``copy_``) races with the job's copy into it, on another stream
 or thread. It is seen by the param's version counter: the job does not copy into a param written
@@ -59,6 +71,10 @@ class PendingWrites(Protocol):
     def wait(self, bucket: int) -> None:
         """Completes the bucket's writes: the calling thread's current stream sees them."""
 
+    def wait_reads(self) -> None:
+        """Makes the current stream wait until the step read every grad (the next backward may
+        write them then)."""
+
 
 class HostWrites:
     """The CPU's share of a step (a ``HostStep``) as writes into buckets: a bucket's writes are
@@ -70,6 +86,9 @@ class HostWrites:
 
     def wait(self, bucket: int) -> None:
         self._host_step.wait_for(self._indices[bucket])
+
+    def wait_reads(self) -> None:
+        self._host_step.wait_grads_copied()
 
 
 @dataclass
@@ -182,6 +201,8 @@ class ParamGatherer:
     _stream: Any  # the job's stream; None on the CPU
     _executor: ThreadPoolExecutor  # one thread: issues the jobs, one after the other
     _reports: list[_BucketDone] | None  # the step in flight; None: the params are current
+    _deferred: PendingWrites | None  # a delayed update's writes, gathered at the next step or
+    #                                  at a flush (see [Note: delayed update])
     _waited: list[bool]  # per bucket: the current stream follows its copy into the params
     _num_waited: int
 
@@ -201,6 +222,7 @@ class ParamGatherer:
         self._stream = side_stream(device)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="zero_shard_gather")
         self._reports = None
+        self._deferred = None
         self._waited = []
         self._num_waited = 0
         weakref.finalize(self, _shut_down, self._executor)
@@ -208,7 +230,38 @@ class ParamGatherer:
     @property
     def pending(self) -> bool:
         """Whether some params may not hold the latest step's weights yet."""
-        return self._reports is not None
+        return self._reports is not None or self._deferred is not None
+
+    def after_delayed_step(self, writes: PendingWrites) -> None:
+        """A delayed update: ``writes`` reach the params at the next step (or a flush); the
+        step before's, deferred until now, are gathered now. Every rank calls it (collective)."""
+        previous, self._deferred = self._deferred, writes
+        if previous is not None:
+            self.after_step(previous)
+
+    def flush(self) -> None:
+        """Gathers a deferred update (collective) and waits for every bucket."""
+        if self._deferred is not None:
+            writes, self._deferred = self._deferred, None
+            self.after_step(writes)
+        self.finish()
+
+    def flush_for_one_rank(self) -> None:
+        """:meth:`flush` for a call some ranks may make alone (a module's ``state_dict``): at one
+        rank it communicates nothing; at more a deferred update raises instead of gathering."""
+        if self._deferred is not None and self._world_size > 1:
+            raise RuntimeError(
+                "the last step's update (OffloadPolicy(delayed_update=True)) is still on its way "
+                "to the params, and a module's state_dict() or load_state_dict() cannot gather it "
+                "(it may run on some ranks only). Call opt.finish_param_sync() on every rank "
+                "first (opt.state_dict() and zero_shard.checkpoint do it)"
+            )
+        self.flush()
+
+    def wait_deferred_reads(self) -> None:
+        """The current stream waits until the deferred step read its grads."""
+        if self._deferred is not None:
+            self._deferred.wait_reads()
 
     def after_step(self, writes: PendingWrites | None = None) -> None:
         """Every bucket's shards changed (or will, once ``writes`` are done): gathers them into
@@ -241,7 +294,8 @@ class ParamGatherer:
             self._wait(index)
 
     def finish(self) -> None:
-        """Waits for every bucket: the params hold the latest weights afterwards."""
+        """Waits for every bucket gathering: the params hold the latest weights afterwards (but
+        a deferred update's: see :meth:`flush`)."""
         self.wait_for(range(len(self.buckets)))
 
     def _wait(self, index: int) -> None:

@@ -7,7 +7,8 @@
   covered them when the module runs inside its unit; this catches a submodule called on its own
   (``model.head(h)`` outside ``model(...)``).
 - Every module's ``state_dict`` and ``load_state_dict`` wait for all buckets: a save reads the
-  latest weights (on rank 0 alone, too), and a load lands on top of them.
+  latest weights (on rank 0 alone, too), and a load lands on top of them. A delayed update still
+  deferred is gathered first at one rank, and refused at more (it would need every rank).
 - The root's forward hook waits for all buckets when its forward ends, also those of modules it
   did not run: the next backward writes grads that the last step's CPU share may still be
   copying to the host until its step is complete ([Note: deferred host step]).
@@ -50,6 +51,17 @@ def _finish_hook(gatherer: ParamGatherer) -> Any:
     return finish
 
 
+def _state_dict_hook(gatherer: ParamGatherer) -> Any:
+    this = weakref.ref(gatherer)
+
+    def before_state_dict(module: nn.Module, *args: Any) -> None:
+        gatherer = this()
+        if gatherer is not None and gatherer.pending:
+            gatherer.flush_for_one_rank()
+
+    return before_state_dict
+
+
 def register_param_waits(
     model: nn.Module, plan: UnitPlan, buckets: Sequence[Bucket], gatherer: ParamGatherer
 ) -> list[Any]:
@@ -75,7 +87,8 @@ def register_param_waits(
             handles.append(module.register_forward_pre_hook(hook, prepend=True))
     finish = _finish_hook(gatherer)
     handles.append(model.register_forward_hook(finish))
+    before_state_dict = _state_dict_hook(gatherer)
     for module in model.modules():
-        handles.append(module.register_state_dict_pre_hook(finish))
-        handles.append(module.register_load_state_dict_pre_hook(finish))
+        handles.append(module.register_state_dict_pre_hook(before_state_dict))
+        handles.append(module.register_load_state_dict_pre_hook(before_state_dict))
     return handles

@@ -249,8 +249,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         writes params between ``step()`` and the next forward (forward, ``state_dict()``,
         ``load_state_dict()`` of the model or of any module, and the next step do it themselves).
         It only waits: every rank need not call it. A param written after ``step()`` but before
-        this (or the wait of its forward) raises here, naming it."""
-        self._comm.finish()
+        this (or the wait of its forward) raises here, naming it.
+
+        With ``OffloadPolicy(delayed_update=True)`` it first applies the update still in flight
+        (it waits for the CPU step, and gathers its weights): every rank must call it then."""
+        self._comm.flush()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -295,8 +298,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         wrapped = self._wrapped()
         if wrapped is not None:  # an LR scheduler built on it checks that it stepped
             wrapped._opt_called = True  # type: ignore[attr-defined]
-        # Gathers of the last step read the shards this step writes: they must be done.
-        self.finish_param_sync()
+        # Gathers of the last step read the shards this step writes: they must be done (a
+        # delayed update's are issued below, after this step's launch completed its writes).
+        self._comm.finish()
         self._check_stale(agree=True)
         for group_index, group in enumerate(self._hybrid.param_groups):
             group.update(self._hyperparams(group_index))
@@ -311,7 +315,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             host_step = self._hybrid.launch_step(
                 grad_scale=self._grad_scale, found_inf=found_inf, need_order=self._comm.need_order
             )
-            self._comm.after_step(host_step)
+            self._comm.after_step(host_step, delayed=self._hybrid.policy.delayed_update)
         finally:
             self._end_window()
             self._comm.end_window()
@@ -389,6 +393,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 shown,
                 len(names),
             )
+        # A delayed update in flight writes the shards when its step completes: first, so that
+        # the values loaded win (its gathers then copy them back as they are).
+        self._hybrid.finish_step()
         self._comm.refresh_shards(stale)
         self._hybrid.reload_model_params([sharded.shard for sharded in stale])
         for sharded in stale:

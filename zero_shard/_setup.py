@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import math
@@ -132,14 +131,6 @@ def check_options(
             f"offload must be a zero_shard.OffloadPolicy or None, got {offload!r}; pass "
             "offload=zero_shard.OffloadPolicy(fraction=...)"
         )
-    if offload.d2h_during_backward:
-        warnings.warn(
-            "OffloadPolicy(d2h_during_backward=True) is ignored by zero_shard.wrap: grads reach "
-            "the optimizer only once reduced over the ranks, and are then sent at step()",
-            UserWarning,
-            stacklevel=3,
-        )
-        offload = dataclasses.replace(offload, d2h_during_backward=False)
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(
             f"stage must be 1 (all-reduce grads, keep the local shard) or 2 (reduce-scatter "
@@ -452,6 +443,13 @@ def check_inputs(
 
     def check() -> CheckedInputs:
         policy = check_options(optimizer, **options)
+        if policy.delayed_update and kind is not ModelKind.REPLICATED:
+            raise ValueError(
+                f"OffloadPolicy(delayed_update=True) needs a plain model that zero-shard shards, "
+                f"got a {kind.name} model: its backward writes the grads that the delayed CPU "
+                "step may still be copying. Pass the module itself (without DDP or fully_shard), "
+                "or delayed_update=False"
+            )
         fqns = {id(p): name for name, p in module.named_parameters()}
         trainable = trainable_params(optimizer.param_groups, fqns, kind)
         check_unclaimed([(param, fqn) for param, fqn, _ in trainable])
@@ -471,6 +469,7 @@ def check_inputs(
         shared = [
             f"{key}={options[key]!r}" for key in ("stage", "bucket_mb", "nonfinite", "stale_params")
         ]
+        shared.append(f"delayed_update={checked.policy.delayed_update!r}")
         return (
             shared
             + [

@@ -13,9 +13,9 @@ when ``num_skipped_steps`` is asked for, or at once where the device is the CPU.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from offload import HostFlag
 
 __all__ = ["SkipCount"]
 
@@ -24,14 +24,12 @@ class SkipCount:
     """How many steps were skipped, including one whose verdict is still on its way."""
 
     num_skipped: int  # verdicts read so far that skipped their step
-    _host_flag: torch.Tensor  # 1 element, fp32; pinned on an accelerator
-    _event: Any  # after the copy into _host_flag; None on CPU (the copy was synchronous)
-    _unread: bool  # _host_flag holds a verdict not counted yet
+    _verdict: HostFlag  # the last step's verdict, on its way to the host
+    _unread: bool  # _verdict holds a verdict not counted yet
 
     def __init__(self, device: torch.device) -> None:
         self.num_skipped = 0
-        self._host_flag = torch.zeros(1, pin_memory=device.type != "cpu")
-        self._event = None
+        self._verdict = HostFlag(device)
         self._unread = False
 
     def add(self) -> int:
@@ -44,23 +42,16 @@ class SkipCount:
         skipped) as the current stream will hold it. The previous verdict must be read first."""
         if self._unread:
             raise AssertionError("expected the previous step's verdict to be read first")
-        self._host_flag.copy_(flag.detach().reshape(1), non_blocking=True)
-        self._event = None
-        if flag.device.type != "cpu":
-            module = torch.get_device_module(flag.device)
-            self._event = module.Event()
-            self._event.record(module.current_stream(flag.device))
+        self._verdict.send(flag)
         self._unread = True
 
     def read(self, *, block: bool) -> bool:
         """Counts the verdict in flight, if any and (unless ``block``) if it has arrived;
         returns whether it skipped its step."""
-        if not self._unread or (not block and self._event is not None and not self._event.query()):
+        if not self._unread or (not block and not self._verdict.arrived()):
             return False
-        if self._event is not None:
-            self._event.synchronize()
-        self._unread, self._event = False, None
-        if self._host_flag[0] == 0:
+        self._unread = False
+        if self._verdict.read() == 0:
             return False
         self.num_skipped += 1
         return True

@@ -118,6 +118,8 @@ def _localized_params(
 
 
 def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    if isinstance(optimizer, ZeroShardOptimizer):
+        optimizer.finish_param_sync()  # a delayed update in flight first: every rank is here
     state = model.state_dict()
     for key, param in _localized_params(model, optimizer).items():
         state[key] = as_dtensor(param)

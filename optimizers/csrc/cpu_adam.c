@@ -1,6 +1,7 @@
 /* One pass of Adam / AdamW over a chunk on the CPU, for zero-shard's host share.
  *
- * Reads the model-dtype grad straight from the pinned staging buffer, updates the fp32 main
+ * Reads the model-dtype grad straight from the pinned staging buffer (multiplied in fp32 by an
+ * optional grad scale, as torch's path multiplies the fp32 main grad), updates the fp32 main
  * weight and both moments, and writes the model-dtype weight back into the same staging slot,
  * so the grad cast and the weight cast cost no pass of their own over host memory. The math
  * is torch's fused CPU Adam/AdamW operation for operation, with its fused multiply-adds where
@@ -41,6 +42,7 @@ struct adam_args {
     float decay;   /* 1 - lr * weight_decay for AdamW, 1 for Adam */
     float step_size;             /* lr / bias_correction1 */
     float bias_correction2_sqrt;
+    float grad_scale;            /* each grad is multiplied by it in fp32 first (1: none) */
 };
 
 /* One thread's contiguous range; restrict and local scalars let the compiler vectorize. Adam's
@@ -53,8 +55,9 @@ struct adam_args {
         const float l2 = a.l2, decay = a.decay, one_minus_beta1 = a.one_minus_beta1;          \
         const float beta2 = a.beta2, one_minus_beta2 = a.one_minus_beta2, eps = a.eps;        \
         const float step_size = a.step_size, bc2_sqrt = a.bias_correction2_sqrt;              \
+        const float grad_scale = a.grad_scale;                                                \
         for (int64_t i = begin; i < end; ++i) {                                               \
-            float grad = (load_grad);                                                         \
+            float grad = (load_grad) * grad_scale;                                            \
             float weight = param[i];                                                          \
             if (add_l2) grad = fmaf(weight, l2, grad);                                        \
             weight *= decay;                                                                  \

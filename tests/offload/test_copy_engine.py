@@ -15,10 +15,8 @@ def test_cpu_copies_run_at_once_and_cast() -> None:
 def test_cpu_engine_has_no_streams_and_no_events() -> None:
     engine = CopyEngine(torch.device("cpu"))
     assert not engine.is_async
-    assert engine.record_current() is None
     dst, src = torch.zeros(4), torch.arange(4.0)
     assert engine.d2h([CopyPair(dst, src)], after=[None]) is None
     assert torch.equal(dst, src)
     assert engine.h2d([CopyPair(src, torch.ones(4))]) is None
     assert torch.equal(src, torch.ones(4))
-    engine.wait_on_current(None)

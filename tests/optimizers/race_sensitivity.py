@@ -15,12 +15,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import test_hybrid_cuda
 
-from offload import CopyEngine, _copy_engine
+from offload import _copy_engine
+from optimizers import _host_step
 
 original_copy = _copy_engine.copy_async
 
 
-def no_wait_for_h2d(self: CopyEngine, event: object) -> None:
+def no_wait_for_h2d(stream: object, event: object) -> None:
     """The current stream no longer waits for the H2D copies."""
 
 
@@ -31,7 +32,7 @@ def no_wait_before_d2h(pairs, stream, *, after=()):  # type: ignore[no-untyped-d
 
 def main() -> None:
     cases = {
-        "current stream does not wait for H2D": (CopyEngine, "wait_on_current", no_wait_for_h2d),
+        "current stream does not wait for H2D": (_host_step, "wait_for_event", no_wait_for_h2d),
         "copies do not wait for backward": (_copy_engine, "copy_async", no_wait_before_d2h),
     }
     for name, (owner, attr, replacement) in cases.items():

@@ -31,15 +31,22 @@ def kernel_for(cls: type) -> CpuAdamKernel:
 
 
 @pytest.mark.parametrize(
-    ("cls", "dtype", "weight_decay"),
-    list(
-        itertools.product(
-            [torch.optim.AdamW, torch.optim.Adam], [torch.bfloat16, torch.float32], [0.0, 0.1]
-        )
-    ),
+    ("cls", "dtype", "weight_decay", "grad_scale"),
+    [
+        *itertools.product(
+            [torch.optim.AdamW, torch.optim.Adam],
+            [torch.bfloat16, torch.float32],
+            [0.0, 0.1],
+            [None],
+        ),
+        # A grad scale applied in fp32 to the widened grad, as torch's path scales the fp32
+        # main grad (a bf16 multiply first would round the scaled grad to bf16).
+        (torch.optim.AdamW, torch.bfloat16, 0.1, 0.3),
+        (torch.optim.Adam, torch.float32, 0.1, 2.0**-7),
+    ],
 )
 def test_same_bits_as_torch_fused_on_the_vector_body(
-    cls: type, dtype: torch.dtype, weight_decay: float
+    cls: type, dtype: torch.dtype, weight_decay: float, grad_scale: float | None
 ) -> None:
     kernel = kernel_for(cls)
     gen = torch.Generator().manual_seed(0)
@@ -56,8 +63,8 @@ def test_same_bits_as_torch_fused_on_the_vector_body(
     for step in range(4):
         grad = torch.randn(NUMEL, generator=gen).to(dtype)
         staging = grad.clone()
-        ref.grad = grad.float()
-        kernel.step_piece(main, staging, state, group)
+        ref.grad = grad.float() if grad_scale is None else grad.float() * grad_scale
+        kernel.step_piece(main, staging, state, group, grad_scale)
         ref_opt.step()
         torch.testing.assert_close(main, ref.detach(), rtol=SAME_KERNEL[0], atol=SAME_KERNEL[1])
         assert torch.equal(main[:body], ref.detach()[:body]), f"step {step}: weights"

@@ -1,10 +1,9 @@
-"""Grads sent to the host during backward (post-accumulate-grad hooks): the same result as sending
-them at step(), also when the grads change after their hook fired."""
+"""The grads are read at step(): whatever happened to them after backward (accumulation, clipping
+in place, a new .grad, in-place writes that bump no version counter) is what the step uses, as
+in torch."""
 
 from __future__ import annotations
 
-import copy
-import gc
 from collections.abc import Callable
 
 import pytest
@@ -43,8 +42,8 @@ def train(
     return losses
 
 
-def hybrid(model: torch.nn.Module, hooks: bool) -> HybridDeviceOptimizer:
-    policy = OffloadPolicy(fraction=0.6, chunk_numel=64, num_threads=2, d2h_during_backward=hooks)
+def hybrid(model: torch.nn.Module) -> HybridDeviceOptimizer:
+    policy = OffloadPolicy(fraction=0.6, chunk_numel=64, num_threads=2)
     return HybridDeviceOptimizer(model.parameters(), policy=policy, lr=1e-2, weight_decay=0.1)
 
 
@@ -54,92 +53,39 @@ def clip(model: torch.nn.Module) -> None:
 
 def replace_grads(model: torch.nn.Module) -> None:
     for param in model.parameters():
-        param.grad = param.grad * 0.5  # a new tensor, not the one the hook sent
+        param.grad = param.grad * 0.5  # a new tensor
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def unscale(model: torch.nn.Module) -> None:
+    # GradScaler.unscale_ divides the grads in place without bumping their version counter,
+    # and so does a write through .data.
+    found_inf = torch.zeros(1)
+    grads = [p.grad for p in model.parameters()]
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 0.25))
+    next(model.parameters()).grad.data.mul_(0.5)
+
+
 @pytest.mark.parametrize(
     ("between", "micro_batches"),
-    [(lambda m: None, 1), (lambda m: None, 3), (clip, 1), (replace_grads, 1), (clip, 2)],
-    ids=["plain", "accumulation", "clipping", "new-grad", "accumulation+clipping"],
+    [(clip, 1), (replace_grads, 1), (clip, 2), (unscale, 1), (lambda m: None, 3)],
+    ids=["clipping", "new-grad", "accumulation+clipping", "unscale", "accumulation"],
 )
-def test_hooks_give_the_same_bits_as_sending_at_step(
-    dtype: torch.dtype, between: Callable, micro_batches: int
-) -> None:
-    results = {}
-    for hooks in (True, False):
-        model = make_model(dtype)
-        opt = hybrid(model, hooks)
-        losses = train(model, opt, steps=4, between=between, micro_batches=micro_batches)
-        results[hooks] = (losses, [p.detach().clone() for p in model.parameters()])
-    assert results[True][0] == results[False][0]
-    for with_hooks, without in zip(results[True][1], results[False][1], strict=True):
-        assert torch.equal(with_hooks, without)
-
-
-def test_hooks_fire_and_match_torch() -> None:
-    model = make_model(torch.float32)
-    reference = copy.deepcopy(model)
-    opt = hybrid(model, hooks=True)
+def test_the_step_uses_the_grads_as_they_are_at_step(between: Callable, micro_batches: int) -> None:
+    model, reference = make_model(torch.float32), make_model(torch.float32)
+    opt = hybrid(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    offloaded = [r for r in opt._records if any(p.staging is not None for p in r.pieces)]
-    assert offloaded, "the test needs offloaded params"
-    first = torch.randn(5, 15)
-    model(first).sum().backward()
-    assert all(record.sent is not None for record in offloaded), "a hook did not send its grad"
-    opt.step()
-    assert all(record.sent is None for record in offloaded)
-    opt.zero_grad()
-    losses = train(model, opt, steps=5)
-    reference(first).sum().backward()  # the same first step as above
-    ref_opt.step()
-    ref_opt.zero_grad()
-    ref_losses = train(reference, ref_opt, steps=5)
+    losses = train(model, opt, steps=4, between=between, micro_batches=micro_batches)
+    ref_losses = train(reference, ref_opt, steps=4, between=between, micro_batches=micro_batches)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
 
 
-def test_hooks_do_not_keep_the_optimizer_alive() -> None:
-    model = make_model(torch.float32)
-    opt = hybrid(model, hooks=True)
-    host = opt._host
-    probe = [host]
-    del opt, host
-    probe.clear()
-    gc.collect()
-    model(torch.randn(2, 15)).sum().backward()  # hooks of a dead optimizer: removed, no error
-    assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
-
-
-def test_hooks_are_off_by_default() -> None:
-    assert OffloadPolicy().d2h_during_backward is False
-
-
-def test_default_handles_grads_changed_without_a_version_bump() -> None:
-    # GradScaler.unscale_ divides the grads in place without bumping their version counter,
-    # and so does a write through .data: grads are read at step() by default, so both count.
-    def unscale(model: torch.nn.Module) -> None:
-        found_inf = torch.zeros(1)
-        grads = [p.grad for p in model.parameters()]
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.full((1,), 0.25))
-        next(model.parameters()).grad.data.mul_(0.5)
-
+def test_reload_after_backward_keeps_the_grads() -> None:
+    # reload_model_params() refills the staging buffers with weights; the grads of the backward
+    # before it are still the ones the step uses.
     model, reference = make_model(torch.float32), make_model(torch.float32)
-    policy = OffloadPolicy(fraction=0.6, chunk_numel=64, num_threads=2)
-    opt = HybridDeviceOptimizer(model.parameters(), policy=policy, lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    train(model, opt, steps=4, between=unscale)
-    train(reference, ref_opt, steps=4, between=unscale)
-    for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
-
-
-def test_reload_after_backward_resends_the_grads() -> None:
-    # reload_model_params() refills the staging buffers with weights: grads sent by the hooks
-    # before it must be sent again.
-    model, reference = make_model(torch.float32), make_model(torch.float32)
-    opt = hybrid(model, hooks=True)
+    opt = hybrid(model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     for net, optimizer in ((model, opt), (reference, ref_opt)):
         net(torch.ones(5, 15)).sum().backward()
@@ -148,3 +94,38 @@ def test_reload_after_backward_resends_the_grads() -> None:
         optimizer.step()
     for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
+
+
+def test_delayed_update_lags_the_params_one_step() -> None:
+    # OffloadPolicy(delayed_update=True): the CPU step of step k reaches the params at step k+1,
+    # so the grads of step k+1 are taken at the weights of step k-1. The reference writes that
+    # out with torch AdamW on a master copy; state_dict() applies the update in flight.
+    model, params_ref, master = (make_model(torch.float32) for _ in range(3))
+    policy = OffloadPolicy(fraction=1.0, chunk_numel=64, num_threads=2, delayed_update=True)
+    opt = HybridDeviceOptimizer(model.parameters(), policy=policy, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x = torch.randn(5, 15, generator=gen)
+        for param, ref in zip(model.parameters(), params_ref.parameters(), strict=True):
+            torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
+        model(x).square().mean().backward()
+        params_ref(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for ref, mast in zip(params_ref.parameters(), master.parameters(), strict=True):
+                mast.grad, ref.grad = ref.grad, None
+                ref.copy_(mast)  # the last step's update reaches the params
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step == 0:  # the first step's update is still in flight
+            assert all(
+                torch.equal(p, q)
+                for p, q in zip(
+                    model.parameters(), make_model(torch.float32).parameters(), strict=True
+                )
+            )
+    opt.state_dict()
+    for param, mast in zip(model.parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(param, mast, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])

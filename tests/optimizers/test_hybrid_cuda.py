@@ -60,19 +60,18 @@ def test_no_race_between_copies_and_compute(
     """Wide layers and a tiny batch: the copies take far longer than the compute around them.
 
     With ``modify_grads``, before each step the GPU is kept busy and the grads are rewritten in
-    place behind that work: the grads sent by the backward hooks are stale and must be sent again,
-    and a D2H that does not wait for that work reads the old values. Without it, the grads sent
-    during backward are used as they are; with two micro-batches, the hooks send every grad twice
-    and the step must wait for the second copies. Right after each step a forward runs with no
-    synchronization; it must equal a forward run after a full synchronize (else it read params
-    before their H2D landed: each chunk is a whole layer, and layer 0's copy is queued last). The
-    main weights must follow a CPU AdamW fed with the same grads, run after the tested step.
+    place behind that work: a D2H that does not wait for that work reads the old values. With two
+    micro-batches the grads are accumulated twice before the step. Right after each step a
+    forward runs with no synchronization; it must equal a forward run after a full synchronize
+    (else it read params before their H2D landed: each chunk is a whole layer, and layer 0's copy
+    is queued last). The main weights must follow a CPU AdamW fed with the same grads, run after
+    the tested step.
     tests/optimizers/race_sensitivity.py shows that removing either wait makes this test fail.
     """
     width, depth = 4096, 4  # 67M params: 34 MB of bf16 per layer and direction
     model = _model(width, depth)
     params = list(model.parameters())
-    policy = OffloadPolicy(fraction=fraction, chunk_numel=width * width, d2h_during_backward=True)
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=width * width)
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
     shadow = [p.detach().float().cpu().clone() for p in params]
     for tensor in shadow:

@@ -220,8 +220,6 @@ def clear_errors_and_warnings(rank: int, world: int) -> None:
     other = make_model()
     with pytest.raises(ValueError, match="not a param of the model"):
         zero_shard.wrap(adamw(other), model)
-    with pytest.warns(UserWarning, match="d2h_during_backward=True"):
-        zero_shard.wrap(adamw(model), model, offload=OffloadPolicy(d2h_during_backward=True))
     model.out.weight.requires_grad_(False)
     opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
     model.out.weight.requires_grad_(True)

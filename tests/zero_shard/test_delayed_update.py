@@ -1,0 +1,196 @@
+"""The one-step delayed update (``OffloadPolicy(delayed_update=True)``), on 2 and 3 CPU processes
+(gloo; 3 ranks hold empty shards).
+
+The reference is the delayed update written out with torch AdamW in one process on the whole
+batch: the model's params P give the grads; at each step the master copy M's last update reaches
+P first, then M steps with the new grads (clipped by their own norm). So the grads of step k+1
+are taken at the weights of step k-1. zero-shard must give the same losses and params at every
+forward, the same M after ``finish_param_sync()`` and after its optimizer's ``state_dict()``,
+skip a non-finite step on every rank with the update before it still applied, and refuse what
+it cannot honour (DDP, FSDP2, a module's ``state_dict()`` with an update in flight).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from _harness import check_outcome, run_cases
+from _models import (
+    LOSS_TOL,
+    PARAM_TOL,
+    adamw,
+    global_batch,
+    local_slice,
+    make_model,
+    mean_over_ranks,
+    mse,
+)
+from torch import nn
+
+import zero_shard
+from zero_shard import OffloadPolicy
+
+STEPS = 6
+CLIP = 0.5
+TINY_BUCKETS = 0.0008  # MiB: a few params a bucket
+
+
+def delayed() -> OffloadPolicy:
+    return OffloadPolicy(fraction=1.0, num_threads=1, chunk_numel=16, delayed_update=True)
+
+
+def batch(step: int, skip: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch; at step ``skip`` an inf in rank 0's first row (its grads are inf)."""
+    x, y = global_batch(step)
+    if step == skip:
+        x[0, 0] = float("inf")
+    return x, y
+
+
+def reference_steps(
+    skip: int | None = None, flush_at: frozenset[int] = frozenset()
+) -> Iterator[tuple[torch.Tensor, nn.Module, nn.Module]]:
+    """Yields (loss, P, M) per step: the loss and params of the step's forward, then M after
+    the step. At step ``skip`` the grads are non-finite: M does not step (P still gets M). Before
+    the steps in ``flush_at`` P gets M (a flush)."""
+    params, master = make_model(), make_model()
+    opt = adamw(master)
+    for step in range(STEPS):
+        if step in flush_at:
+            with torch.no_grad():
+                for p, m in zip(params.parameters(), master.parameters(), strict=True):
+                    p.copy_(m)
+        x, y = batch(step, skip)
+        loss = mse(params(x), y)
+        snapshot = [p.detach().clone() for p in params.parameters()]
+        loss.backward()
+        for p, m in zip(params.parameters(), master.parameters(), strict=True):
+            m.grad, p.grad = p.grad.clone(), None
+        torch.nn.utils.clip_grad_norm_(master.parameters(), CLIP)
+        with torch.no_grad():
+            for p, m in zip(params.parameters(), master.parameters(), strict=True):
+                p.copy_(m)  # the last step's update reaches the params
+        if step != skip:
+            opt.step()
+        opt.zero_grad()
+        yield loss.detach(), snapshot, master
+
+
+def train_and_compare(
+    rank: int, world: int, skip: int | None = None
+) -> tuple[nn.Module, zero_shard.ZeroShardOptimizer, nn.Module]:
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=delayed(), bucket_mb=TINY_BUCKETS)
+    for step, (ref_loss, ref_params, master) in enumerate(reference_steps(skip)):
+        x, y = batch(step, skip)
+        loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+        # The forward waited for the params it read: they are the lagging ones, as in the
+        # reference (the losses differ by rank: each holds its slice of the batch).
+        for (name, param), ref in zip(model.named_parameters(), ref_params, strict=True):
+            torch.testing.assert_close(param.detach(), ref, **PARAM_TOL, msg=f"step {step}: {name}")
+        torch.testing.assert_close(mean_over_ranks(loss), ref_loss, **LOSS_TOL)
+        loss.backward()  # at step skip, rank 0's grads are not finite: every rank skips
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+        last_master = master
+    assert opt.num_skipped_steps == (0 if skip is None else 1)
+    return model, opt, last_master
+
+
+def trains_as_the_reference_and_flushes(rank: int, world: int) -> None:
+    model, opt, master = train_and_compare(rank, world)
+    opt.finish_param_sync()  # the update in flight reaches the params
+    for (name, param), ref in zip(model.named_parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(param.detach(), ref.detach(), **PARAM_TOL, msg=name)
+
+
+def a_skipped_step_keeps_the_update_before_it(rank: int, world: int) -> None:
+    model, opt, master = train_and_compare(rank, world, skip=3)
+    opt.finish_param_sync()
+    for (name, param), ref in zip(model.named_parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(param.detach(), ref.detach(), **PARAM_TOL, msg=name)
+
+
+def state_dicts_apply_the_update_in_flight(rank: int, world: int) -> None:
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=delayed(), bucket_mb=TINY_BUCKETS)
+    ref = reference_steps(flush_at=frozenset({3}))  # opt.state_dict() below flushes
+    for step in range(3):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+        _, _, master = next(ref)
+    # A module's state_dict may run on some ranks only: it cannot gather the update in flight.
+    with pytest.raises(RuntimeError, match="Call opt.finish_param_sync\\(\\) on every rank"):
+        model.state_dict()
+    saved = opt.state_dict()  # every rank: applies it first
+    for (name, param), ref_param in zip(model.named_parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(param.detach(), ref_param.detach(), **PARAM_TOL, msg=name)
+    weights = model.state_dict()  # nothing in flight now
+    assert torch.equal(weights["inp.weight"], model.inp.weight.detach())
+    assert set(saved["state"]) == {name for name, _ in model.named_parameters()}
+    # zero_shard.checkpoint applies an update in flight before it reads the model.
+    x, y = global_batch(3)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    opt.clip_grad_norm_(CLIP)
+    opt.step()
+    opt.zero_grad()
+    _, _, master = next(ref)
+    path = os.environ["ZERO_SHARD_TEST_DIR"]
+    zero_shard.checkpoint.save(f"{path}/world{world}", model=model, optimizer=opt)
+    for (name, param), ref_param in zip(model.named_parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(param.detach(), ref_param.detach(), **PARAM_TOL, msg=name)
+
+
+def refuses_ddp_and_fsdp2(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(make_model())
+    with pytest.raises(ValueError, match="delayed_update=True\\) needs a plain model"):
+        zero_shard.wrap(adamw(ddp.module), ddp, offload=delayed())
+    model = make_model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    with pytest.raises(ValueError, match="got a FSDP model"):
+        zero_shard.wrap(adamw(model), model, offload=delayed())
+
+
+CASES_BY_WORLD = {
+    2: {
+        "trains_as_the_reference_and_flushes": trains_as_the_reference_and_flushes,
+        "a_skipped_step_keeps_the_update_before_it": a_skipped_step_keeps_the_update_before_it,
+        "state_dicts_apply_the_update_in_flight": state_dicts_apply_the_update_in_flight,
+        "refuses_ddp_and_fsdp2": refuses_ddp_and_fsdp2,
+    },
+    3: {"trains_as_the_reference_and_flushes": trains_as_the_reference_and_flushes},
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str | None]]:
+    os.environ["ZERO_SHARD_TEST_DIR"] = str(tmp_path_factory.mktemp("delayed"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {world: run_cases(cases, world) for world, cases in CASES_BY_WORLD.items()}
+
+
+@pytest.mark.parametrize(
+    "world, name", [(world, name) for world, cases in CASES_BY_WORLD.items() for name in cases]
+)
+def test_distributed(outcomes: dict[int, dict[str, str | None]], world: int, name: str) -> None:
+    check_outcome(outcomes[world], name)
+
+
+def test_delayed_update_needs_full_offload() -> None:
+    with pytest.raises(ValueError, match="needs fraction=1.0 .* got fraction=0.5"):
+        OffloadPolicy(fraction=0.5, delayed_update=True)
+    with pytest.raises(TypeError, match="delayed_update must be a bool"):
+        OffloadPolicy(delayed_update=1)  # type: ignore[arg-type]
