@@ -34,15 +34,19 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def resolve_thread_budget(requested: int | None = None) -> ThreadBudget:
+def resolve_thread_budget(requested: int | None = None, *, keep_free: int = 0) -> ThreadBudget:
     """Chooses the CPU optimizer's thread count for this rank, logs it and returns it.
 
     Order: ``requested`` if given; else ``OMP_NUM_THREADS`` if the user set it (torchrun's own
     ``OMP_NUM_THREADS=1`` does not count: it would leave the CPU optimizer on one core); else the
-    usable cores divided by the ranks on this host (``LOCAL_WORLD_SIZE``), at least 1.
+    usable cores divided by the ranks on this host (``LOCAL_WORLD_SIZE``), less ``keep_free``, at
+    least 1.
 
     Args:
         requested: an explicit thread count, or ``None`` to choose one.
+        keep_free: cores of this rank's share left to other threads when the count is chosen
+            here: those that queue the model's forward and backward, where the CPU step runs
+            at the same time (a delayed update).
     """
     global _torchrun_warned
     if requested is not None:
@@ -55,15 +59,17 @@ def resolve_thread_budget(requested: int | None = None) -> ThreadBudget:
         if omp.isdigit() and int(omp) >= 1 and not from_torchrun:
             budget = ThreadBudget(int(omp), "OMP_NUM_THREADS")
         else:
-            budget = ThreadBudget(
-                max(usable_cores() // local_world_size(), 1), "cores / local ranks"
-            )
+            share = usable_cores() // local_world_size()
+            source = "cores / local ranks" + (f" - {keep_free}" if keep_free else "")
+            budget = ThreadBudget(max(share - keep_free, 1), source)
             if from_torchrun and not _torchrun_warned:
                 _torchrun_warned = True
                 warnings.warn(
                     f"torchrun set OMP_NUM_THREADS=1; zero-shard's CPU optimizer uses "
                     f"{budget.num_threads} threads on this rank instead ({usable_cores()} usable "
-                    f"cores / {local_world_size()} local ranks). Pass num_threads to choose.",
+                    f"cores / {local_world_size()} local ranks"
+                    f"{f', {keep_free} kept free' if keep_free else ''}). Pass num_threads to "
+                    "choose.",
                     RuntimeWarning,
                     stacklevel=2,
                 )

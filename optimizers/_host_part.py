@@ -14,10 +14,12 @@ stream. So the D2H of chunk k+1, the CPU step of chunk k and the H2D of chunk k-
 other and the accelerator's step.
 
 [Note: pinned buffer reuse]
-A chunk's staging buffer carries grads in (D2H) and params out (H2D). The next D2H into it is
-queued behind the current stream (at the next ``start``), and the current stream waited for this
-step's last H2D before then (every chunk is completed before the next step): so no copy into
-staging can start before the previous copy out of it ended. The worker touches staging only after its D2H event
+A chunk's staging buffer carries grads in (D2H) and params out (H2D). The next D2H into it waits
+for the previous step's H2D out of it: the current stream waited for it before the next step
+(every chunk is completed before then), and a step completed only by the next ``start`` (a
+delayed update) hands that chunk's H2D event to its D2H, so each chunk's grads go in as soon as
+its weights are out, not after every chunk's. A delayed step's H2D also waits for the next
+backward, which reads the params they overwrite. The worker touches staging only after its D2H event
 completed and before its H2D is queued. This assumes that forward and backward run on the stream
 that was current when ``step()`` ran (as in ordinary training); a model run on another stream must
 make that stream wait for the current one first.
@@ -104,6 +106,7 @@ class HostPart:
     _cls: type[torch.optim.Optimizer]
     _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
     pending: HostStep | None  # the step the worker is on, until every chunk is completed
+    _last_step: HostStep | None  # the last step started: when each staging buffer is free again
     _found_inf: HostFlag  # the step's found_inf on its way to the worker (reused each step: the
     #                      step in flight is settled before the next start sends another)
 
@@ -136,6 +139,7 @@ class HostPart:
         self.threads = threads
         self._cls = cls
         self.pending = None
+        self._last_step = None
         self._found_inf = HostFlag(device)
         self.buffers = HostBuffers(
             [HostBufferRequest(spec.numel, spec.dtype) for spec in specs],
@@ -254,11 +258,14 @@ class HostPart:
         index, in the order the new weights will be needed), by the first param of each chunk
         needed. Where ``found_inf`` (one element, on the device) is nonzero, the worker steps no
         chunk and the params are left as they are; the host does not wait for it here."""
+        # The grads are final on the current stream here (recorded before settle() makes it
+        # wait for every H2D: each chunk's D2H waits for its own below).
+        start_event = record_event(current_stream(self.engine.device))
         self.settle()
+        previous = self._last_step
         for chunk in self.chunks:  # refuse before any chunk is handed to the worker
             if chunk.kernel is not None:
                 self._check_kernel_still_applies(chunk)
-        start_event = record_event(current_stream(self.engine.device))
         verdict = None
         if found_inf is not None and self.chunks:
             # Behind start_event: the flag is final there. The worker reads it after this copy.
@@ -278,7 +285,10 @@ class HostPart:
                     )
                     for r, piece in active
                 ]
-                d2h_done = self.engine.d2h(pairs, after=[start_event])
+                # Into staging once the last step's H2D out of it is done ([Note: pinned
+                # buffer reuse]).
+                after = [start_event, None if previous is None else previous.h2d_event_of(chunk)]
+                d2h_done = self.engine.d2h(pairs, after=after)
             future = self._executor.submit(
                 _step_chunk, chunk, active, d2h_done, grad_scale, verdict
             )
@@ -288,6 +298,7 @@ class HostPart:
             step.wait()
         else:
             self.pending = step
+        self._last_step = step
         return step
 
     def _chunk_order(self, need_order: Sequence[int] | None) -> list[HostChunk]:
@@ -303,6 +314,9 @@ class HostPart:
         """Completes the step in flight, if any: its chunks' weights reach the params."""
         pending = self.pending  # once: another thread completing the step may clear it
         if pending is not None:
+            # Its H2D copies overwrite the params: after every use of them queued so far (a
+            # delayed update is completed here, after the next backward that reads them).
+            pending.hold_writes_for_current()
             pending.wait()
 
     def _check_kernel_still_applies(self, chunk: HostChunk) -> None:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.profiler import record_function
 
-from offload import CopyPair, current_stream, wait_for_event
+from offload import CopyPair, current_stream, record_event, wait_for_event
 
 from ._records import ParamRecord, Piece, flat_param
 
@@ -62,7 +62,10 @@ class HostStep:
     _jobs: list[ChunkJob]  # in the order the worker runs them
     _num_completed: int  # jobs[:_num_completed] are done and their H2D is queued (or they failed)
     _last_job_of: dict[int, int]  # record index -> position of the last job with a piece of it
-    _start_event: Any  # on the current stream after backward; the H2D copies wait for it
+    _writes_after: list[Any]  # events the H2D copies into the params wait for: the current
+    #                          stream after this step's backward, and after the next backward
+    #                          where the step is completed only then (a delayed update)
+    _h2d_of: dict[int, Any]  # id(chunk) -> the event after its H2D (out of its staging)
     _grads_copied: Any  # on the D2H stream after the last D2H of grads (it runs in order)
     _on_done: Callable[[], None] | None  # runs once the last job is completed; then None
     _h2d_event: Any  # after the H2D of every chunk completed so far; None: none queued (or CPU)
@@ -80,7 +83,8 @@ class HostStep:
         self._grads_copied = grads_copied
         self._jobs = list(jobs)
         self._num_completed = 0
-        self._start_event = start_event
+        self._writes_after = [start_event]
+        self._h2d_of = {}
         self._on_done = on_done
         self._h2d_event = None
         self._lock = threading.Lock()
@@ -101,6 +105,19 @@ class HostStep:
         """Completes the chunks up to the last one holding a param with one of these record
         indices: afterwards the current stream sees those params' new weights."""
         self._complete_through(self._last_position(indices))
+
+    def hold_writes_for_current(self) -> None:
+        """The H2D copies of chunks not completed yet also wait for the work queued so far on
+        the current stream: a step completed only after later forwards or backwards (a delayed
+        update) must not change the params under them."""
+        event = record_event(current_stream(self._part.engine.device))
+        with self._lock:
+            self._writes_after.append(event)
+
+    def h2d_event_of(self, chunk: HostChunk) -> Any:
+        """The event after the chunk's H2D out of its staging buffer (``None``: none queued, or
+        it ran synchronously): a later D2H into that staging buffer waits for it."""
+        return self._h2d_of.get(id(chunk))
 
     def wait_grads_copied(self) -> None:
         """Makes the current stream wait until every grad of the step was copied to the host (a
@@ -137,7 +154,8 @@ class HostStep:
                     CopyPair(_piece_of(flat_param(record.param), piece), piece.staging)
                     for record, piece in job.active
                 ]
-                self._h2d_event = engine.h2d(pairs, after=[self._start_event])
+                self._h2d_event = engine.h2d(pairs, after=self._writes_after)
+                self._h2d_of[id(job.chunk)] = self._h2d_event
         # The H2D stream runs in order: its last event covers every chunk queued so far.
         wait_for_event(current_stream(engine.device), self._h2d_event)
         if self.done and self._on_done is not None:

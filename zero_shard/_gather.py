@@ -75,6 +75,9 @@ class PendingWrites(Protocol):
         """Makes the current stream wait until the step read every grad (the next backward may
         write them then)."""
 
+    def follow_current(self) -> None:
+        """Writes not done yet wait for the work queued so far on the current stream."""
+
 
 class HostWrites:
     """The CPU's share of a step (a ``HostStep``) as writes into buckets: a bucket's writes are
@@ -89,6 +92,9 @@ class HostWrites:
 
     def wait_reads(self) -> None:
         self._host_step.wait_grads_copied()
+
+    def follow_current(self) -> None:
+        self._host_step.hold_writes_for_current()
 
 
 @dataclass
@@ -243,6 +249,9 @@ class ParamGatherer:
         """Gathers a deferred update (collective) and waits for every bucket."""
         if self._deferred is not None:
             writes, self._deferred = self._deferred, None
+            # At one rank the writes are into the params themselves: after every use of them
+            # queued since the step (a forward run in between).
+            writes.follow_current()
             self.after_step(writes)
         self.finish()
 

@@ -42,3 +42,18 @@ def test_no_setting_divides_cores_by_local_ranks(monkeypatch: pytest.MonkeyPatch
 def test_bad_thread_count(bad: object) -> None:
     with pytest.raises(ValueError, match="num_threads must be a positive integer"):
         resolve_thread_budget(bad)  # type: ignore[arg-type]
+
+
+def test_cores_kept_free_only_when_the_count_is_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A delayed update keeps two cores of the rank's share for the threads that queue forward
+    # and backward; an explicit count (argument or the user's OMP_NUM_THREADS) is kept as given.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(_threads, "usable_cores", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    budget = resolve_thread_budget(keep_free=2)
+    assert budget.num_threads == 14 and budget.source == "cores / local ranks - 2"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert resolve_thread_budget(keep_free=2).num_threads == 1  # never fewer than one
+    assert resolve_thread_budget(16, keep_free=2).num_threads == 16
+    monkeypatch.setenv("OMP_NUM_THREADS", "12")
+    assert resolve_thread_budget(keep_free=2).num_threads == 12

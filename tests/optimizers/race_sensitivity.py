@@ -30,22 +30,37 @@ def no_wait_before_d2h(pairs, stream, *, after=()):  # type: ignore[no-untyped-d
     return original_copy(pairs, stream, after=())
 
 
+def no_wait_for_next_backward(self: object) -> None:
+    """A delayed update's H2D copies no longer wait for the next backward."""
+
+
 def main() -> None:
     cases = {
         "current stream does not wait for H2D": (_host_step, "wait_for_event", no_wait_for_h2d),
         "copies do not wait for backward": (_copy_engine, "copy_async", no_wait_before_d2h),
     }
-    for name, (owner, attr, replacement) in cases.items():
+    delayed_case = (_host_step.HostStep, "hold_writes_for_current", no_wait_for_next_backward)
+    runs = [(name, case, exact_race) for name, case in cases.items()]
+    runs.append(("delayed H2D does not wait for the next backward", delayed_case, delayed_race))
+    for name, (owner, attr, replacement), race in runs:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(owner, attr, replacement)
             try:
-                test_hybrid_cuda.test_no_race_between_copies_and_compute(
-                    1.0, modify_grads=True, micro_batches=1
-                )
+                race()
             except AssertionError as err:
                 print(f"{name}: FAILED as it must ({str(err).splitlines()[0][:120]})")
             else:
                 print(f"{name}: PASSED (the race test did not see it)")
+
+
+def exact_race() -> None:
+    test_hybrid_cuda.test_no_race_between_copies_and_compute(
+        1.0, modify_grads=True, micro_batches=1
+    )
+
+
+def delayed_race() -> None:
+    test_hybrid_cuda.test_no_race_in_the_delayed_update()
 
 
 if __name__ == "__main__":

@@ -99,6 +99,58 @@ def test_no_race_between_copies_and_compute(
         assert_matches(opt, params, shadow, tol=OTHER_KERNEL, where=f"step {step}")
 
 
+def test_no_race_in_the_delayed_update() -> None:
+    """``delayed_update=True``: step k's weights are copied into the params at step k+1, while
+    the GPU may still run step k+1's backward, which reads them. Each backward is queued behind
+    tens of ms of other work, so a copy that does not wait for it changes the params under it:
+    the grads are checked against a second model that holds the expected params, run after a
+    synchronize. After each step the params must be step k-1's weights (a CPU AdamW fed the same
+    grads gives them), and a forward right after the step must equal one after a synchronize.
+    tests/optimizers/race_sensitivity.py shows that removing the wait makes this test fail.
+    """
+    width, depth = 4096, 4
+    model, check = _model(width, depth), _model(width, depth)
+    params = list(model.parameters())
+    policy = OffloadPolicy(fraction=1.0, chunk_numel=width * width, delayed_update=True)
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
+    master = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
+    master_opt = torch.optim.AdamW(master, lr=1e-2, fused=True)
+    expected = [p.detach().clone() for p in params]  # the params the next backward must read
+    x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
+    for step in range(10):
+        torch.cuda._sleep(50_000_000)  # the backward runs tens of ms after it is queued
+        model(x).float().square().mean().backward()
+        opt.step()
+        fast = model(x)
+        torch.cuda.synchronize()
+        assert torch.equal(fast, model(x)), f"step {step}: forward read params before the copy"
+        with torch.no_grad():
+            for target, value in zip(check.parameters(), expected, strict=True):
+                target.copy_(value)
+        check(x).float().square().mean().backward()
+        for param, other in zip(params, check.parameters(), strict=True):
+            # An Adam step moves these weights (about 0.01) by about lr = 0.01: grads taken at
+            # new params differ by far more than the rounding of two equal computations.
+            scale = other.grad.float().abs().max().item()
+            torch.testing.assert_close(
+                param.grad.float(), other.grad.float(), rtol=0.02, atol=0.02 * scale,
+                msg=f"step {step}: the backward saw params the delayed update had changed",
+            )  # fmt: skip
+        # The params now hold the weights of step k-1: M before this step (rounded to bf16, as
+        # the CPU kernel rounds its own fp32 weights, one bf16 ulp apart at most).
+        for param, main in zip(params, master, strict=True):
+            torch.testing.assert_close(
+                param.detach().cpu().float(), main.detach().to(torch.bfloat16).float(),
+                rtol=2**-7, atol=0.0, msg=f"step {step}",
+            )  # fmt: skip
+        for main, param in zip(master, params, strict=True):
+            main.grad = param.grad.float().cpu()
+        master_opt.step()
+        expected = [p.detach().clone() for p in params]
+        opt.zero_grad(set_to_none=True)
+        check.zero_grad(set_to_none=True)
+
+
 def test_full_offload_keeps_no_fp32_copies_on_the_gpu() -> None:
     model = _model(1024, 4)
     torch.cuda.synchronize()
