@@ -310,6 +310,13 @@ class HostPart:
     def _step_done(self) -> None:
         self.pending = None
 
+    def wait_for_worker(self) -> None:
+        """For reads of main weights and state: the step in flight, if any, is done on the worker
+        (its weights are not copied into the params here)."""
+        pending = self.pending
+        if pending is not None:
+            pending.wait_worker()
+
     def settle(self) -> None:
         """Completes the step in flight, if any: its chunks' weights reach the params."""
         pending = self.pending  # once: another thread completing the step may clear it

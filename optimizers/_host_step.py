@@ -14,8 +14,9 @@ on the main thread settles the step): a lock keeps them in order, and each calle
 stream waits for the H2D event of every chunk completed so far, by whichever thread.
 
 Until the whole step is complete, the host part is *busy*: its staging buffers and main weights
-belong to the worker. Everything else that touches them (the next step, state dicts, reloads,
-a backward hook sending a grad) completes the step first (``HostPart.settle``).
+belong to the worker. Everything else that writes them or the params (the next step, state dicts,
+loads, reloads) completes the step first (``HostPart.settle``); reads of the state only wait for
+the worker (``HostPart.wait_for_worker``), so that a delayed update keeps its lag.
 
 Buffer lifetimes: the D2H copies read the grads on the D2H stream behind the event ``start``
 recorded; the worker waits for them before it steps, and only then is the chunk's H2D queued. So
@@ -118,6 +119,13 @@ class HostStep:
         """The event after the chunk's H2D out of its staging buffer (``None``: none queued, or
         it ran synchronously): a later D2H into that staging buffer waits for it."""
         return self._h2d_of.get(id(chunk))
+
+    def wait_worker(self) -> None:
+        """Waits until the worker is done with every chunk (main weights and state are final),
+        without completing any: nothing is copied into the params (a delayed update keeps its
+        lag). A chunk's error surfaces where the chunk is completed."""
+        for job in self._jobs:
+            job.future.exception()
 
     def wait_grads_copied(self) -> None:
         """Makes the current stream wait until every grad of the step was copied to the host (a

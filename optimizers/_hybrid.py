@@ -230,7 +230,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         _check_impl_flags(self.param_groups)
         self._build()
-        self.state = StateView(self._records, self._host.settle)
+        self.state = StateView(self._records, self._host.wait_for_worker)
 
     @classmethod
     def wrap(
@@ -462,6 +462,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pending.wait()
         return loss
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a step's CPU share is not completed yet (its weights not in the params)."""
+        return self._host.pending is not None
+
     def finish_step(self) -> None:
         """Completes the step in flight, if any (one that ``launch_step`` returned, or a delayed
         update): the CPU share's weights reach the params, as the current stream sees them."""
@@ -605,7 +610,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": param_groups}
 
     def _record_state(self, record: ParamRecord) -> dict[str, Any]:
-        self._host.settle()  # the worker may be writing it
+        self._host.wait_for_worker()  # the worker may be writing it
         return record_state(record)
 
     def param_state(self, param: torch.Tensor) -> dict[str, Any]:

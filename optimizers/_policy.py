@@ -45,9 +45,10 @@ class OffloadPolicy:
             first: ``finish_param_sync()``, the optimizer's ``state_dict()`` /
             ``load_state_dict()`` / ``reload_model_params()``, and a model's ``state_dict()`` /
             ``load_state_dict()`` under ``zero_shard.wrap`` do it (it waits for the CPU step);
-            a forward does not (it runs on the lagging weights by design). Under
-            ``zero_shard.wrap`` only for a plain model that zero-shard shards (not DDP, not
-            FSDP2). Default False.
+            a forward does not (it runs on the lagging weights by design); reading the state
+            (``opt.state``) waits for the CPU step but keeps the lag. Under ``zero_shard.wrap``
+            only for a plain model that zero-shard shards (not DDP, not FSDP2), on one process
+            for now. Default False.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction

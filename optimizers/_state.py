@@ -143,7 +143,7 @@ class StateView(Mapping[torch.Tensor, dict[str, Any]]):
 
     def __init__(self, records: Sequence[ParamRecord], settle: Callable[[], None]) -> None:
         self._records = {record.param: record for record in records}
-        self._settle = settle  # completes a step in flight: the worker may be writing state
+        self._settle = settle  # waits for a step in flight: the worker may be writing state
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
         record = self._records.get(param)

@@ -31,9 +31,10 @@ shards, and the new step's D2H copies of grads into the same staging buffers que
 So the next forward runs on the weights of the step before, and the CPU step overlaps it. The
 next backward's first reduction waits (a stream wait) until the deferred step's D2H copies have
 read the grads, not for its CPU step. A flush gathers the deferred writes at once, waiting for
-the CPU step: ``finish_param_sync()`` and the optimizer's state dicts (every rank calls them:
-the gathers are collectives), and a module's ``state_dict`` / ``load_state_dict`` at one rank;
-at more ranks those refuse instead, since some ranks may call them alone.
+the CPU step: ``finish_param_sync()``, the optimizer's state dicts and a module's
+``state_dict`` / ``load_state_dict``. The delayed update runs on one process (refused at more):
+there a flush communicates nothing, whereas at more ranks some of those calls may be made on
+some ranks only, and the gathers are collectives.
 
 A write to a param between ``step()`` and the wait for its bucket (a weight constraint such as
 ``p.clamp_()``, a load through ``copy_``) races with the job's copy into it, on another stream
@@ -126,19 +127,22 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, world_size: int) -
     of those that were, or were written while being copied (another thread, see the note)."""
     # One read of each counter decides: a write between a check and the copy would be missed.
     before = [s.watched._version for s in bucket.params]
-    written = [s for s, v in zip(bucket.params, before, strict=True) if s.changed or v != s.version]
-    targets = [None if s in written else s.local for s in bucket.params]
+    # By position, not by `in`: records compare their tensors (dataclass equality).
+    written = [s.changed or v != s.version for s, v in zip(bucket.params, before, strict=True)]
+    targets = [None if w else s.local for s, w in zip(bucket.params, written, strict=True)]
     with record_function("zero_shard::unpack"):
         unpack_params(gathered, bucket.layout, bucket.specs, targets, world_size)
-    for sharded, version, target in zip(bucket.params, before, targets, strict=True):
+    for position, (sharded, version, target) in enumerate(
+        zip(bucket.params, before, targets, strict=True)
+    ):
         if target is None:
             continue
         now = sharded.watched._version
         if now != version + num_row_pieces(sharded.spec):
-            written.append(sharded)
+            written[position] = True
         else:
             sharded.version = now
-    return [sharded.fqn for sharded in written]
+    return [s.fqn for s, w in zip(bucket.params, written, strict=True) if w]
 
 
 def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
@@ -246,7 +250,8 @@ class ParamGatherer:
             self.after_step(previous)
 
     def flush(self) -> None:
-        """Gathers a deferred update (collective) and waits for every bucket."""
+        """Applies a deferred update (a delayed update runs on one process: no collective) and
+        waits for every bucket."""
         if self._deferred is not None:
             writes, self._deferred = self._deferred, None
             # At one rank the writes are into the params themselves: after every use of them
@@ -254,18 +259,6 @@ class ParamGatherer:
             writes.follow_current()
             self.after_step(writes)
         self.finish()
-
-    def flush_for_one_rank(self) -> None:
-        """:meth:`flush` for a call some ranks may make alone (a module's ``state_dict``): at one
-        rank it communicates nothing; at more a deferred update raises instead of gathering."""
-        if self._deferred is not None and self._world_size > 1:
-            raise RuntimeError(
-                "the last step's update (OffloadPolicy(delayed_update=True)) is still on its way "
-                "to the params, and a module's state_dict() or load_state_dict() cannot gather it "
-                "(it may run on some ranks only). Call opt.finish_param_sync() on every rank "
-                "first (opt.state_dict() and zero_shard.checkpoint do it)"
-            )
-        self.flush()
 
     def wait_deferred_reads(self) -> None:
         """The current stream waits until the deferred step read its grads."""

@@ -8,7 +8,7 @@
   (``model.head(h)`` outside ``model(...)``).
 - Every module's ``state_dict`` and ``load_state_dict`` wait for all buckets: a save reads the
   latest weights (on rank 0 alone, too), and a load lands on top of them. A delayed update still
-  deferred is gathered first at one rank, and refused at more (it would need every rank).
+  deferred is applied first (it runs on one process: that communicates nothing).
 - The root's forward hook waits for all buckets when its forward ends, also those of modules it
   did not run: the next backward writes grads that the last step's CPU share may still be
   copying to the host until its step is complete ([Note: deferred host step]).
@@ -57,7 +57,7 @@ def _state_dict_hook(gatherer: ParamGatherer) -> Any:
     def before_state_dict(module: nn.Module, *args: Any) -> None:
         gatherer = this()
         if gatherer is not None and gatherer.pending:
-            gatherer.flush_for_one_rank()
+            gatherer.flush()
 
     return before_state_dict
 

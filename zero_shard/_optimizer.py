@@ -251,8 +251,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         It only waits: every rank need not call it. A param written after ``step()`` but before
         this (or the wait of its forward) raises here, naming it.
 
-        With ``OffloadPolicy(delayed_update=True)`` it first applies the update still in flight
-        (it waits for the CPU step, and gathers its weights): every rank must call it then."""
+        With ``OffloadPolicy(delayed_update=True)`` (one process) it first applies the update
+        still in flight: it waits for the CPU step."""
         self._comm.flush()
 
     @torch.no_grad()
@@ -321,6 +321,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._comm.end_window()
         self._read_skips(block=False)  # at once where the device is the CPU
         return loss
+
+    def _on_skipped_step(self) -> None:
+        """``zero_shard.GradScaler`` skipped ``step()`` (non-finite fp16 grads): a delayed update
+        in flight still reaches the params here, as a step that skips would apply it."""
+        if self._hybrid.policy.delayed_update:
+            self._comm.flush()
 
     @property
     def num_skipped_steps(self) -> int:
@@ -394,8 +400,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 len(names),
             )
         # A delayed update in flight writes the shards when its step completes: first, so that
-        # the values loaded win (its gathers then copy them back as they are).
-        self._hybrid.finish_step()
+        # the values loaded win. At one rank the shards are the params: keep the loaded values
+        # aside, or the completion would overwrite them.
+        if self._hybrid.step_in_flight:
+            loaded = [(s.param, s.param.detach().clone()) for s in stale if s.aliased]
+            self._hybrid.finish_step()
+            for param, values in loaded:
+                param.detach().copy_(values)
         self._comm.refresh_shards(stale)
         self._hybrid.reload_model_params([sharded.shard for sharded in stale])
         for sharded in stale:

@@ -271,6 +271,8 @@ class GradReducer:
         or ``zero_grad``: grads set by hand, or kept; or a last backward inside ``no_sync()``)
         are reduced now, every bucket: collective. Without, it communicates nothing."""
         if reduce and (not self._reduced_in_window or self._unreduced_backward):
+            if self.before_first is not None:  # as before a backward's first reduction
+                self.before_first()
             self._reduce_rest()
         self._warn_late_grads()
         self._wait_reductions()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["GradScaler"]
@@ -41,3 +43,18 @@ class GradScaler(torch.amp.GradScaler):
         if unscale is None:
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         return unscale(inv_scale, found_inf)
+
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        # A skipped step skips the optimizer's step(): a delayed update in flight must still
+        # reach the params now, as at a step that skips (the optimizer's own verdict).
+        skipped = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
+        on_skip = getattr(optimizer, "_on_skipped_step", None)
+        if skipped and on_skip is not None:
+            on_skip()
+        return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)

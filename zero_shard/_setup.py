@@ -450,6 +450,13 @@ def check_inputs(
                 "step may still be copying. Pass the module itself (without DDP or fully_shard), "
                 "or delayed_update=False"
             )
+        if policy.delayed_update and dist.get_world_size() > 1:
+            raise ValueError(
+                f"OffloadPolicy(delayed_update=True) runs on one process for now, got "
+                f"{dist.get_world_size()}: at more ranks the update in flight would have to be "
+                "gathered by calls that some ranks make alone (finish_param_sync, a module's "
+                "state_dict). Use delayed_update=False, or one process"
+            )
         fqns = {id(p): name for name, p in module.named_parameters()}
         trainable = trainable_params(optimizer.param_groups, fqns, kind)
         check_unclaimed([(param, fqn) for param, fqn, _ in trainable])

@@ -1,13 +1,15 @@
-"""The one-step delayed update (``OffloadPolicy(delayed_update=True)``), on 2 and 3 CPU processes
-(gloo; 3 ranks hold empty shards).
+"""The one-step delayed update (``OffloadPolicy(delayed_update=True)``), on one CPU process
+(gloo; the delayed update runs on one process for now) and its refusals at two.
 
 The reference is the delayed update written out with torch AdamW in one process on the whole
 batch: the model's params P give the grads; at each step the master copy M's last update reaches
 P first, then M steps with the new grads (clipped by their own norm). So the grads of step k+1
 are taken at the weights of step k-1. zero-shard must give the same losses and params at every
-forward, the same M after ``finish_param_sync()`` and after its optimizer's ``state_dict()``,
-skip a non-finite step on every rank with the update before it still applied, and refuse what
-it cannot honour (DDP, FSDP2, a module's ``state_dict()`` with an update in flight).
+forward, the same M after ``finish_param_sync()``, the optimizer's ``state_dict()``, a module's
+``state_dict()`` and ``zero_shard.checkpoint.save``; skip a non-finite step (by its own verdict or
+``zero_shard.GradScaler``'s) with the update before it still applied; keep the lag when the state
+is only read; let weights loaded after ``step()`` win over the update in flight; and refuse what
+it cannot honour (more processes, DDP, FSDP2).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def a_skipped_step_keeps_the_update_before_it(rank: int, world: int) -> None:
 def state_dicts_apply_the_update_in_flight(rank: int, world: int) -> None:
     model = make_model()
     opt = zero_shard.wrap(adamw(model), model, offload=delayed(), bucket_mb=TINY_BUCKETS)
-    ref = reference_steps(flush_at=frozenset({3}))  # opt.state_dict() below flushes
+    ref = reference_steps(flush_at=frozenset({3}))  # model.state_dict() below flushes
     for step in range(3):
         x, y = global_batch(step)
         mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
@@ -127,14 +129,10 @@ def state_dicts_apply_the_update_in_flight(rank: int, world: int) -> None:
         opt.step()
         opt.zero_grad()
         _, _, master = next(ref)
-    # A module's state_dict may run on some ranks only: it cannot gather the update in flight.
-    with pytest.raises(RuntimeError, match="Call opt.finish_param_sync\\(\\) on every rank"):
-        model.state_dict()
-    saved = opt.state_dict()  # every rank: applies it first
-    for (name, param), ref_param in zip(model.named_parameters(), master.parameters(), strict=True):
-        torch.testing.assert_close(param.detach(), ref_param.detach(), **PARAM_TOL, msg=name)
-    weights = model.state_dict()  # nothing in flight now
-    assert torch.equal(weights["inp.weight"], model.inp.weight.detach())
+    weights = model.state_dict()  # a module's state_dict applies the update in flight
+    for (name, _), ref_param in zip(model.named_parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(weights[name], ref_param.detach(), **PARAM_TOL, msg=name)
+    saved = opt.state_dict()
     assert set(saved["state"]) == {name for name, _ in model.named_parameters()}
     # zero_shard.checkpoint applies an update in flight before it reads the model.
     x, y = global_batch(3)
@@ -147,6 +145,66 @@ def state_dicts_apply_the_update_in_flight(rank: int, world: int) -> None:
     zero_shard.checkpoint.save(f"{path}/world{world}", model=model, optimizer=opt)
     for (name, param), ref_param in zip(model.named_parameters(), master.parameters(), strict=True):
         torch.testing.assert_close(param.detach(), ref_param.detach(), **PARAM_TOL, msg=name)
+
+
+def state_reads_keep_the_lag(rank: int, world: int) -> None:
+    # Reading the state (logging a moment) waits for the CPU step but does not apply its update.
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=delayed(), bucket_mb=TINY_BUCKETS)
+    for step, (_, ref_params, _) in enumerate(reference_steps()):
+        x, y = global_batch(step)
+        loss = mse(model(x), y)
+        for (name, param), ref in zip(model.named_parameters(), ref_params, strict=True):
+            torch.testing.assert_close(param.detach(), ref, **PARAM_TOL, msg=f"step {step}: {name}")
+        loss.backward()
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        assert opt.state[model.inp.weight]["exp_avg"].abs().sum() > 0
+        opt.zero_grad()
+
+
+def a_load_after_step_wins(rank: int, world: int) -> None:
+    # Weights written in place after step() and a forward (a load), while the update of that
+    # step is still in flight: the next step takes them (stale_params="reload") instead of the
+    # update overwriting them.
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=delayed(), bucket_mb=TINY_BUCKETS)
+    for step in range(4):
+        x, y = global_batch(step)
+        mse(model(x), y).backward()
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            with torch.no_grad():
+                model(x)  # an eval forward: the gathers issued at step() are done
+                model.inp.weight.fill_(0.5)  # the update of step 1 is still in flight
+    opt.finish_param_sync()
+    moved = (model.inp.weight.detach() - 0.5).abs().max().item()
+    assert moved < 0.05, f"the loaded weights were lost: they moved by {moved}"
+
+
+def a_grad_scaler_skip_keeps_the_update_before_it(rank: int, world: int) -> None:
+    # zero_shard.GradScaler skips step() itself on an inf: the update in flight is still applied
+    # there, as at a step the optimizer skips.
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=delayed(), bucket_mb=TINY_BUCKETS)
+    scaler = zero_shard.GradScaler("cpu")
+    for step, (_, ref_params, master) in enumerate(reference_steps(skip=3)):
+        x, y = batch(step, 3)
+        loss = mse(model(x), y)
+        for (name, param), ref in zip(model.named_parameters(), ref_params, strict=True):
+            torch.testing.assert_close(param.detach(), ref, **PARAM_TOL, msg=f"step {step}: {name}")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(CLIP)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        last_master = master
+    opt.finish_param_sync()
+    for (name, param), ref in zip(model.named_parameters(), last_master.parameters(), strict=True):
+        torch.testing.assert_close(param.detach(), ref.detach(), **PARAM_TOL, msg=name)
 
 
 def refuses_ddp_and_fsdp2(rank: int, world: int) -> None:
@@ -163,14 +221,25 @@ def refuses_ddp_and_fsdp2(rank: int, world: int) -> None:
         zero_shard.wrap(adamw(model), model, offload=delayed())
 
 
+def refuses_more_processes(rank: int, world: int) -> None:
+    model = make_model()
+    with pytest.raises(ValueError, match="runs on one process for now, got 2"):
+        zero_shard.wrap(adamw(model), model, offload=delayed())
+
+
 CASES_BY_WORLD = {
-    2: {
+    1: {
         "trains_as_the_reference_and_flushes": trains_as_the_reference_and_flushes,
         "a_skipped_step_keeps_the_update_before_it": a_skipped_step_keeps_the_update_before_it,
         "state_dicts_apply_the_update_in_flight": state_dicts_apply_the_update_in_flight,
+        "state_reads_keep_the_lag": state_reads_keep_the_lag,
+        "a_load_after_step_wins": a_load_after_step_wins,
+        "a_grad_scaler_skip_keeps_the_update_before_it": (
+            a_grad_scaler_skip_keeps_the_update_before_it
+        ),
         "refuses_ddp_and_fsdp2": refuses_ddp_and_fsdp2,
     },
-    3: {"trains_as_the_reference_and_flushes": trains_as_the_reference_and_flushes},
+    2: {"refuses_more_processes": refuses_more_processes},
 }
 
 

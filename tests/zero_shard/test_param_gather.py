@@ -349,12 +349,14 @@ def weight_constraint_after_finish_param_sync(rank: int, world: int) -> None:
         )
 
 
-def stepped(rank: int, world: int, **options: Any) -> tuple[nn.Module, Any]:
+def stepped(
+    rank: int, world: int, bucket_mb: float = ONE_PER_BUCKET, **options: Any
+) -> tuple[nn.Module, Any]:
     """A model and its optimizer right after a step, its update on its way to the params."""
     torch.manual_seed(0)
     model = TiedFunctional()
     opt = zero_shard.wrap(
-        torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, bucket_mb=ONE_PER_BUCKET,
+        torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, bucket_mb=bucket_mb,
         **options,
     )  # fmt: skip
     x, y = batch(0)
@@ -369,6 +371,12 @@ def writes_right_after_step_without_finish_param_sync_raise(rank: int, world: in
     model, opt = stepped(rank, world)
     with torch.no_grad():
         model.blocks[1].fc.weight.clamp_(-0.3, 0.3)  # the update may not have landed yet
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.fc\.weight.*finish_param_sync"):
+        model(x)
+    # The same with the param in a bucket of several (the error named it, not another one).
+    model, opt = stepped(rank, world, bucket_mb=64)
+    with torch.no_grad():
+        model.blocks[1].fc.weight.clamp_(-0.3, 0.3)
     with pytest.raises(RuntimeError, match=r"blocks\.1\.fc\.weight.*finish_param_sync"):
         model(x)
     # A load through copy_, then reload_model_params: the same error, at the reload.
