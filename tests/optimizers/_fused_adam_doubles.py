@@ -83,6 +83,30 @@ class _FusedAdamDouble(torch.optim.Optimizer):
     adam_w_mode: int
     num_launches: int  # kernel launches so far (one per group with grads to step)
 
+    def _init_double(
+        self,
+        params: Any,
+        *,
+        lr: float,
+        bias_correction: bool,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        adam_w_mode: bool,
+    ) -> None:
+        """The constructor both share once their own arguments are checked: ``defaults`` holds
+        what both FusedAdams keep there (no ``maximize``, no ``fused``)."""
+        defaults = {
+            "lr": lr,
+            "bias_correction": bias_correction,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+        }
+        super().__init__(params, defaults)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.num_launches = 0
+
     def _count_group_step(self, group: dict[str, Any]) -> None:
         # Before anything else, for every group stepped, whether its params have grads or not.
         group["step"] = group["step"] + 1 if "step" in group else 1
@@ -164,16 +188,10 @@ class TransformerEngineFusedAdam(_FusedAdamDouble):
                  store_param_remainders)  # fmt: skip
         if capturable or master_weights or given != modelled:
             raise NotImplementedError("the double models TE's default fp32 path only")
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": betas,
-            "eps": eps,
-            "weight_decay": weight_decay,
-        }
-        super().__init__(params, defaults)
-        self.adam_w_mode = 1 if adam_w_mode else 0
-        self.num_launches = 0
+        self._init_double(
+            params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+            weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+        )  # fmt: skip
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, grad_scaler: Any = None) -> Any:  # type: ignore[override]
@@ -239,16 +257,10 @@ class ApexFusedAdam(_FusedAdamDouble):
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         if capturable or use_master:
             raise NotImplementedError("the double models apex's non-capturable path only")
-        defaults = {
-            "lr": lr,
-            "bias_correction": bias_correction,
-            "betas": betas,
-            "eps": eps,
-            "weight_decay": weight_decay,
-        }
-        super().__init__(params, defaults)
-        self.adam_w_mode = 1 if adam_w_mode else 0
-        self.num_launches = 0
+        self._init_double(
+            params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+            weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+        )  # fmt: skip
 
     @torch.no_grad()
     def step(  # type: ignore[override]
