@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
@@ -40,26 +40,16 @@ def _wait_hook(gatherer: ParamGatherer, indices: list[int]) -> Any:
     return before_forward
 
 
-def _finish_hook(gatherer: ParamGatherer) -> Any:
+def _while_pending(gatherer: ParamGatherer, action: Callable[[ParamGatherer], None]) -> Any:
+    """A hook (any signature) that runs ``action`` on the gatherer while an update is pending."""
     this = weakref.ref(gatherer)
 
-    def finish(module: nn.Module, *args: Any) -> None:
+    def hook(module: nn.Module, *args: Any) -> None:
         gatherer = this()
         if gatherer is not None and gatherer.pending:
-            gatherer.finish()
+            action(gatherer)
 
-    return finish
-
-
-def _state_dict_hook(gatherer: ParamGatherer) -> Any:
-    this = weakref.ref(gatherer)
-
-    def before_state_dict(module: nn.Module, *args: Any) -> None:
-        gatherer = this()
-        if gatherer is not None and gatherer.pending:
-            gatherer.flush()
-
-    return before_state_dict
+    return hook
 
 
 def register_param_waits(
@@ -85,9 +75,8 @@ def register_param_waits(
         if indices:
             hook = _wait_hook(gatherer, indices)
             handles.append(module.register_forward_pre_hook(hook, prepend=True))
-    finish = _finish_hook(gatherer)
-    handles.append(model.register_forward_hook(finish))
-    before_state_dict = _state_dict_hook(gatherer)
+    handles.append(model.register_forward_hook(_while_pending(gatherer, ParamGatherer.finish)))
+    before_state_dict = _while_pending(gatherer, ParamGatherer.flush)
     for module in model.modules():
         handles.append(module.register_state_dict_pre_hook(before_state_dict))
         handles.append(module.register_load_state_dict_pre_hook(before_state_dict))
