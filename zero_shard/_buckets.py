@@ -169,9 +169,9 @@ class Bucket:
             sharded.grad_slot = buffer[offset : offset + numel].view(sharded.shard.shape)
 
     def drop_grads(self) -> None:
-        """Frees the grad buffer (the grads were cleared), keeping its flags, which a zeroed grad
-        reads (``_flag_zeroed_as_before``). Call it on the stream the buffer was last written
-        on: the flags are copied there."""
+        """Frees the grad buffer (the grads were cleared) and the shards' ``.grad`` views of it,
+        keeping its flags, which a zeroed grad reads (``_flag_zeroed_as_before``). Call it on a
+        stream that waited for the buffer's last writes: the flags are copied there."""
         if self.grad_buffer is None:
             return
         self.flags_before = self.grad_buffer[self.layout.shard_numel :].clone()

@@ -330,10 +330,8 @@ class GradReducer:
         """
         self._wait_reductions()
         for bucket in self.buckets:
-            self._drop_grads(bucket)
+            self._drop_grads(bucket)  # the shards' .grad too
             bucket.ready.clear()
-            for sharded in bucket.params:
-                sharded.shard.grad = None
         self._next = len(self.buckets) - 1
         self._in_backward = False
         self._reduced_in_window = False
