@@ -6,7 +6,7 @@ Here every rank copies its shard into a buffer in PyTorch's symmetric memory, an
 then reads each peer's buffer with a device-to-device copy, which the copy engines carry out (no
 SMs). Two barriers (tiny kernels) order it: all shards written before anyone reads, all reads
 done before any buffer is written again. It needs peer access between the GPUs (one host,
-NVLink) and no multicast. Experimental: the benchmark patches it in for zero-shard's gathers.
+NVLink) and no multicast. Experimental: the benchmark passes it to ``zero_shard.wrap``.
 """
 
 from __future__ import annotations
@@ -32,27 +32,35 @@ class _EventWork:
 
 
 class CopyEngineGather:
-    """``launch_all_gather(shard, out, group)`` through symmetric memory and the copy engines."""
+    """``all_gather(shard, out, group)`` through symmetric memory and the copy engines, for
+    ``zero_shard.wrap(all_gather=...)``. The buffer is made at the first gather, the size of its
+    shard, and again for a larger one: every rank gathers the same shards in the same order."""
 
-    _buffer: torch.Tensor  # 1-D, symmetric memory, the largest shard's size
+    _group: dist.ProcessGroup  # the ranks whose buffers are exchanged: the gathers' ranks
+    _buffer: torch.Tensor | None  # 1-D, symmetric memory, the largest shard gathered so far
     _handle: Any  # the _SymmetricMemory of _buffer
-    _stream: torch.cuda.Stream
+    _stream: torch.cuda.Stream | None
 
-    def __init__(
-        self, group: dist.ProcessGroup, max_numel: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self._buffer = symm_mem.empty(max_numel, dtype=dtype, device=device)
-        self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
-        self._stream = torch.cuda.Stream(device)
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+        self._buffer = self._handle = self._stream = None
+
+    def _buffer_for(self, shard: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        buffer = self._buffer
+        if buffer is None or shard.numel() > buffer.numel() or shard.dtype != buffer.dtype:
+            buffer = symm_mem.empty(shard.numel(), dtype=shard.dtype, device=shard.device)
+            self._handle = symm_mem.rendezvous(buffer, self._group.group_name)
+            self._stream = self._stream or torch.cuda.Stream(shard.device)
+            self._buffer = buffer
+        return buffer, self._handle
 
     def __call__(self, shard: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> Any:
-        handle, numel = self._handle, shard.numel()
-        if numel > self._buffer.numel() or shard.dtype != self._buffer.dtype:
-            raise ValueError(f"a shard of {numel} {shard.dtype} does not fit the buffer")
+        buffer, handle = self._buffer_for(shard)
+        numel = shard.numel()
         # Waits for the current stream: the step wrote the shard, earlier reads of out are queued.
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
-            self._buffer[:numel].copy_(shard)
+            buffer[:numel].copy_(shard)
             handle.barrier(channel=0)  # every rank's shard is in its buffer
             chunks = out.view(handle.world_size, numel)
             for step in range(handle.world_size):

@@ -36,13 +36,12 @@ warm-ups. Rank 0 prints tables and writes ``results.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -260,68 +259,54 @@ def bench_iteration(
         torch.manual_seed(0)
         model = GPT(config).to(device, torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-        opt = zero_shard.wrap(opt, model, overlap_param_gather=overlap, bucket_mb=bucket_mb)
-        with _experiment_gather(gather, opt):
-            _train_iterations(model, opt, inputs, targets, clock, 3)  # warm-up
-            dist.barrier()
-            clock.synchronize()
-            marks, host = _train_iterations(model, opt, inputs, targets, clock, iters)
-            clock.synchronize()
-            phases = {
-                "forward": [clock.ms(marks[4 * i], marks[4 * i + 1]) for i in range(iters)],
-                "backward": [clock.ms(marks[4 * i + 1], marks[4 * i + 2]) for i in range(iters)],
-                "step": [clock.ms(marks[4 * i + 2], marks[4 * i + 3]) for i in range(iters)],
-                "iter": [clock.ms(marks[4 * i], marks[4 * i + 4]) for i in range(iters)],
-            }
-            row = {
-                "gather": gather,
-                "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
-                "bucket_mb": bucket_mb,
-                "overlap_param_gather": overlap,
-                "num_params": sum(p.numel() for p in model.parameters()),
-                "num_buckets": len(opt._comm.buckets),
-            }
-            row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
-            for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):
-                row[f"host_{name}_ms"] = statistics.median((m[b] - m[a]) * 1e3 for m in host)
-            if opt.num_skipped_steps:
-                raise RuntimeError(f"{opt.num_skipped_steps} steps skipped as non-finite")
-            row["peak_gib"] = peak_memory(device) / 2**30
-            row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
-            rows.append(row)
-            if dist.get_rank() == 0:
-                print(f"  {row}", flush=True)
-            if profile_dir is not None and overlap and bucket_mb == buckets_mb[-1]:
-                _profile(model, opt, inputs, targets, clock, profile_dir / gather)
-            opt.finish_param_sync()
+        opt = zero_shard.wrap(
+            opt, model, overlap_param_gather=overlap, bucket_mb=bucket_mb,
+            all_gather=_experiment_gather(gather),
+        )  # fmt: skip
+        _train_iterations(model, opt, inputs, targets, clock, 3)  # warm-up
+        dist.barrier()
+        clock.synchronize()
+        marks, host = _train_iterations(model, opt, inputs, targets, clock, iters)
+        clock.synchronize()
+        phases = {
+            "forward": [clock.ms(marks[4 * i], marks[4 * i + 1]) for i in range(iters)],
+            "backward": [clock.ms(marks[4 * i + 1], marks[4 * i + 2]) for i in range(iters)],
+            "step": [clock.ms(marks[4 * i + 2], marks[4 * i + 3]) for i in range(iters)],
+            "iter": [clock.ms(marks[4 * i], marks[4 * i + 4]) for i in range(iters)],
+        }
+        row = {
+            "gather": gather,
+            "nccl_proto": os.environ.get("NCCL_PROTO", "default"),
+            "bucket_mb": bucket_mb,
+            "overlap_param_gather": overlap,
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "num_buckets": len(opt._comm.buckets),
+        }
+        row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
+        for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):
+            row[f"host_{name}_ms"] = statistics.median((m[b] - m[a]) * 1e3 for m in host)
+        if opt.num_skipped_steps:
+            raise RuntimeError(f"{opt.num_skipped_steps} steps skipped as non-finite")
+        row["peak_gib"] = peak_memory(device) / 2**30
+        row["tokens_per_s_per_gpu"] = batch * seq_len / (row["iter_ms"] * 1e-3)
+        rows.append(row)
+        if dist.get_rank() == 0:
+            print(f"  {row}", flush=True)
+        if profile_dir is not None and overlap and bucket_mb == buckets_mb[-1]:
+            _profile(model, opt, inputs, targets, clock, profile_dir / gather)
+        opt.finish_param_sync()
         del model, opt
     return rows
 
 
-@contextlib.contextmanager
-def _experiment_gather(kind: str, opt: zero_shard.ZeroShardOptimizer) -> Iterator[None]:
-    """zero-shard's param gathers as they are (``nccl``), or, inside the block, the copy-engine
-    all-gather of ``_ce_gather`` (``ce``). zero-shard takes no gather of the caller's, so the
-    experiment patches the function its gather thread calls."""
+def _experiment_gather(kind: str) -> Any:
+    """``wrap``'s ``all_gather``: zero-shard's own (``nccl``: None), or the copy-engine all-gather
+    of ``_ce_gather`` (``ce``)."""
     if kind == "nccl":
-        yield
-        return
+        return None
     from _ce_gather import CopyEngineGather
 
-    from zero_shard import _gather
-
-    shards = [bucket.shard_buffer for bucket in opt._comm.buckets]
-    original = _gather.launch_all_gather
-    _gather.launch_all_gather = CopyEngineGather(
-        opt.mesh.get_group(0),
-        max(shard.numel() for shard in shards),
-        shards[0].dtype,
-        shards[0].device,
-    )
-    try:
-        yield
-    finally:
-        _gather.launch_all_gather = original
+    return CopyEngineGather(dist.group.WORLD)
 
 
 def _profile(

@@ -8,7 +8,7 @@ caller needs to order later work (a ``Work`` handle, or nothing for stream-order
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ._layout import BucketLayout, ShardSpec
 
 __all__ = [
+    "AllGather",
     "ReduceScaling",
     "broadcast_tensors",
     "choose_reduce_scaling",
@@ -28,6 +29,18 @@ __all__ = [
 ]
 
 Work = Any  # torch.distributed's Work handle
+
+
+class AllGather(Protocol):
+    """Gathers every rank's ``shard`` (equal sizes) into ``out``, rank-major, as
+    ``dist.all_gather_into_tensor(out, shard, group=group, async_op=True)`` does; returns a handle
+    whose ``wait()`` makes the current stream (the caller's, on the gathering thread) see ``out``.
+    """
+
+    def __call__(
+        self, shard: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup
+    ) -> Work: ...
+
 
 # all_gather_single / reduce_scatter_single replace the *_into_tensor / *_tensor names in newer
 # torch (the old ones warn there); the signatures are the same.

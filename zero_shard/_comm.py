@@ -35,6 +35,7 @@ from offload import use_device
 from optimizers import HostStep
 
 from ._buckets import Bucket, ShardedParam, build_buckets, fsdp_sharded_param, shard_grads
+from ._collectives import AllGather, launch_all_gather
 from ._gather import HostWrites, ParamGatherer
 from ._hooks import register_param_waits
 from ._reduce import GradReducer
@@ -112,8 +113,16 @@ class FSDPComm:
         self.sharded = [fsdp_sharded_param(p, fqn, g, reduced_dims) for p, fqn, g in trainable]
         self.buckets = []
 
-    def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
-        """Makes the model's state dicts watched as its params are (see [Note: FSDP2 versions])."""
+    def install(
+        self,
+        mesh: DeviceMesh,
+        *,
+        device: torch.device,
+        overlap: bool,
+        all_gather: AllGather | None = None,
+    ) -> list[Any]:
+        """Makes the model's state dicts watched as its params are (see [Note: FSDP2 versions]).
+        FSDP2 gathers the params itself (``all_gather`` is refused at wrap)."""
         return watch_state_dict_entries(self._module, self.sharded)
 
     @property
@@ -280,10 +289,20 @@ class _GatheredComm:
         index_of = {id(record): index for index, record in enumerate(self.sharded)}
         self._bucket_indices = [[index_of[id(s)] for s in b.params] for b in self.buckets]
 
-    def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
+    def install(
+        self,
+        mesh: DeviceMesh,
+        *,
+        device: torch.device,
+        overlap: bool,
+        all_gather: AllGather | None = None,
+    ) -> list[Any]:
         """Creates the gathers' group and the model hooks; returns the hooks' handles."""
         group = gather_group(mesh, device)
-        self.gatherer = ParamGatherer(self.buckets, group, device=device, overlap=overlap)
+        self.gatherer = ParamGatherer(
+            self.buckets, group, device=device, overlap=overlap,
+            all_gather=all_gather or launch_all_gather,
+        )  # fmt: skip
         waits = register_param_waits(self._module, self._plan, self.buckets, self.gatherer)
         # Tensor-parallel DTensor params: as under FSDP2 (see [Note: FSDP2 versions]).
         return [*waits, *watch_state_dict_entries(self._module, self.sharded)]
@@ -396,8 +415,15 @@ class ReplicatedComm(_GatheredComm):
             _alias_params(self.buckets)
         self.reducer = GradReducer(self.buckets, self._group, stage=stage, device=device)
 
-    def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
-        handles = super().install(mesh, device=device, overlap=overlap)
+    def install(
+        self,
+        mesh: DeviceMesh,
+        *,
+        device: torch.device,
+        overlap: bool,
+        all_gather: AllGather | None = None,
+    ) -> list[Any]:
+        handles = super().install(mesh, device=device, overlap=overlap, all_gather=all_gather)
         # The reductions write the grad buffers that the last step's D2H copies read: the step
         # must be complete first (the gathers waited for every CPU chunk), whatever the forward
         # waited for (see [Note: deferred host step]); a delayed update's CPU step runs on, but

@@ -61,7 +61,7 @@ from offload import current_stream, record_event, side_stream, use_device, use_s
 from optimizers import HostStep
 
 from ._buckets import Bucket
-from ._collectives import launch_all_gather, num_row_pieces, unpack_params
+from ._collectives import AllGather, launch_all_gather, num_row_pieces, unpack_params
 
 __all__ = ["HostWrites", "ParamGatherer", "PendingWrites"]
 
@@ -120,6 +120,7 @@ class _Job:
     stream: Any  # the job's stream; None on the CPU
     device: torch.device
     world_size: int
+    all_gather: AllGather
 
 
 def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, world_size: int) -> list[str]:
@@ -153,7 +154,7 @@ def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
     shard = bucket.shard_buffer
     out = shard.new_empty(job.world_size * shard.numel())
     with record_function("zero_shard::all_gather"):
-        launch_all_gather(shard, out, job.group).wait()
+        job.all_gather(shard, out, job.group).wait()
     report.written = _copy_into_params(bucket, out, job.world_size)
     report.event = record_event(job.stream)
 
@@ -206,6 +207,7 @@ class ParamGatherer:
     buckets: list[Bucket]
     overlap: bool
     _group: dist.ProcessGroup  # the gathers' own group: the same ranks as the mesh's
+    _all_gather: AllGather  # launch_all_gather, or the caller's (``wrap(all_gather=...)``)
     _world_size: int
     _device: torch.device
     _stream: Any  # the job's stream; None on the CPU
@@ -223,10 +225,12 @@ class ParamGatherer:
         *,
         device: torch.device,
         overlap: bool,
+        all_gather: AllGather = launch_all_gather,
     ) -> None:
         self.buckets = list(buckets)
         self.overlap = overlap
         self._group = group
+        self._all_gather = all_gather
         self._world_size = dist.get_world_size(group)
         self._device = device
         self._stream = side_stream(device)
@@ -281,6 +285,7 @@ class ParamGatherer:
             self._stream,
             self._device,
             self._world_size,
+            self._all_gather,
         )
         if self.overlap:
             self._executor.submit(run_gathers, job)

@@ -24,7 +24,7 @@ from optimizers import (
 )
 
 from ._buckets import ShardedParam, norm_grads, shard_grads
-from ._collectives import broadcast_tensors
+from ._collectives import AllGather, broadcast_tensors
 from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._norms import clip_coefficient, global_norm, nonfinite_flag
 from ._owners import claim, is_claimed
@@ -126,6 +126,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         nonfinite: str = "skip",
         stale_params: str = "reload",
         units: Units = None,
+        all_gather: AllGather | None = None,
     ) -> None:
         if isinstance(optimizer, (ZeroShardOptimizer, HybridDeviceOptimizer)):
             raise TypeError(
@@ -144,8 +145,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         options = {"offload": offload, "stage": stage, "bucket_mb": bucket_mb,
                    "nonfinite": nonfinite, "stale_params": stale_params}  # fmt: skip
         checked = check_inputs(
-            optimizer, self._module, self.kind, self._meshes.verdict_mesh, device, options, units
-        )
+            optimizer, self._module, self.kind, self._meshes.verdict_mesh, device, options, units,
+            all_gather=all_gather,
+        )  # fmt: skip
         self.nonfinite = nonfinite
         self.stale_params = stale_params
         self._skips = SkipCount(device)
@@ -169,7 +171,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
-        handles = self._comm.install(self.mesh, device=self._device, overlap=overlap_param_gather)
+        handles = self._comm.install(
+            self.mesh, device=self._device, overlap=overlap_param_gather, all_gather=all_gather
+        )
         weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid)  # type: ignore[assignment]
         for sharded in self._sharded:
@@ -600,6 +604,7 @@ def wrap(
     nonfinite: str = "skip",
     stale_params: str = "reload",
     units: Units = None,
+    all_gather: AllGather | None = None,
 ) -> ZeroShardOptimizer:
     """Shards ``optimizer`` over the data-parallel ranks, optionally offloading to the CPU.
 
@@ -674,6 +679,14 @@ def wrap(
             that unit's forward (before it runs) needs a coarser unit; ``units=[]`` makes the
             root the only one (exact for any model; the gathers then no longer overlap the
             forward). Ignored under FSDP2.
+        all_gather: replaces the all-gather of the updated params (an experiment's own, e.g.
+            one over symmetric memory): called as ``all_gather(shard, out, group)`` with each
+            bucket's shard, its rank-major output and zero-shard's gather group, on the thread
+            that issues the gathers (inside its stream), as
+            ``dist.all_gather_into_tensor(out, shard, group=group, async_op=True)``; it returns
+            a handle whose ``wait()`` makes that thread's current stream see ``out``. Default
+            ``None``: that call. Refused under FSDP2, which gathers its params itself
+            (``FSDPModule.set_custom_all_gather``).
 
     Example:
         >>> opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
@@ -691,4 +704,5 @@ def wrap(
         nonfinite=nonfinite,
         stale_params=stale_params,
         units=units,
+        all_gather=all_gather,
     )

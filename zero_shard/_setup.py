@@ -433,6 +433,8 @@ def check_inputs(
     device: torch.device,
     options: dict[str, Any],
     units: Units = None,
+    *,
+    all_gather: Any = None,
 ) -> CheckedInputs:
     """Checks ``wrap``'s options (``offload``, ``stage``, ``bucket_mb``, ``nonfinite``,
     ``stale_params``), ``units`` and params with one verdict for every rank of the mesh: each rank
@@ -443,6 +445,16 @@ def check_inputs(
 
     def check() -> CheckedInputs:
         policy = check_options(optimizer, **options)
+        if all_gather is not None and not callable(all_gather):
+            raise TypeError(
+                f"all_gather must be callable as all_gather(shard, out, group), got "
+                f"{type(all_gather).__name__}"
+            )
+        if all_gather is not None and kind is ModelKind.FSDP:
+            raise ValueError(
+                "all_gather has no place under FSDP2, which gathers the params itself: set it "
+                "on the FSDP2 module (FSDPModule.set_custom_all_gather), or pass all_gather=None"
+            )
         if policy.delayed_update and kind is not ModelKind.REPLICATED:
             raise ValueError(
                 f"OffloadPolicy(delayed_update=True) needs a plain model that zero-shard shards, "
@@ -477,6 +489,7 @@ def check_inputs(
             f"{key}={options[key]!r}" for key in ("stage", "bucket_mb", "nonfinite", "stale_params")
         ]
         shared.append(f"delayed_update={checked.policy.delayed_update!r}")
+        shared.append(f"all_gather given: {all_gather is not None}")
         return (
             shared
             + [

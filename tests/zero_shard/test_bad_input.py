@@ -57,6 +57,18 @@ def offload_that_is_not_a_policy(rank: int, world: int) -> None:
 
 
 @case
+def an_all_gather_that_is_not_callable_or_under_fsdp2(rank: int, world: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    with pytest.raises(TypeError, match=r"all_gather must be callable .* got str"):
+        zero_shard.wrap(adamw(model), model, all_gather="nccl")
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    with pytest.raises(ValueError, match=r"set it on the FSDP2 module.*set_custom_all_gather"):
+        zero_shard.wrap(adamw(model), model, all_gather=lambda shard, out, group: None)
+
+
+@case
 def tensor_parallel_layouts_zero_shard_cannot_take(rank: int, world: int) -> None:
     # Never taken for FSDP2 by guess (a column-parallel Shard(0) looks like FSDP2's); the
     # supported compositions are in test_tensor_parallel.py.

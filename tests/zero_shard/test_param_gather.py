@@ -391,21 +391,34 @@ def writes_right_after_step_without_finish_param_sync_raise(rank: int, world: in
 @case
 def a_failed_gather_raises_at_every_wait(rank: int, world: int) -> None:
     # Every rank fails alike (one rank alone would leave the others' gathers to time out).
-    # Fault injection: no public input makes a gather fail on every rank alike.
-    original = _gather.launch_all_gather
-
     def failing(*args: Any) -> None:
         raise RuntimeError("injected gather failure")
 
-    _gather.launch_all_gather = failing
-    try:
-        model, opt = stepped(rank, world)
-        with pytest.raises(RuntimeError, match="injected gather failure"):
-            model(local_slice(batch(1)[0], rank, world))
-        with pytest.raises(RuntimeError, match="injected gather failure"):
-            opt.finish_param_sync()  # the later buckets were never gathered: they say so too
-    finally:
-        _gather.launch_all_gather = original
+    model, opt = stepped(rank, world, all_gather=failing)
+    with pytest.raises(RuntimeError, match="injected gather failure"):
+        model(local_slice(batch(1)[0], rank, world))
+    with pytest.raises(RuntimeError, match="injected gather failure"):
+        opt.finish_param_sync()  # the later buckets were never gathered: they say so too
+
+
+@case
+def a_given_all_gather_gathers_every_bucket(rank: int, world: int) -> None:
+    # wrap(all_gather=...) replaces the gathers (an experiment's own): called once per bucket and
+    # step, on zero-shard's gather group, and the result is torch's (each_layout: with offload).
+    calls: list[tuple[int, int]] = []
+
+    def counted(shard: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> Any:
+        calls.append((shard.numel(), dist.get_world_size(group)))
+        return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+
+    each_layout(rank, world, TiedFunctional, all_gather=counted)
+    num_params = len(list(TiedFunctional().parameters()))
+    one_per_bucket = 2 * STEPS * num_params  # two of the three layouts: a bucket per param
+    assert len(calls) > one_per_bucket, calls
+    assert all(size == world for _, size in calls), calls
+    calls.clear()
+    train_against_torch(rank, world, TiedFunctional, bucket_mb=ONE_PER_BUCKET, all_gather=counted)
+    assert len(calls) == STEPS * num_params, (len(calls), STEPS, num_params)
 
 
 @case
