@@ -17,7 +17,7 @@ from ._streams import (
     wait_for_event,
     wait_stream,
 )
-from ._threads import ThreadBudget, resolve_thread_budget, usable_cores
+from ._threads import ThreadBudget, intra_op_threads, resolve_thread_budget, usable_cores
 
 __all__ = [
     "CopyEngine",
@@ -30,6 +30,7 @@ __all__ = [
     "copy_async",
     "current_stream",
     "format_bytes",
+    "intra_op_threads",
     "local_world_size",
     "record_event",
     "resolve_thread_budget",

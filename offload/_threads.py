@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 from ._host_memory import local_world_size
 
-__all__ = ["ThreadBudget", "resolve_thread_budget", "usable_cores"]
+__all__ = ["ThreadBudget", "intra_op_threads", "resolve_thread_budget", "usable_cores"]
 
 logger = logging.getLogger("zero_shard")
 _torchrun_warned = False
@@ -77,3 +81,19 @@ def resolve_thread_budget(requested: int | None = None, *, keep_free: int = 0) -
         "zero-shard: CPU optimizer threads per rank = %d (%s)", budget.num_threads, budget.source
     )
     return budget
+
+
+@contextlib.contextmanager
+def intra_op_threads(num_threads: int | None) -> Iterator[None]:
+    """Runs the block's torch CPU kernels on ``num_threads`` intra-op threads of the calling
+    thread, then restores the count it had (torchrun's one, say, for the rest of the loop).
+    ``None`` leaves the count as it is."""
+    before = torch.get_num_threads()
+    if num_threads is None or num_threads == before:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from offload import ThreadBudget, resolve_thread_budget
+from offload import ThreadBudget, intra_op_threads, resolve_thread_budget
 
 from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies, load_cpu_adam
 from ._device_part import DevicePart
@@ -193,6 +193,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _optimizer_spec: OptimizerSpec  # how every sub-optimizer is constructed
     _records: list[ParamRecord] | None  # one per param over all groups; None while building
     _device: DevicePart
+    _device_num_threads: int | None  # the device part's threads where it is the host; None:
+    #                                  the caller's (an accelerator's part queues kernels)
     _host: HostPart
     _layouts: list[StateLayout]  # per param group: the state the optimizer keeps per param
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
@@ -322,11 +324,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # and autograd's thread runs backward: two cores are left to them (measured on one H100
         # host: 276-281 ms an iteration with 14 of 16 threads, 334-355 with 16).
         keep_free = 2 if self.policy.delayed_update else 0
+        # Params on the host (a CPU run, FSDP2's CPUOffloadPolicy) are stepped in place by the
+        # device part, on the caller's thread: with the budget, not torchrun's one thread.
+        on_host = device.type == "cpu" and bool(layout.device_pieces)
         threads = (
             resolve_thread_budget(self.policy.num_threads, keep_free=keep_free)
-            if layout.host_chunks
+            if layout.host_chunks or on_host
             else None
         )
+        self._device_num_threads = threads.num_threads if on_host else None
         self._host = HostPart(
             trainable,
             layout.host_chunks,
@@ -524,7 +530,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         grads = self._collect_grads()
         pending = self._host.start(grads, grad_scale, need_order=need_order, found_inf=found_inf)
         try:
-            self._device.step(grads, grad_scale, found_inf)
+            with intra_op_threads(self._device_num_threads):
+                self._device.step(grads, grad_scale, found_inf)
         except BaseException:
             # The worker must not outlive a failed step, and the chunks it stepped must still
             # reach the model.

@@ -40,7 +40,7 @@ def global_norm(
 ) -> torch.Tensor:
     """The ``norm_type``-norm of all ranks' ``grads`` together, as a 0-dim fp32 tensor on
     ``device`` (the same value on every rank); ``groups`` are those the grads are sharded over."""
-    term = _local_term(grads, norm_type, device)
+    term = _local_term(grads, norm_type, device).to(device)  # host grads, reduced on the mesh's
     if math.isinf(norm_type):
         # A MAX reduction may drop a NaN (gloo keeps the other rank's value); inf survives it.
         term = torch.nan_to_num(term, nan=math.inf)
@@ -70,7 +70,7 @@ def nonfinite_flag(
     flag = torch.zeros((), dtype=torch.float32, device=device)
     if tensors:
         finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
-        flag = (~finite).float()
+        flag = (~finite).float().to(device)
     for group in groups:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag

@@ -36,6 +36,8 @@ from ._setup import (
     check_inputs,
     ensure_process_group,
     first_device,
+    params_on_host,
+    reduce_device,
     resolve_mesh,
     unwrap_model,
 )
@@ -97,7 +99,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     stale_params: str  # "reload" or "error": what a step does when params changed under it
     _skips: SkipCount  # steps skipped for non-finite grads (see [Note: skip on the device])
     _module: nn.Module  # the model, unwrapped from DDP
-    _device: torch.device
+    _device: torch.device  # the params' (FSDP2's CPUOffloadPolicy: the host)
+    _reduce_device: torch.device  # where norms, flags and verdicts are reduced: the mesh's
+    _params_on_host: bool  # FSDP2 params on the host: stepped there in place (see _make_hybrid)
     _comm: Comm  # moves this kind of model's grads and params (see _comm.py)
     _sharded: list[ShardedParam]  # one per trainable param, in param-group order
     _hybrid: HybridDeviceOptimizer  # steps this rank's shards
@@ -141,12 +145,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         # The mesh first: the checks below share their verdict over it (see _verdict).
         self._meshes = resolve_mesh(model, self.kind, mesh, device)
         self.mesh, self._groups = self._meshes.mesh, self._meshes.groups
+        self._reduce_device = reduce_device(self.mesh, device)
         fqns = {id(p): name for name, p in self._module.named_parameters()}
         options = {"offload": offload, "stage": stage, "bucket_mb": bucket_mb,
                    "nonfinite": nonfinite, "stale_params": stale_params}  # fmt: skip
         checked = check_inputs(
-            optimizer, self._module, self.kind, self._meshes.verdict_mesh, device, options, units,
-            all_gather=all_gather,
+            optimizer, self._module, self.kind, self._meshes.verdict_mesh, self._reduce_device,
+            options, units, all_gather=all_gather,
         )  # fmt: skip
         self.nonfinite = nonfinite
         self.stale_params = stale_params
@@ -163,6 +168,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._warned_unfrozen = False
         self._device = checked.trainable[0][0].device
+        self._params_on_host = params_on_host(self.kind, self.mesh, self._device)
         if self.kind is ModelKind.REPLICATED:  # DDP did the same; FSDP2's shards differ by rank
             broadcast_tensors(_module_tensors(self._module, self._device), self.mesh.get_group())
         self._comm = self._make_comm(model, checked, stage, bucket_mb)
@@ -219,13 +225,15 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             }
             for g in range(len(self.param_groups))
         ]
+        if self._params_on_host:  # the whole step is the host's already: in place, no copies
+            policy = dataclasses.replace(policy, fraction=0.0)
         # Host memory differs between hosts: a rank that cannot hold its share fails all ranks.
         return on_every_rank(
             lambda: HybridDeviceOptimizer(
                 shard_groups, type(optimizer), policy=policy, **constructor_defaults(optimizer)
             ),
             mesh=self._meshes.verdict_mesh,
-            device=self._device,
+            device=self._reduce_device,
         )
 
     def _hyperparams(self, group_index: int) -> dict[str, Any]:
@@ -273,13 +281,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
         self._finalize_grads()
         grads = shard_grads(self._sharded)
-        norm = global_norm(norm_grads(self._sharded), norm_type, self._groups, self._device)
+        norm = global_norm(norm_grads(self._sharded), norm_type, self._groups, self._reduce_device)
         if self._grad_scale is not None:  # fp16 grads still carry the loss scale
             norm = norm * self._grad_scale
         coefficient = clip_coefficient(norm, float(max_norm))
         coefficient = torch.where(torch.isfinite(norm), coefficient, torch.ones_like(coefficient))
         if grads:
-            torch._foreach_mul_(grads, coefficient)
+            torch._foreach_mul_(grads, coefficient.to(self._device))
         self._window_norm = norm
         self._clipped_marker = self._comm.grads_marker()
         return norm
@@ -374,7 +382,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         raises = self.stale_params == "error"
         if raises and agree and self.kind is ModelKind.FSDP:
             if (
-                on_any_rank(bool(stale), mesh=self._meshes.verdict_mesh, device=self._device)
+                on_any_rank(bool(stale), mesh=self._meshes.verdict_mesh, device=self._reduce_device)
                 and not stale
             ):
                 raise RuntimeError(
@@ -453,7 +461,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         local = on_every_rank(
             lambda: self._checked_local_state_dict(state_dict),
             mesh=self._meshes.verdict_mesh,
-            device=self._device,
+            device=self._reduce_device,
         )
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
@@ -545,7 +553,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if self._window_norm is not None:
             flag = (~torch.isfinite(self._window_norm)).float()
         else:
-            flag = nonfinite_flag(self._checked_grads(), self._groups, self._device)
+            flag = nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device)
+        flag = flag.to(self._device)  # where the step reads it (the params may be on the host)
         if self.nonfinite == "skip" and self._hybrid.skips_on_device:
             self._skips.note(flag)
             return False, flag
@@ -583,7 +592,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """
         self._finalize_grads()
         grads = shard_grads(self._sharded)
-        found_inf.copy_(nonfinite_flag(self._checked_grads(), self._groups, self._device))
+        found_inf.copy_(nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device))
         if any(grad.dtype == torch.float16 for grad in grads):
             self._grad_scale = float(inv_scale)
         elif grads:
@@ -639,6 +648,11 @@ def wrap(
             ``DistributedDataParallel``, or an FSDP2 (``fully_shard``) model.
         offload: how much of each rank's optimizer state moves to the CPU; ``None`` (default)
             keeps everything on the accelerator. ``OffloadPolicy(fraction=1.0)`` moves it all.
+            An FSDP2 model sharded with ``CPUOffloadPolicy`` keeps its params and grads on the
+            host: pass ``OffloadPolicy(fraction=1.0)`` (another fraction is refused); the step
+            then runs there, in place on FSDP2's params (no copies, no staging), on the rank's
+            CPU threads (``num_threads``), while norms and non-finite checks are reduced over the
+            mesh's accelerator.
         mesh: the 1-D data-parallel ``DeviceMesh``, over all ranks or a dim of a mesh that is
             (``mesh["dp"]``); default: all ranks of the default group, or a DDP model's process
             group. Under FSDP2 the params' own mesh is used.

@@ -36,6 +36,8 @@ __all__ = [
     "check_options",
     "ensure_process_group",
     "first_device",
+    "params_on_host",
+    "reduce_device",
     "resolve_mesh",
     "trainable_params",
     "unwrap_model",
@@ -189,6 +191,22 @@ def first_device(optimizer: torch.optim.Optimizer) -> torch.device:
     it has none (they then say so)."""
     param = next((p for group in optimizer.param_groups for p in group["params"]), None)
     return torch.device("cpu") if param is None else param.device
+
+
+def reduce_device(mesh: DeviceMesh, device: torch.device) -> torch.device:
+    """Where this rank's small collectives (norms, non-finite flags, verdicts) run: the params'
+    device, or the mesh's accelerator where the params live on the host while the mesh does not
+    (FSDP2's ``CPUOffloadPolicy``: a group of NCCL alone reduces no host tensor)."""
+    if mesh.device_type == device.type:
+        return device
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def params_on_host(kind: ModelKind, mesh: DeviceMesh, device: torch.device) -> bool:
+    """Whether an FSDP2 model keeps its sharded params on the host, off its mesh's accelerator
+    (``fully_shard(..., offload_policy=CPUOffloadPolicy())``)."""
+    return kind is ModelKind.FSDP and device.type == "cpu" and mesh.device_type != "cpu"
 
 
 def default_mesh(device: torch.device, ddp_group: dist.ProcessGroup | None) -> DeviceMesh:
@@ -471,6 +489,14 @@ def check_inputs(
             )
         fqns = {id(p): name for name, p in module.named_parameters()}
         trainable = trainable_params(optimizer.param_groups, fqns, kind)
+        on_host = params_on_host(kind, mesh, trainable[0][0].device) if trainable else False
+        if on_host and policy.fraction != 1.0:
+            raise ValueError(
+                f"the FSDP2 params live on the host (CPUOffloadPolicy), so their optimizer "
+                f"state and step do too, got an offload fraction of {policy.fraction}: pass "
+                "offload=zero_shard.OffloadPolicy(fraction=1.0), or fully_shard without "
+                "CPUOffloadPolicy to keep a share on the accelerator"
+            )
         check_unclaimed([(param, fqn) for param, fqn, _ in trainable])
         check_dense_grads(module, trainable)
         if kind is ModelKind.FSDP:

@@ -1,8 +1,9 @@
 import warnings
 
 import pytest
+import torch
 
-from offload import _threads, resolve_thread_budget, usable_cores
+from offload import _threads, intra_op_threads, resolve_thread_budget, usable_cores
 
 
 def test_argument_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,3 +58,16 @@ def test_cores_kept_free_only_when_the_count_is_chosen(monkeypatch: pytest.Monke
     assert resolve_thread_budget(16, keep_free=2).num_threads == 16
     monkeypatch.setenv("OMP_NUM_THREADS", "12")
     assert resolve_thread_budget(keep_free=2).num_threads == 12
+
+
+def test_intra_op_threads_for_the_block_then_restored() -> None:
+    before = torch.get_num_threads()
+    other = 3 if before != 3 else 2
+    with intra_op_threads(other):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before
+    with pytest.raises(KeyError), intra_op_threads(other):  # restored when the block raises too
+        raise KeyError("x")
+    assert torch.get_num_threads() == before
+    with intra_op_threads(None):
+        assert torch.get_num_threads() == before

@@ -402,3 +402,32 @@ def test_device_share_steps_in_bounded_rounds_as_in_one(
         opt.step(found_inf=torch.ones(()))
         after = _snapshot(opt, params)
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), f"step {step}"
+
+
+def test_a_hybrid_on_the_host_steps_its_params_with_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Params on the CPU (a CPU run, FSDP2's CPUOffloadPolicy) are stepped in place on the caller's
+    # thread: with the rank's budget, not torchrun's one thread, which is then given back.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as torchrun leaves a rank
+    seen: list[int] = []
+    param = torch.nn.Parameter(torch.ones(16))
+    opt = HybridDeviceOptimizer(
+        [param], torch.optim.AdamW, policy=OffloadPolicy(fraction=0.0, num_threads=2), lr=0.1
+    )
+    original = torch._fused_adamw_
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", recording)
+    param.grad = torch.ones(16)
+    try:
+        opt.step()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2]
+    assert torch.all(param < 1)

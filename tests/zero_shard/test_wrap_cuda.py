@@ -158,6 +158,79 @@ def nonfinite_grad_skips_on_the_device(rank: int, world: int) -> None:
         assert opt.num_skipped_steps == 1, fraction
 
 
+def clip_by_hand(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ over FSDP2 grads that live on the host (CPU DTensors on a CUDA
+    mesh, which DTensor's own norm would reduce over NCCL): the squares summed locally, then over
+    the ranks on the GPU."""
+    grads = [p.grad.to_local() for p in params if p.grad is not None]
+    total = sum(g.double().pow(2).sum() for g in grads).float().cuda()
+    dist.all_reduce(total)
+    norm = total.sqrt()
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0).cpu()
+    for grad in grads:
+        grad.mul_(coefficient)
+    return norm
+
+
+@case
+def fsdp2_cpu_offload_params_step_on_the_host(rank: int, world: int) -> None:
+    # FSDP2's CPUOffloadPolicy keeps the sharded params (fp32) and their grads on the host:
+    # zero-shard steps them there in place (torch's fused CPU AdamW, the rank's threads, no
+    # copies), reduces norms and flags over the GPU mesh, and matches FSDP2 + torch AdamW.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    device = torch.device("cuda", rank)
+    mesh = init_device_mesh("cuda", (world,))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def sharded() -> torch.nn.Module:
+        model = make_model().to(device)
+        for layer in (model.inp, model.mid, model.out, model):
+            fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(), mp_policy=bf16)
+        return model
+
+    model, ref = sharded(), sharded()
+    assert all(p.to_local().device.type == "cpu" for p in model.parameters())
+    with pytest.raises(
+        ValueError,
+        match=r"live on the host \(CPUOffloadPolicy\).*got an "
+        r"offload fraction of 0\.5.*OffloadPolicy\(fraction=1\.0\)",
+    ):
+        zero_shard.wrap(adamw(model), model, offload=policy(0.5))
+    opt = zero_shard.wrap(adamw(model), model, offload=OffloadPolicy(fraction=1.0, num_threads=3))
+    ref_opt = adamw(ref)
+    report = opt.memory_report()  # stepped where the params are: no staging, no copies
+    assert report.device == "cpu" and report.host_staging_bytes == 0, report
+    threads = torch.get_num_threads()
+    for step in range(6):
+        poisoned = step == 3
+        x, y = (t.to(device) for t in global_batch(step))
+        before = [p.to_local().clone() for p in model.parameters()]
+        for net, net_opt in ((model, opt), (ref, ref_opt)):
+            loss = mse(net(local_slice(x, rank, world)), local_slice(y, rank, world))
+            if poisoned and rank == 0:
+                loss = loss * float("nan")
+            loss.backward()
+            if net is model:
+                norm = opt.clip_grad_norm_(0.5)
+            else:
+                ref_norm = clip_by_hand(list(ref.parameters()), 0.5)
+            if not (poisoned and net is ref):  # torch AdamW would step on NaNs; zero-shard skips
+                net_opt.step()
+            net_opt.zero_grad()
+        assert torch.get_num_threads() == threads  # the step's threads were the step's only
+        if poisoned:
+            for param, old in zip(model.parameters(), before, strict=True):
+                assert torch.equal(param.to_local(), old)
+            continue
+        torch.testing.assert_close(norm.cpu(), ref_norm.cpu(), **CUDA_TOL)
+        for param, ref_param in zip(model.parameters(), ref.parameters(), strict=True):
+            assert param.to_local().device.type == "cpu"
+            torch.testing.assert_close(param.to_local(), ref_param.to_local(), **CUDA_TOL)
+    assert opt.num_skipped_steps == 1
+
+
 def slow_gather_copies(cycles: int = 2_000_000) -> contextlib.AbstractContextManager:
     """The gather job's copy into the params comes about a millisecond later on its stream (the
     current one where it runs): a forward that did not wait for it reads old params, even where
