@@ -19,8 +19,11 @@ Without torchrun it runs as a single rank (a one-process group). ``--optimizer a
 same model with plain ``torch.optim.AdamW`` instead (fp32 params, autocast to ``--dtype``; DDP on
 several ranks): the reference that zero-shard's loss curve is compared with.
 ``--optimizer megatron-hdo`` steps the same bf16 model with Megatron-Core's HybridDeviceOptimizer
-at ``--offload-fraction`` (one GPU, ``pip install megatron-core``; see ``megatron_hdo.py``): the
-peer that zero-shard's speed is compared with. ``--tp N`` splits each layer over N ranks
+at ``--offload-fraction`` (one GPU, ``pip install megatron-core``; see ``megatron_hdo.py``);
+``--optimizer torchao-offload`` with torchao's CPUOffloadOptimizer (fp32 params, bf16 autocast,
+one GPU) and ``--optimizer fsdp2-offload`` with FSDP2's CPUOffloadPolicy (fp32 params cast to
+``--dtype`` per unit, any number of ranks; see ``offload_peers.py``): the peers that zero-shard's
+speed is compared with (``benchmarks/e2e_gpt.py peers``). ``--tp N`` splits each layer over N ranks
 (tensor parallelism, ``gpt.parallelize``) on a ``("dp", "tp")`` mesh, and zero-shard shards
 each rank's parts over ``dp``. ``--help`` lists every flag.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -40,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import megatron_hdo
+import offload_peers
 import psutil
 import torch
 import torch.distributed as dist
@@ -57,6 +62,7 @@ from gpt import (
 from reporting import PHASES, Log, PhaseTimer, ProgressBar, peak_memory_bytes, plot
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_shard
@@ -67,6 +73,11 @@ NUM_VAL_BATCHES = 4
 LAST_LOSS_WINDOW = 10  # "last loss" is the mean training loss over this many final steps
 RSS_WARMUP_STEPS = 10  # steady host RSS is taken over a process's steps after its first ten
 CHECKPOINT_NAME = "latest"
+# The --optimizer choices whose model params are fp32 (lower precision by autocast, or by FSDP2's
+# cast per unit); the others' params are --dtype.
+FP32_PARAMS = ("adamw", "torchao-offload", "fsdp2-offload")
+# Those whose own CPU AdamW runs on torch's intra-op threads, which torchrun sets to one.
+HOST_STEP_ON_TORCH_THREADS = ("megatron-hdo", "torchao-offload", "fsdp2-offload")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,16 +151,46 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 # Model, optimizer, schedule
 
 
+@dataclass(frozen=True)
+class Clipping:
+    """Whether an optimizer's step reads the grads that ``clip_grad_norm_`` scaled, and why."""
+
+    honoured: bool
+    how: str
+
+
+CLIPPING = {
+    "zero-shard": Clipping(True, "clip_grad_norm_ scales the fp32 main grads on the accelerator "
+                           "before any copy to the host"),
+    "adamw": Clipping(True, "torch.nn.utils.clip_grad_norm_ scales the grads the step reads"),
+    "megatron-hdo": Clipping(True, "its step() copies the grads to the host, after clipping"),
+    # torchao's post-accumulate-grad hook queues each grad's copy to the host as backward makes
+    # it, before clip_grad_norm_ runs; the host AdamW reads those copies. With offload_gradients
+    # (one micro-batch) the device grads are None by then and the norm covers the small params
+    # only; without it, the clip's in-place scaling races the copies still in flight.
+    "torchao-offload": Clipping(False, "its backward hook copies each grad of >= 4096 elements to "
+                                "the host during backward, before clipping: the host step reads "
+                                "unclipped grads (only the small params stepped on the GPU see "
+                                "the clip)"),
+    "fsdp2-offload": Clipping(True, "torch.nn.utils.clip_grad_norm_ scales the sharded host grads "
+                              "(DTensors, one norm over all ranks) that the host AdamW reads"),
+}  # fmt: skip
+
+
 @dataclass
 class Trainer:
     """The model and what steps it."""
 
-    kind: str  # --optimizer: "zero-shard", "adamw" or "megatron-hdo"
-    model: nn.Module  # the GPT, or its DDP wrapper (--optimizer adamw on several ranks)
-    optimizer: torch.optim.Optimizer  # a ZeroShardOptimizer, plain AdamW or Megatron's HDO
+    kind: str  # --optimizer: "zero-shard", "adamw", "megatron-hdo", "torchao-offload", ...
+    # The GPT, its DDP wrapper (--optimizer adamw on several ranks) or the fully_shard-ed GPT
+    # (fsdp2-offload).
+    model: nn.Module
+    # A ZeroShardOptimizer, plain AdamW (also over FSDP2's shards), Megatron's HDO or torchao's
+    # CPUOffloadOptimizer.
+    optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None  # fp16 only
-    autocast_dtype: torch.dtype | None  # --optimizer adamw with --dtype bf16/fp16
+    autocast_dtype: torch.dtype | None  # adamw and torchao-offload with --dtype bf16/fp16
 
     @property
     def zero_shard(self) -> bool:
@@ -166,27 +207,38 @@ def lr_factor(step: int, *, num_warmup: int, num_steps: int, floor: float = 0.1)
 
 def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
     """The GPT on this rank's device, its AdamW (weight decay on matrices only), wrapped by
-    zero-shard (or plain, or Megatron's HDO: ``--optimizer``), an LR schedule and, for fp16, a
-    loss scaler."""
+    zero-shard (or plain, or a peer: ``--optimizer``), an LR schedule and, for fp16, a loss
+    scaler."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     with torch.device(ranks.device):  # initialized where it trains: fast for billions of params
         model = GPT(PRESETS[args.preset].model, checkpoint_activations=args.checkpoint_activations)
     dtype = DTYPES[args.dtype]
-    plain = args.optimizer == "adamw"
-    model = model.to(torch.float32 if plain else dtype)
+    model = model.to(torch.float32 if args.optimizer in FP32_PARAMS else dtype)
+    if args.optimizer == "fsdp2-offload":  # before the groups: sharding replaces the params
+        mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
+        param_dtype = None if dtype == torch.float32 else dtype
+        model = offload_peers.shard_with_fsdp2_offload(model, mesh, param_dtype=param_dtype)
     groups = weight_decay_groups(model, weight_decay=0.1)
     betas = (0.9, 0.95)
     scaler_type = torch.amp.GradScaler
-    if plain:
+    if args.optimizer in HOST_STEP_ON_TORCH_THREADS:  # as many threads as zero-shard's would be
+        torch.set_num_threads(resolve_thread_budget(args.threads).num_threads)
+    if args.optimizer == "adamw":
         optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=betas, fused=True)
         if ranks.world_size > 1:
             model = DistributedDataParallel(model)
     elif args.optimizer == "megatron-hdo":
-        # Its CPU AdamW runs on torch's intra-op threads: as many as zero-shard's would be.
-        torch.set_num_threads(resolve_thread_budget(args.threads).num_threads)
         optimizer = megatron_hdo.build_hybrid_device_optimizer(
             groups, offload_fraction=args.offload_fraction, lr=args.lr, betas=betas
         )
+    elif args.optimizer == "torchao-offload":
+        # With one micro-batch, each device grad is freed once its copy to the host is queued:
+        # the peer at its least GPU memory. torchao says that is wrong under accumulation.
+        optimizer = offload_peers.build_torchao_offload(
+            groups, lr=args.lr, betas=betas, offload_gradients=args.micro_batches == 1
+        )
+    elif args.optimizer == "fsdp2-offload":
+        optimizer = offload_peers.build_fsdp2_adamw(groups, lr=args.lr, betas=betas)
     else:
         if ranks.tp > 1:  # each layer split over tp; zero-shard shards the rest over dp
             mesh = init_device_mesh(
@@ -205,13 +257,16 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
     schedule = functools.partial(
         lr_factor, num_warmup=max(args.steps // 20, 1), num_steps=args.steps
     )
+    autocast = args.optimizer in ("adamw", "torchao-offload") and dtype != torch.float32
     return Trainer(
         kind=args.optimizer,
         model=model,
         optimizer=optimizer,
+        # torchao's CPUOffloadOptimizer is an Optimizer whose param_groups property lists its
+        # inner AdamWs' group dicts themselves, in a fixed order: LambdaLR sets their lr.
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
         scaler=scaler_type(ranks.device.type) if dtype == torch.float16 else None,
-        autocast_dtype=dtype if plain and dtype != torch.float32 else None,
+        autocast_dtype=dtype if autocast else None,
     )
 
 
@@ -242,6 +297,8 @@ def no_sync(trainer: Trainer) -> contextlib.AbstractContextManager:
     """Accumulate grads locally (no communication) for all but the last micro-batch."""
     if trainer.zero_shard:
         return trainer.optimizer.no_sync()
+    if trainer.kind == "fsdp2-offload":
+        return offload_peers.fsdp2_no_sync(trainer.model)
     if isinstance(trainer.model, DistributedDataParallel):
         return trainer.model.no_sync()
     return contextlib.nullcontext()
@@ -255,7 +312,10 @@ def optimizer_step(trainer: Trainer, clip: float) -> torch.Tensor:
     if trainer.zero_shard:
         norm = opt.clip_grad_norm_(clip)  # over every rank's shards, on the accelerator
     else:
+        # Whether the step then reads the clipped grads: CLIPPING (torchao's does not).
         norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), clip)
+        if isinstance(norm, DTensor):  # FSDP2's: replicated, reduced over the ranks
+            norm = norm.full_tensor()
     if scaler is not None:
         scaler.step(opt)
         scaler.update()
@@ -392,11 +452,7 @@ def measure_memory(trainer: Trainer, ranks: Ranks, rss_after_warmup: list[int]) 
     line = f"peak {where} (max over ranks) {format_bytes(memory['peak_bytes'])}"
     line += f"; host RSS after warm-up: median {format_bytes(memory['host_rss_steady_bytes'])}"
     if trainer.kind != "adamw":
-        if trainer.zero_shard:
-            report = trainer.optimizer.memory_report()
-            device_bytes, host_bytes = report.device_bytes, report.host_bytes
-        else:
-            device_bytes, host_bytes = megatron_hdo.memory_bytes(trainer.optimizer)
+        device_bytes, host_bytes = optimizer_memory_bytes(trainer)
         memory.update(optimizer_device_bytes=device_bytes, optimizer_host_bytes=host_bytes)
         line += (
             f"; rank {ranks.rank}'s optimizer state: {format_bytes(device_bytes)} on "
@@ -404,6 +460,20 @@ def measure_memory(trainer: Trainer, ranks: Ranks, rss_after_warmup: list[int]) 
         )
     memory["line"] = line
     return memory
+
+
+def optimizer_memory_bytes(trainer: Trainer) -> tuple[int, int]:
+    """(accelerator bytes, host bytes) of this rank's optimizer's own memory (not the model's
+    params and grads)."""
+    if trainer.zero_shard:
+        report = trainer.optimizer.memory_report()
+        return report.device_bytes, report.host_bytes
+    measure = {
+        "megatron-hdo": megatron_hdo.memory_bytes,
+        "torchao-offload": offload_peers.torchao_memory_bytes,
+        "fsdp2-offload": offload_peers.fsdp2_memory_bytes,
+    }[trainer.kind]
+    return measure(trainer.optimizer)
 
 
 def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
@@ -439,6 +509,7 @@ def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     rss_samples = run_steps(trainer, log, train_data, val_batches, first, args, ranks)
     log.summary = summarize(log, args)
     log.summary["memory"] = measure_memory(trainer, ranks, rss_samples[RSS_WARMUP_STEPS:])
+    log.summary["clipping"] = {"max_norm": args.clip, **dataclasses.asdict(CLIPPING[trainer.kind])}
     if ranks.rank == 0:
         report(log, args)
     return log.to_json()
@@ -573,6 +644,10 @@ def describe_optimizer(args: argparse.Namespace) -> str:
         return "plain torch AdamW"
     if args.optimizer == "megatron-hdo":
         return f"Megatron-Core HybridDeviceOptimizer, offload fraction {args.offload_fraction}"
+    if args.optimizer == "torchao-offload":
+        return "torchao CPUOffloadOptimizer(AdamW fused), fp32 params"
+    if args.optimizer == "fsdp2-offload":
+        return f"FSDP2 CPUOffloadPolicy, fp32 params computed in {args.dtype}, AdamW fused"
     if args.tp > 1:
         return (
             f"zero-shard stage {args.stage} with tp {args.tp}, offload fraction "
@@ -601,18 +676,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--micro-batches", type=int, default=1, help="per rank and step (grad accumulation)")
     add("--lr", type=float, help="peak learning rate; default: the preset's")
     add("--clip", type=float, default=1.0, help="max global grad norm (default 1): of "
-        "zero-shard's fp32 main grads; adamw and megatron-hdo clip the model's grads with "
-        "torch.nn.utils.clip_grad_norm_")  # fmt: skip
+        "zero-shard's fp32 main grads; the others clip the model's grads with "
+        "torch.nn.utils.clip_grad_norm_, which torchao-offload's host step does not see (the "
+        "log's summary says which honour it)")  # fmt: skip
     add("--dtype", choices=list(DTYPES), help="param dtype; default bf16, fp32 on CPU")
-    add("--optimizer", choices=["zero-shard", "adamw", "megatron-hdo"], default="zero-shard",
-        help="zero-shard.wrap(AdamW) (default); adamw: plain torch AdamW, fp32 params, autocast "
-        "(the reference); megatron-hdo: Megatron-Core's HybridDeviceOptimizer, one CUDA GPU "
-        "(needs megatron-core)")  # fmt: skip
+    add("--optimizer", default="zero-shard", choices=["zero-shard", "adamw", "megatron-hdo",
+        "torchao-offload", "fsdp2-offload"], help="zero-shard.wrap(AdamW) (default); adamw: "
+        "plain torch AdamW, fp32 params, autocast (the reference); megatron-hdo: Megatron-Core's "
+        "HybridDeviceOptimizer, one CUDA GPU (needs megatron-core); torchao-offload: torchao's "
+        "CPUOffloadOptimizer, fp32 params, autocast, one CUDA GPU (needs torchao); "
+        "fsdp2-offload: FSDP2 fully_shard with CPUOffloadPolicy, fp32 params")  # fmt: skip
     add("--offload-fraction", type=float, default=0.5, help="share on the CPU (default 0.5)")
     add("--stage", type=int, choices=[1, 2], default=2)
     add("--tp", type=int, default=1, help="tensor-parallel ranks per layer (default 1): a "
         "(dp, tp) mesh, zero-shard sharding over dp; zero-shard only")  # fmt: skip
-    add("--threads", type=int, help="CPU optimizer threads per rank (megatron-hdo: torch's "
+    add("--threads", type=int, help="CPU optimizer threads per rank (the peers: torch's "
         "intra-op threads); default: cores / ranks")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
@@ -663,8 +741,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         parser.error("--resume and --checkpoint-every need --checkpoint-dir")
     if args.checkpoint_dir is not None and args.optimizer != "zero-shard":
         parser.error("checkpoints are written for --optimizer zero-shard only")
-    if args.optimizer == "megatron-hdo":
-        check_megatron_args(parser, args, world_size)
+    if args.optimizer in ("megatron-hdo", "torchao-offload"):
+        check_one_gpu_peer(parser, args, world_size)
+    if args.optimizer in ("megatron-hdo", "torchao-offload", "fsdp2-offload") and (
+        args.dtype == "fp16"
+    ):
+        parser.error(f"--optimizer {args.optimizer} takes --dtype bf16 or fp32 (no loss scaling "
+                     "here)")  # fmt: skip
     if args.eval_every < 0 or args.checkpoint_every < 0:
         parser.error("--eval-every and --checkpoint-every must be 0 (off) or positive")
     if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
@@ -672,22 +755,25 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
     return args
 
 
-def check_megatron_args(
+def check_one_gpu_peer(
     parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int
 ) -> None:
-    """What Megatron-Core's HybridDeviceOptimizer can run here."""
+    """What Megatron-Core's HybridDeviceOptimizer and torchao's CPUOffloadOptimizer can run here:
+    one process on one CUDA GPU."""
+    why_cuda = {
+        "megatron-hdo": "Megatron-Core's HybridDeviceOptimizer uses torch.cuda streams",
+        "torchao-offload": "torchao's CPUOffloadOptimizer offloads from a CUDA (or XPU) device "
+        "and refuses to build without one",
+    }[args.optimizer]
     if torch.device(args.device).type != "cuda":
         parser.error(
-            f"--optimizer megatron-hdo needs --device cuda, got {args.device}: Megatron-Core's "
-            "HybridDeviceOptimizer uses torch.cuda streams"
+            f"--optimizer {args.optimizer} needs --device cuda, got {args.device}: {why_cuda}"
         )
     if world_size > 1:
         parser.error(
-            f"--optimizer megatron-hdo runs in one process (it shards nothing), got {world_size} "
-            "ranks; run without torchrun or with --nproc-per-node 1"
+            f"--optimizer {args.optimizer} runs in one process (it shards nothing), got "
+            f"{world_size} ranks; run without torchrun or with --nproc-per-node 1"
         )
-    if args.dtype == "fp16":
-        parser.error("--optimizer megatron-hdo takes --dtype bf16 or fp32 (no loss scaling here)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
