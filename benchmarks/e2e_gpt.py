@@ -13,6 +13,17 @@ same example, loop, model (bf16 params) and flags with ``--optimizer megatron-hd
 those rows are recorded as ``{"skipped": reason}``. The peer travels as a wheel
 (docs/benchmarks/README.md): ``PYTHONPATH=/tmp/site:$PWD`` reaches the example's processes too.
 
+``peers`` runs zero-shard at full offload against the offload peers in the same loop, for
+``--repeats`` rounds of fresh runs that alternate between the systems: torchao's
+CPUOffloadOptimizer (fp32 params, bf16 autocast; one GPU) and FSDP2's CPUOffloadPolicy (fp32
+params cast to bf16 per unit), both ``examples/offload_peers.py``, then plain AdamW once (unless
+``--no-plain``), then the CPU AdamW floor. Per system: the median iteration, its spread (slowest /
+median), the peak GPU memory and whether its step honours the clip (``--clip`` 1.0 for all; the
+example's log says why not); the ratios zero-shard / torchao and zero-shard / FSDP2 of the
+medians against issue 17's targets (<= 0.9 and <= 0.35). A peer that cannot run here (torchao
+does not import, not CUDA, more than one rank) is recorded as ``{"skipped": reason}``. Flags after
+``--`` go to zero-shard's runs only.
+
 Run from the repository root on a GPU machine (each part writes ``results.json`` under ``--out``
 after every run, so a cut-off run keeps what it measured)::
 
@@ -21,7 +32,9 @@ after every run, so a cut-off run keeps what it measured)::
     python benchmarks/e2e_gpt.py speed --preset 1b --nproc 2 --fractions 0.5 --out $OUT/e2e2
     python benchmarks/e2e_gpt.py largest --out $OUT/largest   # biggest preset per fraction
     python benchmarks/e2e_gpt.py converge --preset small --steps 300 --out $OUT/converge
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/e2e_gpt.py peers --preset 1b --out $OUT/peers
     python benchmarks/e2e_gpt.py speed --device cpu --preset tiny --steps 4 --out runs/e2e  # smoke
+    python benchmarks/e2e_gpt.py peers --device cpu --preset tiny --steps 3 --repeats 1 --out runs/p
 
 ``converge`` trains zero-shard (fraction 0.5) and plain AdamW (fp32 params, bf16 autocast) from
 the same seed and plots both loss curves.
@@ -32,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +60,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from gpt import PRESETS  # noqa: E402
 from megatron_hdo import import_hybrid_device_optimizer  # noqa: E402
+from offload_peers import import_torchao_offload  # noqa: E402
 from reporting import PHASES, import_pyplot  # noqa: E402
 
 
@@ -173,6 +188,114 @@ def speed_targets(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# Issue 17: zero-shard's median iteration at full offload over each peer's, at most.
+PEER_TARGETS = {"torchao_offload": 0.9, "fsdp2_offload": 0.35}
+
+
+def peers(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Rounds of fresh runs alternating zero-shard (fraction 1) and the offload peers, then the
+    medians, spreads and ratios (module docstring)."""
+    common = ["--preset", args.preset, "--steps", str(args.steps), "--eval-every", "0"]
+    systems = {
+        "zero_shard_f1": [*common, "--offload-fraction", "1", *args.extra],
+        "torchao_offload": [*common, "--optimizer", "torchao-offload"],
+        "fsdp2_offload": [*common, "--optimizer", "fsdp2-offload"],
+    }
+    skipped = {"torchao_offload": torchao_unavailable(args.device, args.nproc)}
+    report["torchao"] = package_version("torchao")
+    report["systems"] = {name: {"skipped": why} for name, why in skipped.items() if why}
+    for name, why in report["systems"].items():
+        print(f"{name}: skipped ({why['skipped']})", flush=True)
+    for index in range(args.repeats):
+        for name, flags in systems.items():
+            if skipped.get(name) is None:
+                run = run_example(f"{name}_r{index}_x{args.nproc}", flags, args)
+                report["runs"].append({**run, "system": name, "round": index})
+                save(report, args)
+    if args.plain:
+        run = run_example(f"plain_adamw_x{args.nproc}", [*common, "--optimizer", "adamw"], args)
+        report["runs"].append({**run, "system": "plain_adamw", "round": 0})
+    num_params = PRESETS[args.preset].model.num_params()
+    report["cpu_adamw_floor_ms"] = cpu_adamw_floor_ms(num_params // args.nproc)
+    summaries = {}
+    for name in (*systems, "plain_adamw"):
+        runs = [run for run in report["runs"] if run["system"] == name]
+        if skipped.get(name) is not None:
+            summaries[name] = {"skipped": skipped[name]}
+        elif runs:
+            summaries[name] = summarize_system(runs)
+    report["systems"] = summaries
+    report["ratios"] = peer_ratios(report["systems"])
+    save(report, args)
+    print_peers_table(report)
+
+
+def torchao_unavailable(device: str, nproc: int) -> str | None:
+    """Why ``train_gpt.py --optimizer torchao-offload`` cannot run here, or None if it can."""
+    if torch.device(device).type != "cuda":
+        return f"torchao's CPUOffloadOptimizer needs CUDA, not --device {device}"
+    if nproc != 1:
+        return f"torchao's CPUOffloadOptimizer runs on one GPU, not --nproc {nproc}"
+    try:
+        import_torchao_offload()
+    except ImportError as err:
+        return str(err)
+    return None
+
+
+def summarize_system(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's runs: the median iteration and its spread, memory, clipping."""
+    done = [run["summary"] for run in runs if "summary" in run]
+    failed = [run["name"] for run in runs if "summary" not in run]
+    if not done:
+        return {"failed": failed, "error": runs[-1].get("error", "")[-300:]}
+    times = [summary["iteration_ms"] for summary in done]
+    median = statistics.median(times)
+    return {
+        "iteration_ms": times,
+        "median_ms": median,
+        "spread": max(times) / median,  # the slowest run over the median
+        "peak_bytes": max(summary["memory"]["peak_bytes"] for summary in done),
+        "host_rss_steady_bytes": max(s["memory"]["host_rss_steady_bytes"] for s in done),
+        "honours_clipping": done[0]["clipping"]["honoured"],
+        "clipping": done[0]["clipping"]["how"],
+        "failed": failed,
+    }
+
+
+def peer_ratios(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """zero-shard's median over each peer's, against ``PEER_TARGETS``; None where one is
+    missing."""
+    ours = systems.get("zero_shard_f1", {}).get("median_ms")
+    ratios: dict[str, Any] = {}
+    for peer, target in PEER_TARGETS.items():
+        theirs = systems.get(peer, {}).get("median_ms")
+        ratio = ours / theirs if ours is not None and theirs is not None else None
+        met = None if ratio is None else ratio <= target
+        ratios[f"zero_shard_over_{peer}"] = {"ratio": ratio, "target": target, "met": met}
+    return ratios
+
+
+def print_peers_table(report: dict[str, Any]) -> None:
+    """The per-system medians as a markdown table (memory in GiB), then the ratios."""
+    print("| system | runs: iteration ms | median ms | spread | peak GiB | honours clip |")
+    print("|---|---|---|---|---|---|")
+    for name, system in report["systems"].items():
+        if "median_ms" not in system:
+            why = system.get("skipped") or f"failed: {system.get('error', '')[-120:]}"
+            print(f"| {name} | {why} | | | | |")
+            continue
+        times = ", ".join(f"{ms:.1f}" for ms in system["iteration_ms"])
+        print(
+            f"| {name} | {times} | {system['median_ms']:.1f} | {system['spread']:.2f} | "
+            f"{system['peak_bytes'] / 2**30:.1f} | {'yes' if system['honours_clipping'] else 'no'} |"
+        )
+    print(f"| CPU AdamW floor | | {report['cpu_adamw_floor_ms']:.1f} | | | |")
+    for name, ratio in report["ratios"].items():
+        value = "n/a" if ratio["ratio"] is None else f"{ratio['ratio']:.2f}"
+        print(f"{name}: {value} (target <= {ratio['target']}, met: {ratio['met']})")
+
+
 def largest(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """For fractions 0 and 1, the presets in ascending size until one fails (activation
     checkpointing on, micro-batches of one sequence per rank, a few steps)."""
@@ -229,7 +352,7 @@ def plot_curves(logs: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=["speed", "largest", "converge"])
+    parser.add_argument("part", choices=["speed", "largest", "converge", "peers"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--preset", default="1b", choices=list(PRESETS))
     parser.add_argument("--steps", type=int, default=8)
@@ -238,10 +361,14 @@ def main() -> None:
     parser.add_argument("--megatron-fractions", default="", help="speed: Megatron-Core "
                         "HybridDeviceOptimizer rows at these fractions (one GPU), e.g. 0.5,1")  # fmt: skip
     parser.add_argument("--candidates", default="1b,3b,5b,7b", help="largest: presets to try")
+    parser.add_argument("--repeats", type=int, default=3, help="peers: rounds of fresh runs")
     parser.add_argument("--no-plain", dest="plain", action="store_false")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
     parser.add_argument("--out", type=Path, default=Path("runs/e2e_gpt"))
-    parser.epilog = "Flags after a lone -- go to train_gpt.py as they are (e.g. -- --threads 12)."
+    parser.epilog = (
+        "Flags after a lone -- go to train_gpt.py as they are (e.g. -- --threads 12); in peers, "
+        "to zero-shard's runs only."
+    )
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
@@ -250,6 +377,8 @@ def main() -> None:
     args.megatron_fractions = [float(f) for f in args.megatron_fractions.split(",") if f]
     if args.megatron_fractions and args.nproc != 1:
         parser.error("--megatron-fractions runs on one GPU: leave --nproc at 1")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     # The GPUs the example's processes see; this process only times the CPU floor.
     visible = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report: dict[str, Any] = {
@@ -258,7 +387,8 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "runs": [],
     }
-    {"speed": speed, "largest": largest, "converge": converge}[args.part](args, report)
+    parts = {"speed": speed, "largest": largest, "converge": converge, "peers": peers}
+    parts[args.part](args, report)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
 
 

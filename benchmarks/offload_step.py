@@ -59,7 +59,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import importlib
 import os
 import platform
 import shlex
@@ -88,6 +87,7 @@ from optimizers import HybridDeviceOptimizer, OffloadPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from megatron_hdo import build_hybrid_device_optimizer
+from offload_peers import import_torchao_offload
 
 BATCH = 8  # rows of the tiny matmul per param: dense rank-8 grads
 LR = 1e-4
@@ -400,20 +400,13 @@ def run_pinned_copies(workload: Workload, settings: Settings) -> Result:
     return make_result("pinned_copies", None, Timing([], samples["both"]), device, extra)
 
 
-def import_torchao_offload() -> type:
-    reasons = []
-    for module_name in ("torchao.optim", "torchao.prototype.low_bit_optim"):
-        try:
-            return importlib.import_module(module_name).CPUOffloadOptimizer
-        except Exception as err:
-            reasons.append(f"{module_name}: {type(err).__name__}: {err}")
-    raise Skip(f"torchao CPUOffloadOptimizer does not import ({'; '.join(reasons)})")
-
-
 def run_torchao(workload: Workload, dtype: torch.dtype, settings: Settings) -> Result:
     device = settings.device
     require_cuda(device)
-    cpu_offload_cls = import_torchao_offload()
+    try:
+        cpu_offload_cls = import_torchao_offload()
+    except ImportError as err:
+        raise Skip(str(err)) from err
     model = make_model(workload, device, dtype)
     opt = cpu_offload_cls(
         model.params,

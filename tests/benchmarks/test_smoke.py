@@ -12,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import e2e_gpt  # noqa: E402
+import offload_peers  # noqa: E402  (on the path through e2e_gpt)
 from _common import Clock, median_ms  # noqa: E402
 
 
@@ -72,3 +75,40 @@ def test_zero_step_smoke(tmp_path: Path) -> None:
         (True, True),
         (False, True),
     ]
+
+
+def test_e2e_peers_smoke(tmp_path: Path) -> None:
+    """zero-shard at fraction 1 and FSDP2's CPUOffloadPolicy (gloo, one process) run in the same
+    call; torchao's CPUOffloadOptimizer is recorded as skipped (CUDA only)."""
+    run_script("e2e_gpt.py", "peers", "--device", "cpu", "--preset", "tiny", "--steps", "3",
+               "--repeats", "1", "--no-plain", "--out", str(tmp_path))  # fmt: skip
+    report = json.loads((tmp_path / "results.json").read_text())
+    systems = report["systems"]
+    assert list(systems) == ["zero_shard_f1", "torchao_offload", "fsdp2_offload"]
+    assert systems["torchao_offload"] == {"skipped": e2e_gpt.torchao_unavailable("cpu", 1)}
+    assert [(run["system"], run["round"]) for run in report["runs"]] == [
+        ("zero_shard_f1", 0),
+        ("fsdp2_offload", 0),
+    ]
+    for name in ("zero_shard_f1", "fsdp2_offload"):
+        system = systems[name]
+        assert system["failed"] == [] and len(system["iteration_ms"]) == 1, system
+        assert system["median_ms"] > 0 and system["spread"] == 1.0
+        assert system["peak_bytes"] > 0 and system["honours_clipping"] is True
+    ratios = report["ratios"]
+    assert ratios["zero_shard_over_torchao_offload"] == {"ratio": None, "target": 0.9, "met": None}
+    fsdp2 = ratios["zero_shard_over_fsdp2_offload"]
+    want = systems["zero_shard_f1"]["median_ms"] / systems["fsdp2_offload"]["median_ms"]
+    assert fsdp2["ratio"] == pytest.approx(want) and fsdp2["met"] == (want <= 0.35)
+    assert report["cpu_adamw_floor_ms"] > 0
+
+
+def test_torchao_skip_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "needs CUDA, not --device cpu" in e2e_gpt.torchao_unavailable("cpu", 1)
+    assert "one GPU, not --nproc 2" in e2e_gpt.torchao_unavailable("cuda", 2)
+    offload_peers.import_torchao_offload.cache_clear()
+    monkeypatch.setattr(offload_peers, "TORCHAO_MODULES", ("no_such_module_for_zero_shard",))
+    try:
+        assert "does not import" in e2e_gpt.torchao_unavailable("cuda", 1)
+    finally:
+        offload_peers.import_torchao_offload.cache_clear()
