@@ -16,7 +16,8 @@ those rows are recorded as ``{"skipped": reason}``. The peer travels as a wheel
 ``peers`` runs zero-shard at full offload against the offload peers in the same loop, for
 ``--repeats`` rounds of fresh runs that alternate between the systems: torchao's
 CPUOffloadOptimizer (fp32 params, bf16 autocast; one GPU) and FSDP2's CPUOffloadPolicy (fp32
-params cast to bf16 per unit), both ``examples/offload_peers.py``, then plain AdamW once (unless
+params cast to bf16 per unit), both ``examples/offload_peers.py``, and zero-shard stepping that
+FSDP2 model's host params (``--fsdp2-cpu-offload``), then plain AdamW once (unless
 ``--no-plain``), then the CPU AdamW floor. Per system: the median iteration, its spread (slowest /
 median), the peak GPU memory and whether its step honours the clip (``--clip`` 1.0 for all; the
 example's log says why not); the ratios zero-shard / torchao and zero-shard / FSDP2 of the
@@ -200,6 +201,14 @@ def peers(args: argparse.Namespace, report: dict[str, Any]) -> None:
         "zero_shard_f1": [*common, "--offload-fraction", "1", *args.extra],
         "torchao_offload": [*common, "--optimizer", "torchao-offload"],
         "fsdp2_offload": [*common, "--optimizer", "fsdp2-offload"],
+        # zero-shard stepping FSDP2's host params (issue 17: GPU memory below the params).
+        "zero_shard_on_fsdp2_offload": [
+            *common,
+            "--offload-fraction",
+            "1",
+            "--fsdp2-cpu-offload",
+            *args.extra,
+        ],
     }
     skipped = {"torchao_offload": torchao_unavailable(args.device, args.nproc)}
     report["torchao"] = package_version("torchao")

@@ -160,14 +160,14 @@ class Clipping:
 
 
 CLIPPING = {
-    "zero-shard": Clipping(True, "clip_grad_norm_ scales the fp32 main grads on the accelerator "
-                           "before any copy to the host"),
+    "zero-shard": Clipping(True, "clip_grad_norm_ scales the grads the step reads, with one norm "
+                           "over all ranks: on the accelerator before any copy to the host (on "
+                           "the host under --fsdp2-cpu-offload)"),
     "adamw": Clipping(True, "torch.nn.utils.clip_grad_norm_ scales the grads the step reads"),
     "megatron-hdo": Clipping(True, "its step() copies the grads to the host, after clipping"),
     # torchao's post-accumulate-grad hook queues each grad's copy to the host as backward makes
-    # it, before clip_grad_norm_ runs; the host AdamW reads those copies. With offload_gradients
-    # (one micro-batch) the device grads are None by then and the norm covers the small params
-    # only; without it, the clip's in-place scaling races the copies still in flight.
+    # it, before clip_grad_norm_ runs; the host AdamW reads those copies. The clip's in-place
+    # scaling of the device grads may even race copies still in flight on torchao's stream.
     "torchao-offload": Clipping(False, "its backward hook copies each grad of >= 4096 elements to "
                                 "the host during backward, before clipping: the host step reads "
                                 "unclipped grads (only the small params stepped on the GPU see "
@@ -213,8 +213,10 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
     with torch.device(ranks.device):  # initialized where it trains: fast for billions of params
         model = GPT(PRESETS[args.preset].model, checkpoint_activations=args.checkpoint_activations)
     dtype = DTYPES[args.dtype]
-    model = model.to(torch.float32 if args.optimizer in FP32_PARAMS else dtype)
-    if args.optimizer == "fsdp2-offload":  # before the groups: sharding replaces the params
+    fp32_params = args.optimizer in FP32_PARAMS or args.fsdp2_cpu_offload
+    model = model.to(torch.float32 if fp32_params else dtype)
+    if args.optimizer == "fsdp2-offload" or args.fsdp2_cpu_offload:
+        # Before the groups: sharding replaces the params.
         mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
         param_dtype = None if dtype == torch.float32 else dtype
         model = offload_peers.shard_with_fsdp2_offload(model, mesh, param_dtype=param_dtype)
@@ -232,10 +234,10 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             groups, offload_fraction=args.offload_fraction, lr=args.lr, betas=betas
         )
     elif args.optimizer == "torchao-offload":
-        # With one micro-batch, each device grad is freed once its copy to the host is queued:
-        # the peer at its least GPU memory. torchao says that is wrong under accumulation.
+        # torchao's default (the device grads stay): right under accumulation, and the setting
+        # of the peer figures before (DESIGN.md, issue 17: 17.4 GiB at 1B).
         optimizer = offload_peers.build_torchao_offload(
-            groups, lr=args.lr, betas=betas, offload_gradients=args.micro_batches == 1
+            groups, lr=args.lr, betas=betas, offload_gradients=False
         )
     elif args.optimizer == "fsdp2-offload":
         optimizer = offload_peers.build_fsdp2_adamw(groups, lr=args.lr, betas=betas)
@@ -694,6 +696,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "intra-op threads); default: cores / ranks")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
+    add("--fsdp2-cpu-offload", action="store_true", help="zero-shard over the model sharded as "
+        "--optimizer fsdp2-offload shards it (FSDP2's CPUOffloadPolicy: the params on the host); "
+        "zero-shard steps them there (--offload-fraction 1)")  # fmt: skip
     add("--checkpoint-activations", action="store_true", help="recompute in backward")
     add("--seed", type=int, default=0)
     add("--eval-every", type=int, help="steps between evals; default a tenth of the run")
@@ -729,6 +734,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         parser.error(f"--tp must be at least 1 and divide the {world_size} rank(s), got {args.tp}")
     if args.tp > 1 and args.optimizer != "zero-shard":
         parser.error("--tp runs with --optimizer zero-shard only")
+    if args.fsdp2_cpu_offload and (
+        args.optimizer != "zero-shard"
+        or args.offload_fraction != 1.0
+        or args.tp > 1
+        or args.delayed_update
+        or args.dtype == "fp16"
+    ):
+        parser.error("--fsdp2-cpu-offload runs with --optimizer zero-shard --offload-fraction 1, "
+                     "without --tp, --delayed-update or --dtype fp16 (use --optimizer "
+                     "fsdp2-offload for FSDP2 with torch AdamW)")  # fmt: skip
     dp_size = world_size // args.tp
     if args.batch_size % (dp_size * args.micro_batches):
         parser.error(

@@ -43,6 +43,10 @@ def losses(run: dict) -> list[float]:
          "takes --dtype bf16 or fp32"),
         (["--optimizer", "fsdp2-offload", "--device", "cpu", "--checkpoint-dir", "c"], 1,
          "for --optimizer zero-shard only"),
+        (["--fsdp2-cpu-offload", "--device", "cpu", "--offload-fraction", "0.5"], 1,
+         "--fsdp2-cpu-offload runs with --optimizer zero-shard --offload-fraction 1"),
+        (["--fsdp2-cpu-offload", "--device", "cpu", "--optimizer", "adamw"], 1,
+         "--fsdp2-cpu-offload runs with --optimizer zero-shard --offload-fraction 1"),
     ],
 )  # fmt: skip
 def test_refuses_what_it_cannot_run(
@@ -116,9 +120,15 @@ def test_torchao_offload_follows_plain_adamw_on_cuda(tmp_path: Path) -> None:
 
 @pytest.mark.cuda
 def test_fsdp2_offload_trains_in_bf16_on_cuda(tmp_path: Path) -> None:
-    """The benchmark's configuration: fp32 shards on the host, bf16 forward and backward."""
-    flags = [*TINY, "--device", "cuda", "--steps", "5", "--optimizer", "fsdp2-offload"]
-    run = train_gpt.main([*flags, "--out", str(tmp_path)])
+    """The benchmark's configuration: fp32 shards on the host, bf16 forward and backward; and
+    zero-shard stepping the same FSDP2 model's host shards follows FSDP2 + torch AdamW."""
+    flags = [*TINY, "--device", "cuda", "--steps", "5"]
+    run = train_gpt.main([*flags, "--optimizer", "fsdp2-offload", "--out", str(tmp_path / "f")])
     assert all(math.isfinite(loss) for loss in losses(run))
     assert run["summary"]["last_loss"] < run["summary"]["first_loss"]
     assert run["summary"]["memory"]["optimizer_device_bytes"] == 0
+    ours = train_gpt.main(
+        [*flags, "--offload-fraction", "1", "--fsdp2-cpu-offload", "--out", str(tmp_path / "z")]
+    )
+    assert losses(ours) == pytest.approx(losses(run), rel=CUDA_RTOL)
+    assert ours["summary"]["clipping"]["honoured"] is True
