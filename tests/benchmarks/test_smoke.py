@@ -78,19 +78,18 @@ def test_zero_step_smoke(tmp_path: Path) -> None:
 
 
 def test_e2e_peers_smoke(tmp_path: Path) -> None:
-    """zero-shard at fraction 1 and FSDP2's CPUOffloadPolicy (gloo, one process) run in the same
-    call; torchao's CPUOffloadOptimizer is recorded as skipped (CUDA only)."""
+    """zero-shard at fraction 1, FSDP2's CPUOffloadPolicy and zero-shard on that FSDP2 model
+    (gloo, one process) run in the same call; torchao's CPUOffloadOptimizer is recorded as
+    skipped (CUDA only)."""
     run_script("e2e_gpt.py", "peers", "--device", "cpu", "--preset", "tiny", "--steps", "3",
                "--repeats", "1", "--no-plain", "--out", str(tmp_path))  # fmt: skip
     report = json.loads((tmp_path / "results.json").read_text())
     systems = report["systems"]
-    assert list(systems) == ["zero_shard_f1", "torchao_offload", "fsdp2_offload"]
+    ran = ["zero_shard_f1", "fsdp2_offload", "zero_shard_on_fsdp2_offload"]
+    assert list(systems) == [ran[0], "torchao_offload", *ran[1:]]
     assert systems["torchao_offload"] == {"skipped": e2e_gpt.torchao_unavailable("cpu", 1)}
-    assert [(run["system"], run["round"]) for run in report["runs"]] == [
-        ("zero_shard_f1", 0),
-        ("fsdp2_offload", 0),
-    ]
-    for name in ("zero_shard_f1", "fsdp2_offload"):
+    assert [(run["system"], run["round"]) for run in report["runs"]] == [(n, 0) for n in ran]
+    for name in ran:
         system = systems[name]
         assert system["failed"] == [] and len(system["iteration_ms"]) == 1, system
         assert system["median_ms"] > 0 and system["spread"] == 1.0
