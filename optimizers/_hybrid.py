@@ -423,6 +423,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return grads
 
     @property
+    def host_num_threads(self) -> int | None:
+        """The intra-op threads its step uses where the params themselves are on the host (a
+        CPU run, FSDP2's CPUOffloadPolicy): the rank's budget, for other passes over them and
+        their grads too (norms, clipping); ``None`` where the params are on an accelerator."""
+        return self._device_num_threads
+
+    @property
     def skips_on_device(self) -> bool:
         """Whether a step given ``found_inf`` is skipped without the host waiting for the flag:
         the accelerator's sub-optimizer is one of torch's fused ones (or holds nothing), and the

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from offload import intra_op_threads
 from optimizers import (
     HybridDeviceOptimizer,
     MemoryReport,
@@ -281,13 +282,17 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
         self._finalize_grads()
         grads = shard_grads(self._sharded)
-        norm = global_norm(norm_grads(self._sharded), norm_type, self._groups, self._reduce_device)
+        with self._host_threads():
+            norm = global_norm(
+                norm_grads(self._sharded), norm_type, self._groups, self._reduce_device
+            )
         if self._grad_scale is not None:  # fp16 grads still carry the loss scale
             norm = norm * self._grad_scale
         coefficient = clip_coefficient(norm, float(max_norm))
         coefficient = torch.where(torch.isfinite(norm), coefficient, torch.ones_like(coefficient))
         if grads:
-            torch._foreach_mul_(grads, coefficient.to(self._device))
+            with self._host_threads():
+                torch._foreach_mul_(grads, coefficient.to(self._device))
         self._window_norm = norm
         self._clipped_marker = self._comm.grads_marker()
         return norm
@@ -541,6 +546,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             stacklevel=4,
         )
 
+    def _host_threads(self) -> contextlib.AbstractContextManager:
+        """The rank's CPU threads for passes over grads that live on the host (FSDP2's
+        CPUOffloadPolicy), not torchrun's one; nothing where they are on the accelerator."""
+        return intra_op_threads(self._hybrid.host_num_threads if self._params_on_host else None)
+
     def _check_nonfinite(self) -> tuple[bool, torch.Tensor | None]:
         """Whether this step is skipped for infs or NaNs in the grads (the same on every rank),
         as (known now on the host: skip, the flag for the step's kernels to read instead).
@@ -553,7 +563,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if self._window_norm is not None:
             flag = (~torch.isfinite(self._window_norm)).float()
         else:
-            flag = nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device)
+            with self._host_threads():
+                flag = nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device)
         flag = flag.to(self._device)  # where the step reads it (the params may be on the host)
         if self.nonfinite == "skip" and self._hybrid.skips_on_device:
             self._skips.note(flag)
