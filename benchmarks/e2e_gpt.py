@@ -306,9 +306,9 @@ def print_peers_table(report: dict[str, Any]) -> None:
 
 
 def largest(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    """For fractions 0 and 1, the presets in ascending size until one fails (activation
-    checkpointing on, micro-batches of one sequence per rank, a few steps)."""
-    for fraction in (0.0, 1.0):
+    """For each of ``--fractions`` (default 0 and 1), the presets in ascending size until one
+    fails (activation checkpointing on, micro-batches of one sequence per rank, a few steps)."""
+    for fraction in args.fractions:
         for preset in args.candidates.split(","):
             flags = ["--preset", preset, "--steps", str(args.steps), "--eval-every", "0",
                      "--offload-fraction", str(fraction), "--checkpoint-activations",
@@ -366,10 +366,11 @@ def main() -> None:
     parser.add_argument("--preset", default="1b", choices=list(PRESETS))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=1, help="ranks (GPUs)")
-    parser.add_argument("--fractions", default="0,0.5,1")
+    parser.add_argument("--fractions", help="speed: default 0,0.5,1; largest: 0,1")
     parser.add_argument("--megatron-fractions", default="", help="speed: Megatron-Core "
                         "HybridDeviceOptimizer rows at these fractions (one GPU), e.g. 0.5,1")  # fmt: skip
-    parser.add_argument("--candidates", default="1b,3b,5b,7b", help="largest: presets to try")
+    parser.add_argument("--candidates", default="1b,3b,5b,7b,9b,10b",
+                        help="largest: presets to try, in ascending size")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="peers: rounds of fresh runs")
     parser.add_argument("--no-plain", dest="plain", action="store_false")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
@@ -382,7 +383,8 @@ def main() -> None:
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     args.extra = argv[split + 1 :]
-    args.fractions = [float(f) for f in args.fractions.split(",")]
+    fractions = args.fractions or ("0,1" if args.part == "largest" else "0,0.5,1")
+    args.fractions = [float(f) for f in fractions.split(",")]
     args.megatron_fractions = [float(f) for f in args.megatron_fractions.split(",") if f]
     if args.megatron_fractions and args.nproc != 1:
         parser.error("--megatron-fractions runs on one GPU: leave --nproc at 1")

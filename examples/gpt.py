@@ -86,6 +86,14 @@ PRESETS = {
     "7b": Preset(
         GPTConfig(32, 32, 4096, 1024), batch_size=8, steps=300, lr=1.5e-4, max_data_bytes=32 << 20
     ),
+    # 8.9B and 9.7B params: full offload's reach on one 80 GB GPU and a 128 GiB host
+    # (docs/benchmarks/e2e.md, largest).
+    "9b": Preset(
+        GPTConfig(44, 32, 4096, 1024), batch_size=8, steps=300, lr=1.2e-4, max_data_bytes=32 << 20
+    ),
+    "10b": Preset(
+        GPTConfig(48, 32, 4096, 1024), batch_size=8, steps=300, lr=1.2e-4, max_data_bytes=32 << 20
+    ),
 }
 
 
