@@ -1,28 +1,40 @@
 """The elements stepped on the CPU: D2H of grads -> CPU step on a worker thread -> H2D of params.
 
 [Note: host pipeline]
-``start`` records an event on the current stream (the grads are complete there), queues each
-chunk's grads on the D2H stream behind that event, and hands each chunk to one worker thread,
-which waits for its chunk's copies and steps it: the single-pass kernel reads the model-dtype
-grads from the chunk's staging buffer and writes the model-dtype weights back there; otherwise
-the grads are cast to fp32, the chunk's CPU sub-optimizer steps and the weights are cast back.
-It returns a ``HostStep`` that completes the chunks in the same order: it queues each one's
-copies to the model params on the H2D stream and makes the current stream wait for them (the H2D
-stream runs in order), so the next forward sees the new params with no host synchronization (see
-[Note: deferred host step]). Meanwhile the accelerator's own share is stepped on the current
-stream. So the D2H of chunk k+1, the CPU step of chunk k and the H2D of chunk k-1 overlap each
-other and the accelerator's step.
+``start`` records an event on the current stream (the grads are complete there), queues chunks'
+grads on the D2H stream behind that event into staging buffers (see [Note: staging ring]), and
+hands each chunk to one worker thread, which waits for its chunk's copies and steps it: the
+single-pass kernel reads the model-dtype grads from the staging buffer and writes the model-dtype
+weights back there; otherwise the grads are cast to fp32, the chunk's CPU sub-optimizer steps and
+the weights are cast back. The weights then go to the params on the H2D stream. ``start`` returns
+a ``HostStep`` that completes the chunks in the same order, making the current stream wait for
+each one's H2D (the H2D stream runs in order), so the next forward sees the new params with no
+host synchronization (see [Note: deferred host step]). Meanwhile the accelerator's own share is
+stepped on the current stream. So the D2H of chunk k+1, the CPU step of chunk k and the H2D of
+chunk k-1 overlap each other and the accelerator's step.
 
-[Note: pinned buffer reuse]
-A chunk's staging buffer carries grads in (D2H) and params out (H2D). The next D2H into it waits
-for the previous step's H2D out of it: the current stream waited for it before the next step
-(every chunk is completed before then), and a step completed only by the next ``start`` (a
-delayed update) hands that chunk's H2D event to its D2H, so each chunk's grads go in as soon as
-its weights are out, not after every chunk's. A delayed step's H2D also waits for the next
-backward, which reads the params they overwrite. The worker touches staging only after its D2H event
-completed and before its H2D is queued. This assumes that forward and backward run on the stream
-that was current when ``step()`` ran (as in ordinary training); a model run on another stream must
-make that stream wait for the current one first.
+[Note: staging ring]
+A staging buffer carries a chunk's grads in (D2H) and its new weights out (H2D), in the model
+dtype. Held for every chunk, the buffers would cost 2 bytes a param on the host beside the fp32
+main weight and the two states (12); so the chunks take ``STAGING_SLOTS`` buffers of the largest
+chunk's size in turn, and the host holds a bounded few hundred MiB of staging whatever the model.
+``start`` queues the D2H of the first ``STAGING_SLOTS`` chunks. The worker steps a chunk, then
+queues its H2D into the params itself (behind the events the step's writes wait for, see
+[Note: deferred host step]) and the D2H of the chunk ``STAGING_SLOTS`` later into the same
+buffer, behind that H2D; completing a chunk is then only a stream wait on its H2D. The grads of
+the chunks not copied yet are held by the step (the copies' list) until their D2H is queued, so
+that their memory is not reused before it is read. The worker runs the chunks one after another:
+a chunk's D2H is always queued before the worker reaches it, also when an earlier chunk failed.
+
+A delayed update instead gives every chunk its own buffer and queues its H2D only when the step
+is completed, after the next backward, which reads the params they overwrite; its weights wait in
+staging until then. The next step's D2H into a buffer waits for the last H2D out of it, so each
+chunk's grads go in as soon as its weights are out, not after every chunk's.
+
+The worker touches a buffer only after the D2H into it completed, and until it queued the H2D
+out of it. This assumes that forward and backward run on the stream that was current when
+``step()`` ran (as in ordinary training); a model run on another stream must make that stream
+wait for the current one first.
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from offload import (
     check_host_memory,
     current_stream,
     record_event,
+    use_device,
     wait_event,
 )
 
@@ -56,7 +69,12 @@ from ._host_step import ChunkJob, HostStep
 from ._layout import ChunkSpec
 from ._records import ParamRecord, Piece, flat_param
 
-__all__ = ["HostChunk", "HostPart"]
+__all__ = ["STAGING_SLOTS", "HostChunk", "HostPart"]
+
+# Staging buffers the chunks take in turn (see [Note: staging ring]): the worker steps one while
+# the H2D out of the one before and the D2H into the next run, with one to spare for their
+# spread (at the default 16M-element chunks, 128 MiB of bf16 staging).
+STAGING_SLOTS = 4
 
 
 @dataclass
@@ -64,11 +82,11 @@ class HostChunk:
     """Host pieces of one param group and dtype, copied, cast and stepped together."""
 
     spec: ChunkSpec
+    index: int  # position in HostPart.chunks (its staging buffer when each chunk has its own)
     pieces: list[tuple[ParamRecord, Piece]]
     main: torch.Tensor  # 1-D fp32, host
-    grad: torch.Tensor | None  # 1-D fp32, host; `staging` itself when the model dtype is fp32;
-    #                            None when the kernel reads the grads from staging
-    staging: torch.Tensor  # 1-D model dtype, pinned when possible
+    grad: torch.Tensor | None  # 1-D fp32, host, for low-precision chunks that torch steps; None:
+    #                            the grads are read from staging (the kernel, or fp32 params)
     optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
     kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step()
 
@@ -78,13 +96,26 @@ def _needs_grad_buffer(spec: ChunkSpec, kernel: CpuAdamKernel | None) -> bool:
     return spec.dtype != torch.float32 and kernel is None
 
 
+def staging_bytes(specs: Sequence[ChunkSpec], *, ring: bool) -> list[int]:
+    """The staging buffers' sizes: one per chunk, or ``STAGING_SLOTS`` of the largest chunk's
+    size taken in turn (``ring``); see [Note: staging ring]."""
+    sizes = [spec.numel * spec.dtype.itemsize for spec in specs]
+    if ring and sizes:
+        return [max(sizes)] * min(len(sizes), STAGING_SLOTS)
+    return sizes
+
+
 def host_bytes_needed(
-    specs: Sequence[ChunkSpec], num_state_tensors: int, kernels: Sequence[CpuAdamKernel | None]
+    specs: Sequence[ChunkSpec],
+    num_state_tensors: int,
+    kernels: Sequence[CpuAdamKernel | None],
+    *,
+    ring: bool,
 ) -> int:
-    """Host bytes for ``specs``: fp32 main, fp32 grad where needed, staging, optimizer state."""
-    total = 0
+    """Host bytes for ``specs``: fp32 main, fp32 grad where needed, optimizer state, staging."""
+    total = sum(staging_bytes(specs, ring=ring))
     for spec, kernel in zip(specs, kernels, strict=True):
-        per_element = 4 * (1 + num_state_tensors) + spec.dtype.itemsize
+        per_element = 4 * (1 + num_state_tensors)
         per_element += 4 if _needs_grad_buffer(spec, kernel) else 0
         total += spec.numel * per_element
     return total
@@ -99,7 +130,8 @@ class HostPart:
 
     chunks: list[HostChunk]  # in parameter order
     engine: CopyEngine
-    buffers: HostBuffers  # the staging buffers, one view per chunk
+    buffers: HostBuffers  # the staging buffers (1-D uint8 views), see [Note: staging ring]
+    ring: bool  # whether the chunks take STAGING_SLOTS buffers in turn (else one each)
     threads: ThreadBudget | None  # None when nothing is offloaded
     _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
@@ -122,6 +154,7 @@ class HostPart:
         threads: ThreadBudget | None,
         num_state_tensors: int,
         kernel: CpuAdamKernel | None,
+        ring: bool,
     ) -> None:
         cls = optimizer_spec.cls
         kernels = [
@@ -131,18 +164,19 @@ class HostPart:
             for s in specs
         ]
         check_host_memory(
-            host_bytes_needed(specs, num_state_tensors, kernels),
+            host_bytes_needed(specs, num_state_tensors, kernels, ring=ring),
             what="the fp32 main weights, grads and optimizer state offloaded to the CPU",
             setting="the offload fraction",
         )
         self.engine = CopyEngine(device)
         self.threads = threads
+        self.ring = ring
         self._cls = cls
         self.pending = None
         self._last_step = None
         self._found_inf = HostFlag(device)
         self.buffers = HostBuffers(
-            [HostBufferRequest(spec.numel, spec.dtype) for spec in specs],
+            [HostBufferRequest(size, torch.uint8) for size in staging_bytes(specs, ring=ring)],
             pin=pin_memory and device.type != "cpu",
         )
         self._main_flats, self._grad_flats, self.chunks = [], [], []
@@ -178,13 +212,11 @@ class HostPart:
         hyper = {k: v for k, v in group.items() if k != "params"}
         main_offset = grad_offset = 0
         for chunk_index, spec, kernel in group_specs:
-            staging = self.buffers.views[chunk_index]
             main = _slice(main_flat, main_offset, spec.numel)
+            grad = None
             if _needs_grad_buffer(spec, kernel):
                 grad = _slice(grad_flat, grad_offset, spec.numel)
                 grad_offset += spec.numel
-            else:
-                grad = staging if kernel is None else None
             main_offset += spec.numel
             pieces_main, offset = [], 0
             for piece_spec in spec.pieces:
@@ -201,13 +233,22 @@ class HostPart:
                     main=piece_main,
                     grad=None if grad is None else _slice(grad, offset, piece_spec.numel),
                     optimizer=optimizer,
-                    staging=_slice(staging, offset, piece_spec.numel),
+                    offset=offset,
                 )
                 record = records[piece_spec.param_index]
                 record.pieces.append(piece)
                 pieces.append((record, piece))
                 offset += piece_spec.numel
-            self.chunks.append(HostChunk(spec, pieces, main, grad, staging, optimizer, kernel))
+            self.chunks.append(HostChunk(spec, chunk_index, pieces, main, grad, optimizer, kernel))
+        self.chunks.sort(key=lambda chunk: chunk.index)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.buffers.views)
+
+    def staging(self, slot: int, spec: ChunkSpec) -> torch.Tensor:
+        """The staging buffer ``slot`` as a chunk of ``spec``'s: 1-D, its dtype and numel."""
+        return self.buffers.views[slot][: spec.numel * spec.dtype.itemsize].view(spec.dtype)
 
     @property
     def num_bytes(self) -> int:
@@ -230,18 +271,21 @@ class HostPart:
         after = record_event(current_stream(self.engine.device))
         for chunk in self.chunks:
             chosen = [(r, p) for r, p in chunk.pieces if indices is None or r.index in indices]
+            staging = self.staging(chunk.index % self.num_slots, chunk.spec)
             pairs = [
                 CopyPair(
-                    piece.staging, _slice(flat_param(r.param), piece.spec.start, piece.spec.numel)
+                    _slice(staging, piece.offset, piece.spec.numel),
+                    _slice(flat_param(r.param), piece.spec.start, piece.spec.numel),
                 )
                 for r, piece in chosen
             ]
+            # Synchronous: the next chunk may reuse the buffer.
             wait_event(self.engine.d2h(pairs, after=[after]))
             if len(chosen) == len(chunk.pieces):
-                chunk.main.copy_(chunk.staging)
+                chunk.main.copy_(staging)
             else:
                 for _, piece in chosen:
-                    piece.main.copy_(piece.staging)
+                    piece.main.copy_(_slice(staging, piece.offset, piece.spec.numel))
 
     @torch.no_grad()
     def start(
@@ -271,29 +315,31 @@ class HostPart:
             # Behind start_event: the flag is final there. The worker reads it after this copy.
             self._found_inf.send(found_inf, stream=self.engine.d2h_stream, after=[start_event])
             verdict = self._found_inf
-        jobs, d2h_done = [], None
+        jobs: list[ChunkJob] = []
         for chunk in self._chunk_order(need_order):
             active = [(r, p) for r, p in chunk.pieces if r.index in grads]
             for record, piece in chunk.pieces:
                 piece.main.grad = piece.grad if record.index in grads else None
             if not active:
                 continue
-            with record_function("zero_shard::d2h"):
-                pairs = [
-                    CopyPair(
-                        piece.staging, _slice(grads[r.index], piece.spec.start, piece.spec.numel)
-                    )
-                    for r, piece in active
-                ]
-                # Into staging once the last step's H2D out of it is done ([Note: pinned
-                # buffer reuse]).
-                after = [start_event, None if previous is None else previous.h2d_event_of(chunk)]
-                d2h_done = self.engine.d2h(pairs, after=after)
-            future = self._executor.submit(
-                _step_chunk, chunk, active, d2h_done, grad_scale, verdict
-            )
-            jobs.append(ChunkJob(chunk, active, future))
-        step = HostStep(self, jobs, start_event, d2h_done, self._step_done)
+            slot = len(jobs) % self.num_slots if self.ring else chunk.index
+            job = ChunkJob(chunk, active, slot, self.staging(slot, chunk.spec))
+            job.grads_in = [
+                CopyPair(job.staging_of(piece), _slice(grads[r.index], piece.spec.start,
+                                                       piece.spec.numel))
+                for r, piece in active
+            ]  # fmt: skip
+            jobs.append(job)
+        step = HostStep(self, jobs, start_event, ring=self.ring, on_done=self._step_done)
+        lead = self.num_slots if self.ring else len(jobs)  # the rest: queued by the worker
+        for job in jobs[:lead]:
+            # Into staging once the last step's H2D out of it is done ([Note: staging ring]).
+            h2d_before = None if previous is None else previous.h2d_event_of(job.slot)
+            step.queue_d2h(job, after=[start_event, h2d_before])
+        for position, job in enumerate(jobs):
+            later = position + self.num_slots
+            successor = jobs[later] if self.ring and later < len(jobs) else None
+            job.future = self._executor.submit(_run_job, step, job, successor, grad_scale, verdict)
         if step.done:  # no chunk had a grad
             step.wait()
         else:
@@ -337,38 +383,59 @@ class HostPart:
             )
 
 
-def _step_chunk(
-    chunk: HostChunk,
-    active: list[tuple[ParamRecord, Piece]],
-    d2h_done: Any,
+def _run_job(
+    step: HostStep,
+    job: ChunkJob,
+    successor: ChunkJob | None,
     grad_scale: float | None,
     verdict: HostFlag | None,
 ) -> bool:
-    """Worker thread: grads in staging -> fp32 -> CPU step -> weights back into staging.
-    Returns whether it stepped (False: skipped, staging still holds the grads)."""
-    wait_event(d2h_done)  # the chunk's grads have landed in staging
-    if verdict is not None and verdict.read() != 0:
-        return False
+    """Worker thread: one chunk's CPU step, then (ring) its H2D and the D2H into its staging
+    buffer of the chunk that takes it next. Returns whether it stepped (False: skipped, and
+    staging still holds the grads)."""
+    with use_device(step.device):
+        stepped = False
+        try:
+            if not job.d2h_queued:
+                raise AssertionError("expected the chunk's D2H queued before the worker reached it")
+            wait_event(job.d2h_done)  # the chunk's grads have landed in staging
+            if verdict is None or verdict.read() == 0:
+                _step_chunk(job, grad_scale)
+                stepped = True
+                if step.ring:
+                    step.queue_h2d(job)
+        finally:
+            if successor is not None:  # also after a failure: the next chunks still step
+                step.queue_d2h(successor, after=[step.start_event, job.h2d_done])
+    return stepped
+
+
+def _step_chunk(job: ChunkJob, grad_scale: float | None) -> None:
+    """Grads in the job's staging -> fp32 -> CPU step -> weights back into staging."""
+    chunk, active = job.chunk, job.active
     with record_function("zero_shard::cpu_step"):
         if chunk.kernel is not None:
             group = chunk.optimizer.param_groups[0]
             for _, piece in active:
-                chunk.kernel.step_piece(piece.main, piece.staging, piece.state, group, grad_scale)
-            return True
+                chunk.kernel.step_piece(
+                    piece.main, job.staging_of(piece), piece.state, group, grad_scale
+                )
+            return
         whole = len(active) == len(chunk.pieces)
-        if chunk.grad is not chunk.staging:
-            if whole:
-                chunk.grad.copy_(chunk.staging)
-            else:
-                for _, piece in active:
-                    piece.grad.copy_(piece.staging)
-        if grad_scale is not None:
+        if chunk.grad is None:  # fp32 params: the grads are stepped where they landed
             for _, piece in active:
-                piece.grad.mul_(grad_scale)
-        chunk.optimizer.step()
-        if whole:
-            chunk.staging.copy_(chunk.main)
+                piece.main.grad = job.staging_of(piece)
+        elif whole:
+            chunk.grad.copy_(job.staging)
         else:
             for _, piece in active:
-                piece.staging.copy_(piece.main)
-    return True
+                piece.grad.copy_(job.staging_of(piece))
+        if grad_scale is not None:
+            for _, piece in active:
+                piece.main.grad.mul_(grad_scale)
+        chunk.optimizer.step()
+        if whole:
+            job.staging.copy_(chunk.main)
+        else:
+            for _, piece in active:
+                job.staging_of(piece).copy_(piece.main)

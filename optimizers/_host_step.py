@@ -2,8 +2,9 @@
 
 [Note: deferred host step]
 ``HostPart.start`` hands every chunk to the worker and returns a ``HostStep``. Completing a chunk
-means waiting for its CPU step, then queueing its H2D copy into the params and making the current
-stream wait for that copy (a stream wait: the host goes on). ``HybridDeviceOptimizer.step()``
+means waiting for its CPU step and making the current stream wait for its H2D copy into the params
+(a stream wait: the host goes on). The worker queued that copy itself, as soon as it stepped the
+chunk; a delayed update's is queued only here (see [Note: staging ring]). ``HybridDeviceOptimizer.step()``
 completes every chunk before it returns. ``launch_step()`` returns at once instead, and the caller
 completes the chunks it needs when it needs them (``wait_for``), the rest later (``wait``): with
 the chunks in parameter order, the next forward's first layers can run while the worker steps
@@ -21,9 +22,10 @@ the worker (``HostPart.wait_for_worker``), so that a delayed update keeps its la
 Buffer lifetimes: the D2H copies read the grads on the D2H stream behind the event ``start``
 recorded; the worker waits for them before it steps, and only then is the chunk's H2D queued. So
 once the current stream has waited for a chunk's H2D, both copies of that chunk are done, and the
-grads they read may be written again (by the next backward). The grads are not held here: each
-copy recorded the D2H stream on the memory it reads (``copy_async``), so the caller may drop them
-at once (``zero_grad``) and their memory waits for the copies, not for the whole CPU step.
+grads they read may be written again (by the next backward). Each copy records the D2H stream on
+the memory it reads (``copy_async``), so the caller may drop the grads at once (``zero_grad``):
+their memory waits for the copies, not for the whole CPU step. A chunk whose D2H is not queued
+yet holds its grads (``ChunkJob.grads_in``) until it is.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import record_function
@@ -50,15 +53,30 @@ def _piece_of(flat: torch.Tensor, piece: Piece) -> torch.Tensor:
     return flat[piece.spec.start : piece.spec.start + piece.spec.numel]
 
 
-class ChunkJob(NamedTuple):
+@dataclass
+class ChunkJob:
+    """One chunk's part of a step: its staging buffer, copies and CPU step."""
+
     chunk: HostChunk
     active: list[tuple[ParamRecord, Piece]]  # the pieces whose param has a grad this step
-    future: Future
+    slot: int  # the staging buffer it takes (see [Note: staging ring])
+    staging: torch.Tensor  # that buffer as the chunk's: 1-D, model dtype, chunk numel
+    grads_in: list[CopyPair] | None = None  # its D2H copies until queued (holding the grads)
+    d2h_queued: bool = False
+    d2h_done: Any = None  # after its D2H into staging; None: not queued, or ran synchronously
+    h2d_done: Any = None  # after its H2D out of staging; None: none queued, or synchronous
+    future: Future | None = field(default=None, repr=False)  # the worker's CPU step: stepped?
+
+    def staging_of(self, piece: Piece) -> torch.Tensor:
+        return self.staging[piece.offset : piece.offset + piece.spec.numel]
 
 
 class HostStep:
     """The CPU share of one step; see [Note: deferred host step]."""
 
+    ring: bool  # the worker queues each chunk's H2D (else they are queued as chunks complete)
+    start_event: Any  # on the current stream when the step started: the grads are final there
+    device: torch.device
     _part: HostPart
     _jobs: list[ChunkJob]  # in the order the worker runs them
     _num_completed: int  # jobs[:_num_completed] are done and their H2D is queued (or they failed)
@@ -66,8 +84,9 @@ class HostStep:
     _writes_after: list[Any]  # events the H2D copies into the params wait for: the current
     #                          stream after this step's backward, and after the next backward
     #                          where the step is completed only then (a delayed update)
-    _h2d_of: dict[int, Any]  # id(chunk) -> the event after its H2D (out of its staging)
-    _grads_copied: Any  # on the D2H stream after the last D2H of grads (it runs in order)
+    _writes_lock: threading.Lock  # for _writes_after: the worker reads it while a caller that
+    #                               holds _lock waits for the worker
+    _h2d_of: dict[int, Any]  # staging slot -> the event after the last H2D out of it
     _on_done: Callable[[], None] | None  # runs once the last job is completed; then None
     _h2d_event: Any  # after the H2D of every chunk completed so far; None: none queued (or CPU)
     _lock: threading.Lock  # held while completing chunks
@@ -77,14 +96,18 @@ class HostStep:
         part: HostPart,
         jobs: Sequence[ChunkJob],
         start_event: Any,
-        grads_copied: Any,
+        *,
+        ring: bool,
         on_done: Callable[[], None],
     ) -> None:
         self._part = part
-        self._grads_copied = grads_copied
+        self.ring = ring
+        self.start_event = start_event
+        self.device = part.engine.device
         self._jobs = list(jobs)
         self._num_completed = 0
         self._writes_after = [start_event]
+        self._writes_lock = threading.Lock()
         self._h2d_of = {}
         self._on_done = on_done
         self._h2d_event = None
@@ -112,13 +135,34 @@ class HostStep:
         the current stream: a step completed only after later forwards or backwards (a delayed
         update) must not change the params under them."""
         event = record_event(current_stream(self._part.engine.device))
-        with self._lock:
+        with self._writes_lock:
             self._writes_after.append(event)
 
-    def h2d_event_of(self, chunk: HostChunk) -> Any:
-        """The event after the chunk's H2D out of its staging buffer (``None``: none queued, or
-        it ran synchronously): a later D2H into that staging buffer waits for it."""
-        return self._h2d_of.get(id(chunk))
+    def h2d_event_of(self, slot: int) -> Any:
+        """The event after the last H2D out of staging buffer ``slot`` (``None``: none queued, or
+        it ran synchronously): a later D2H into that buffer waits for it."""
+        return self._h2d_of.get(slot)
+
+    def queue_d2h(self, job: ChunkJob, *, after: Sequence[Any]) -> None:
+        """Queues the job's grads into its staging buffer, behind ``after``; the grads are then
+        no longer held here (the copies recorded their stream on them)."""
+        with record_function("zero_shard::d2h"):
+            job.d2h_done = self._part.engine.d2h(job.grads_in, after=after)
+        job.grads_in = None
+        job.d2h_queued = True
+
+    def queue_h2d(self, job: ChunkJob) -> None:
+        """Queues the job's new weights from its staging buffer into the params, behind the
+        events the writes wait for."""
+        pairs = [
+            CopyPair(_piece_of(flat_param(record.param), piece), job.staging_of(piece))
+            for record, piece in job.active
+        ]
+        with self._writes_lock:
+            after = list(self._writes_after)
+        with record_function("zero_shard::h2d"):
+            job.h2d_done = self._part.engine.h2d(pairs, after=after)
+        self._h2d_of[job.slot] = job.h2d_done
 
     def wait_worker(self) -> None:
         """Waits until the worker is done with every chunk (main weights and state are final),
@@ -130,7 +174,11 @@ class HostStep:
     def wait_grads_copied(self) -> None:
         """Makes the current stream wait until every grad of the step was copied to the host (a
         stream wait): afterwards the grads may be written again (the next backward)."""
-        wait_for_event(current_stream(self._part.engine.device), self._grads_copied)
+        if self.ring:  # the worker queues the later chunks' copies
+            self.wait_worker()
+        queued = [job.d2h_done for job in self._jobs if job.d2h_queued]
+        # The D2H stream runs in order: the last copy queued follows every other.
+        wait_for_event(current_stream(self.device), queued[-1] if queued else None)
 
     def wait(self) -> None:
         """Completes every chunk: the current stream then sees all the new weights."""
@@ -157,13 +205,9 @@ class HostStep:
                 continue
             if not stepped:  # a skipped step: staging holds the grads, the params stay
                 continue
-            with record_function("zero_shard::h2d"):
-                pairs = [
-                    CopyPair(_piece_of(flat_param(record.param), piece), piece.staging)
-                    for record, piece in job.active
-                ]
-                self._h2d_event = engine.h2d(pairs, after=self._writes_after)
-                self._h2d_of[id(job.chunk)] = self._h2d_event
+            if not self.ring:
+                self.queue_h2d(job)
+            self._h2d_event = job.h2d_done
         # The H2D stream runs in order: its last event covers every chunk queued so far.
         wait_for_event(current_stream(engine.device), self._h2d_event)
         if self.done and self._on_done is not None:

@@ -22,8 +22,9 @@ class Piece:
     #                            own grad is used as is (fp32 params on the accelerator)
     optimizer: torch.optim.Optimizer  # the sub-optimizer that steps `main`
     group: dict  # the sub-optimizer's param group holding `main` (its hyperparameters)
-    staging: torch.Tensor | None = None  # host pieces: 1-D model dtype, pinned view; grads land
-    #                                      here and updated params leave from here
+    offset: int | None = None  # host pieces: where the piece starts in its chunk, and so in the
+    #                            staging buffer the chunk's grads land in and its weights leave
+    #                            from (see [Note: staging ring]); None on the accelerator
 
     @property
     def state(self) -> dict:

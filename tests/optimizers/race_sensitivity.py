@@ -19,6 +19,7 @@ from offload import _copy_engine
 from optimizers import _host_step
 
 original_copy = _copy_engine.copy_async
+original_queue_d2h = _host_step.HostStep.queue_d2h
 
 
 def no_wait_for_h2d(stream: object, event: object) -> None:
@@ -34,10 +35,21 @@ def no_wait_for_next_backward(self: object) -> None:
     """A delayed update's H2D copies no longer wait for the next backward."""
 
 
+def no_wait_for_staging_free(self, job, *, after):  # type: ignore[no-untyped-def]
+    """A D2H into a staging buffer no longer waits for the H2D out of it (see [Note: staging
+    ring]): only for the grads being final."""
+    return original_queue_d2h(self, job, after=after[:1])
+
+
 def main() -> None:
     cases = {
         "current stream does not wait for H2D": (_host_step, "wait_for_event", no_wait_for_h2d),
         "copies do not wait for backward": (_copy_engine, "copy_async", no_wait_before_d2h),
+        "D2H into staging does not wait for the H2D out of it": (
+            _host_step.HostStep,
+            "queue_d2h",
+            no_wait_for_staging_free,
+        ),
     }
     delayed_case = (_host_step.HostStep, "hold_writes_for_current", no_wait_for_next_backward)
     runs = [(name, case, exact_race) for name, case in cases.items()]

@@ -287,7 +287,7 @@ def test_failed_accelerator_step_still_finishes_the_host_share(
     mains = main_weights(opt, params)
     for record in opt._records:
         for piece in record.pieces:
-            if piece.staging is None:
+            if piece.offset is None:  # on the accelerator
                 continue
             start, numel = piece.spec.start, piece.spec.numel
             model = params[record.index].detach().reshape(-1)[start : start + numel]
@@ -431,3 +431,41 @@ def test_a_hybrid_on_the_host_steps_its_params_with_the_budget(
         torch.set_num_threads(before)
     assert seen == [2]
     assert torch.all(param < 1)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
+def test_host_staging_is_bounded_whatever_the_model(kernel: str) -> None:
+    # The chunks take STAGING_SLOTS buffers in turn (see [Note: staging ring]): ten times the
+    # chunks hold the same staging, and the host holds the fp32 main weight and the two states
+    # per param beside it (and the fp32 grads where torch steps bf16 chunks), and the step
+    # counts. A delayed update keeps a buffer per chunk. Trained against torch AdamW with 3 and
+    # 20 chunks per buffer, some params without a grad.
+    chunk_numel = 64
+
+    def build(num_params: int, delayed: bool = False) -> tuple[HybridDeviceOptimizer, list]:
+        gen = torch.Generator().manual_seed(num_params)
+        params = [
+            torch.nn.Parameter(torch.randn(chunk_numel, generator=gen).bfloat16())
+            for _ in range(num_params)
+        ]
+        policy = OffloadPolicy(
+            fraction=1.0, chunk_numel=chunk_numel, num_threads=1, cpu_kernel=kernel,
+            delayed_update=delayed,
+        )  # fmt: skip
+        return HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=0.01), params
+
+    small, large = build(12)[0].memory_report(), build(80)[0].memory_report()
+    assert small.host_staging_bytes == large.host_staging_bytes, (small, large)
+    assert large.host_staging_bytes < 80 * chunk_numel * 2 / 4
+    numel = 80 * chunk_numel
+    grads = 4 * numel if kernel == "torch" else 0  # the kernel reads bf16 grads from staging
+    assert large.host_bytes - large.host_staging_bytes <= 12 * numel + grads + 80 * 4 * 8
+    delayed = build(80, delayed=True)[0].memory_report()
+    assert delayed.host_staging_bytes >= 80 * chunk_numel * 2
+    for num_params in (12, 80):
+        opt, params = build(num_params)
+        refs = fp32_copies(params)
+        ref_opt = torch.optim.AdamW(refs, lr=0.01)
+        skip = {1: {0, 5, num_params - 1}}  # chunks without grads shift the buffers taken
+        for step in train_side_by_side(opt, ref_opt, params, refs, steps=3, skip=skip):
+            assert_matches(opt, params, refs, tol=OTHER_KERNEL, where=f"{num_params}: {step}")

@@ -102,13 +102,12 @@ def check_placement(opt: ZeroShardOptimizer, fraction: float, device: torch.devi
     assert report.num_host_elements == math.floor(fraction * num_elements + 0.5), report
     assert report.pinned is (None if fraction == 0 else True), report
     # White-box: state_dict() shows a param cut between devices as a CPU copy, so only the
-    # records say where each piece's main weight, staging and state live.
+    # records say where each piece's main weight and state live.
     for record in opt._hybrid._records:
         for piece in record.pieces:
-            on_host = piece.staging is not None
+            on_host = piece.offset is not None
             where = "cpu" if on_host else device.type
             assert piece.main.device.type == where, (record.index, piece.spec)
-            assert not on_host or piece.staging.is_pinned(), (record.index, piece.spec)
             assert piece.state, f"param {record.index} has no state after the load"
             for key, value in piece.state.items():
                 if torch.is_tensor(value) and value.dim() > 0:
