@@ -18,13 +18,14 @@ A staging buffer carries a chunk's grads in (D2H) and its new weights out (H2D),
 dtype. Held for every chunk, the buffers would cost 2 bytes a param on the host beside the fp32
 main weight and the two states (12); so the chunks take ``STAGING_SLOTS`` buffers of the largest
 chunk's size in turn, and the host holds a bounded few hundred MiB of staging whatever the model.
-``start`` queues the D2H of the first ``STAGING_SLOTS`` chunks. The worker steps a chunk, then
-queues its H2D into the params itself (behind the events the step's writes wait for, see
-[Note: deferred host step]) and the D2H of the chunk ``STAGING_SLOTS`` later into the same
-buffer, behind that H2D; completing a chunk is then only a stream wait on its H2D. The grads of
-the chunks not copied yet are held by the step (the copies' list) until their D2H is queued, so
-that their memory is not reused before it is read. The worker runs the chunks one after another:
-a chunk's D2H is always queued before the worker reaches it, also when an earlier chunk failed.
+``start`` queues the D2H of the first ``STAGING_SLOTS`` chunks. Once the worker stepped a chunk,
+a copier thread queues its H2D into the params (behind the events the step's writes wait for, see
+[Note: deferred host step]) and then the D2H of the chunk ``STAGING_SLOTS`` later into the same
+buffer, behind that H2D, while the worker goes on with the next chunk; completing a chunk is then
+a stream wait on its H2D. The worker waits (on the host) until a chunk's D2H is queued; the
+copier queues it also after a failure, so the later chunks still step. The grads of the chunks
+not copied yet are held by the step (the copies' list) until their D2H is queued, so that their
+memory is not reused before it is read.
 
 A delayed update instead gives every chunk its own buffer and queues its H2D only when the step
 is completed, after the next backward, which reads the params they overwrite; its weights wait in
@@ -137,6 +138,8 @@ class HostPart:
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
     _cls: type[torch.optim.Optimizer]
     _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
+    _copier: ThreadPoolExecutor | None  # a ring: queues each stepped chunk's H2D and the next
+    #                                     D2H into its buffer, off the worker's path
     pending: HostStep | None  # the step the worker is on, until every chunk is completed
     _last_step: HostStep | None  # the last step started: when each staging buffer is free again
     _found_inf: HostFlag  # the step's found_inf on its way to the worker (reused each step: the
@@ -185,7 +188,10 @@ class HostPart:
                 (i, s, kernels[i]) for i, s in enumerate(specs) if s.group_index == group_index
             ]
             self._build_group(records, group_specs, groups[group_index], optimizer_spec)
-        self._executor = None
+        self._executor = self._copier = None
+        if self.chunks and ring:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_shard_copies")
+            weakref.finalize(self, self._copier.shutdown, wait=False)
         if self.chunks:
             self._executor = ThreadPoolExecutor(
                 max_workers=1,
@@ -339,7 +345,9 @@ class HostPart:
         for position, job in enumerate(jobs):
             later = position + self.num_slots
             successor = jobs[later] if self.ring and later < len(jobs) else None
-            job.future = self._executor.submit(_run_job, step, job, successor, grad_scale, verdict)
+            job.future = self._executor.submit(
+                _run_job, step, job, successor, grad_scale, verdict, self._copier
+            )
         if step.done:  # no chunk had a grad
             step.wait()
         else:
@@ -389,25 +397,38 @@ def _run_job(
     successor: ChunkJob | None,
     grad_scale: float | None,
     verdict: HostFlag | None,
+    copier: ThreadPoolExecutor | None,
 ) -> bool:
-    """Worker thread: one chunk's CPU step, then (ring) its H2D and the D2H into its staging
-    buffer of the chunk that takes it next. Returns whether it stepped (False: skipped, and
-    staging still holds the grads)."""
-    with use_device(step.device):
-        stepped = False
-        try:
-            if not job.d2h_queued:
-                raise AssertionError("expected the chunk's D2H queued before the worker reached it")
-            wait_event(job.d2h_done)  # the chunk's grads have landed in staging
-            if verdict is None or verdict.read() == 0:
-                _step_chunk(job, grad_scale)
-                stepped = True
-                if step.ring:
-                    step.queue_h2d(job)
-        finally:
-            if successor is not None:  # also after a failure: the next chunks still step
-                step.queue_d2h(successor, after=[step.start_event, job.h2d_done])
+    """Worker thread: one chunk's CPU step; with a ring, then hands the chunk to the copier (its
+    H2D, and the D2H into its buffer of the chunk that takes it next), also after a failure, so
+    that the next chunks still step. Returns whether it stepped (False: skipped, and staging
+    still holds the grads)."""
+    stepped = False
+    try:
+        job.d2h_queued.wait()  # queued by start, or by the copier after the buffer's last chunk
+        if job.d2h_error is not None:
+            raise RuntimeError("the copy of this chunk's grads failed") from job.d2h_error
+        wait_event(job.d2h_done)  # the chunk's grads have landed in staging
+        if verdict is None or verdict.read() == 0:
+            _step_chunk(job, grad_scale)
+            stepped = True
+    finally:
+        if copier is not None:
+            job.copied = copier.submit(_copy_out, step, job, successor, stepped)
     return stepped
+
+
+def _copy_out(step: HostStep, job: ChunkJob, successor: ChunkJob | None, stepped: bool) -> None:
+    """Copier thread (a ring): the chunk's new weights to the params, then the grads of the
+    chunk that takes its buffer next into it, behind that H2D. Off the worker's path: the CPU
+    steps go on while the copies are queued."""
+    with use_device(step.device):
+        try:
+            if stepped:
+                step.queue_h2d(job)
+        finally:
+            if successor is not None:
+                step.queue_d2h(successor, after=[step.start_event, job.h2d_done])
 
 
 def _step_chunk(job: ChunkJob, grad_scale: float | None) -> None:

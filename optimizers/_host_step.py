@@ -3,8 +3,8 @@
 [Note: deferred host step]
 ``HostPart.start`` hands every chunk to the worker and returns a ``HostStep``. Completing a chunk
 means waiting for its CPU step and making the current stream wait for its H2D copy into the params
-(a stream wait: the host goes on). The worker queued that copy itself, as soon as it stepped the
-chunk; a delayed update's is queued only here (see [Note: staging ring]). ``HybridDeviceOptimizer.step()``
+(a stream wait: the host goes on). A copier thread queued that copy as soon as the worker stepped
+the chunk; a delayed update's is queued only here (see [Note: staging ring]). ``HybridDeviceOptimizer.step()``
 completes every chunk before it returns. ``launch_step()`` returns at once instead, and the caller
 completes the chunks it needs when it needs them (``wait_for``), the rest later (``wait``): with
 the chunks in parameter order, the next forward's first layers can run while the worker steps
@@ -62,10 +62,13 @@ class ChunkJob:
     slot: int  # the staging buffer it takes (see [Note: staging ring])
     staging: torch.Tensor  # that buffer as the chunk's: 1-D, model dtype, chunk numel
     grads_in: list[CopyPair] | None = None  # its D2H copies until queued (holding the grads)
-    d2h_queued: bool = False
+    d2h_queued: threading.Event = field(default_factory=threading.Event)  # set once d2h_done is
+    d2h_error: BaseException | None = None  # the D2H could not be queued
     d2h_done: Any = None  # after its D2H into staging; None: not queued, or ran synchronously
     h2d_done: Any = None  # after its H2D out of staging; None: none queued, or synchronous
     future: Future | None = field(default=None, repr=False)  # the worker's CPU step: stepped?
+    copied: Future | None = field(default=None, repr=False)  # ring: the copier's H2D of it and
+    #                                                         the next D2H into its buffer
 
     def staging_of(self, piece: Piece) -> torch.Tensor:
         return self.staging[piece.offset : piece.offset + piece.spec.numel]
@@ -74,7 +77,7 @@ class ChunkJob:
 class HostStep:
     """The CPU share of one step; see [Note: deferred host step]."""
 
-    ring: bool  # the worker queues each chunk's H2D (else they are queued as chunks complete)
+    ring: bool  # the copier queues each chunk's H2D (else they are queued as chunks complete)
     start_event: Any  # on the current stream when the step started: the grads are final there
     device: torch.device
     _part: HostPart
@@ -84,8 +87,8 @@ class HostStep:
     _writes_after: list[Any]  # events the H2D copies into the params wait for: the current
     #                          stream after this step's backward, and after the next backward
     #                          where the step is completed only then (a delayed update)
-    _writes_lock: threading.Lock  # for _writes_after: the worker reads it while a caller that
-    #                               holds _lock waits for the worker
+    _writes_lock: threading.Lock  # for _writes_after: the copier reads it while a caller that
+    #                               holds _lock waits for it
     _h2d_of: dict[int, Any]  # staging slot -> the event after the last H2D out of it
     _on_done: Callable[[], None] | None  # runs once the last job is completed; then None
     _h2d_event: Any  # after the H2D of every chunk completed so far; None: none queued (or CPU)
@@ -145,11 +148,17 @@ class HostStep:
 
     def queue_d2h(self, job: ChunkJob, *, after: Sequence[Any]) -> None:
         """Queues the job's grads into its staging buffer, behind ``after``; the grads are then
-        no longer held here (the copies recorded their stream on them)."""
-        with record_function("zero_shard::d2h"):
-            job.d2h_done = self._part.engine.d2h(job.grads_in, after=after)
-        job.grads_in = None
-        job.d2h_queued = True
+        no longer held here (the copies recorded their stream on them). The worker learns of it
+        (``d2h_queued``) also when it failed."""
+        try:
+            with record_function("zero_shard::d2h"):
+                job.d2h_done = self._part.engine.d2h(job.grads_in, after=after)
+        except BaseException as err:
+            job.d2h_error = err
+            raise
+        finally:
+            job.grads_in = None
+            job.d2h_queued.set()
 
     def queue_h2d(self, job: ChunkJob) -> None:
         """Queues the job's new weights from its staging buffer into the params, behind the
@@ -174,9 +183,11 @@ class HostStep:
     def wait_grads_copied(self) -> None:
         """Makes the current stream wait until every grad of the step was copied to the host (a
         stream wait): afterwards the grads may be written again (the next backward)."""
-        if self.ring:  # the worker queues the later chunks' copies
-            self.wait_worker()
-        queued = [job.d2h_done for job in self._jobs if job.d2h_queued]
+        if self.ring:  # the copier queues the later chunks' copies
+            for job in self._jobs:
+                job.future.exception()
+                job.copied.exception()
+        queued = [job.d2h_done for job in self._jobs if job.d2h_queued.is_set()]
         # The D2H stream runs in order: the last copy queued follows every other.
         wait_for_event(current_stream(self.device), queued[-1] if queued else None)
 
@@ -197,6 +208,8 @@ class HostStep:
             self._num_completed += 1
             try:
                 stepped = job.future.result()
+                if self.ring:
+                    job.copied.result()  # its H2D is queued
             except BaseException as err:
                 # Wait for every chunk before raising: the worker must not outlive the step, and
                 # the chunks that stepped must still reach the params.

@@ -42,18 +42,17 @@ def no_wait_for_staging_free(self, job, *, after):  # type: ignore[no-untyped-de
 
 
 def main() -> None:
-    cases = {
-        "current stream does not wait for H2D": (_host_step, "wait_for_event", no_wait_for_h2d),
-        "copies do not wait for backward": (_copy_engine, "copy_async", no_wait_before_d2h),
-        "D2H into staging does not wait for the H2D out of it": (
-            _host_step.HostStep,
-            "queue_d2h",
-            no_wait_for_staging_free,
-        ),
-    }
-    delayed_case = (_host_step.HostStep, "hold_writes_for_current", no_wait_for_next_backward)
-    runs = [(name, case, exact_race) for name, case in cases.items()]
-    runs.append(("delayed H2D does not wait for the next backward", delayed_case, delayed_race))
+    runs = [
+        ("current stream does not wait for H2D",
+         (_host_step, "wait_for_event", no_wait_for_h2d), exact_race),
+        ("copies do not wait for backward",
+         (_copy_engine, "copy_async", no_wait_before_d2h), exact_race),
+        ("D2H into staging does not wait for the H2D out of it",
+         (_host_step.HostStep, "queue_d2h", no_wait_for_staging_free), staging_race),
+        ("delayed H2D does not wait for the next backward",
+         (_host_step.HostStep, "hold_writes_for_current", no_wait_for_next_backward),
+         delayed_race),
+    ]  # fmt: skip
     for name, (owner, attr, replacement), race in runs:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(owner, attr, replacement)
@@ -69,6 +68,10 @@ def exact_race() -> None:
     test_hybrid_cuda.test_no_race_between_copies_and_compute(
         1.0, modify_grads=True, micro_batches=1
     )
+
+
+def staging_race() -> None:
+    test_hybrid_cuda.test_no_race_on_a_staging_buffer_taken_again()
 
 
 def delayed_race() -> None:

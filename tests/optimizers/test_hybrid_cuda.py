@@ -3,7 +3,9 @@ machines (docs/gpu-tests.md); skipped without CUDA."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,7 +19,9 @@ from _parity import (
     train_side_by_side,
 )
 
+from offload import _copy_engine, wait_for_event
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
+from optimizers._host_part import STAGING_SLOTS  # how many buffers the chunks take in turn
 
 pytestmark = pytest.mark.cuda
 
@@ -97,6 +101,54 @@ def test_no_race_between_copies_and_compute(
         shadow_opt.step()
         # The CPU share runs the same fused CPU kernel as the shadow; the GPU share the CUDA one.
         assert_matches(opt, params, shadow, tol=OTHER_KERNEL, where=f"step {step}")
+
+
+@contextlib.contextmanager
+def late_h2d(cycles: int = 20_000_000) -> Iterator[None]:
+    """Every copy to the GPU starts behind ~10 ms of sleep on its stream. Fault injection: no
+    public input slows one copy engine's queue."""
+    original = _copy_engine.copy_async
+
+    def late(pairs, stream, *, after=()):  # type: ignore[no-untyped-def]
+        if stream is not None and pairs and pairs[0].dst.device.type == "cuda":
+            for event in after:
+                wait_for_event(stream, event)
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)
+            after = ()
+        return original(pairs, stream, after=after)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_copy_engine, "copy_async", late)
+        yield
+
+
+def test_no_race_on_a_staging_buffer_taken_again() -> None:
+    """Twice as many chunks as staging buffers (see [Note: staging ring]), and each H2D out of a
+    buffer lands late: a D2H that refilled the buffer before that H2D was done would send the next
+    chunk's grads into the params. After each step every param must be its main weight, and the
+    main weights must follow a CPU AdamW fed the same grads.
+    tests/optimizers/race_sensitivity.py shows that removing that wait makes this test fail.
+    """
+    width, depth = 2048, 2 * STAGING_SLOTS  # a chunk per layer: 8 MB of bf16 each way
+    model = _model(width, depth)
+    params = list(model.parameters())
+    policy = OffloadPolicy(fraction=1.0, chunk_numel=width * width)
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
+    shadow = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
+    shadow_opt = torch.optim.AdamW(shadow, lr=1e-2, fused=True)
+    x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
+    with late_h2d():
+        for step in range(6):
+            model(x).float().square().mean().backward()
+            grads = [p.grad.detach().clone() for p in params]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            for tensor, grad in zip(shadow, grads, strict=True):
+                tensor.grad = grad.float().cpu()
+            shadow_opt.step()
+            assert_matches(opt, params, shadow, tol=OTHER_KERNEL, where=f"step {step}")
 
 
 def test_no_race_in_the_delayed_update() -> None:
