@@ -35,6 +35,13 @@ def losses(run: dict) -> list[float]:
 @pytest.mark.parametrize(
     ("flags", "world_size", "message"),
     [
+        (["--optimizer", "megatron-hdo", "--device", "cpu"], 1, "needs --device cuda, got cpu"),
+        (["--optimizer", "megatron-hdo", "--device", "cuda", "--dtype", "fp16"], 1,
+         "takes --dtype bf16 or fp32"),
+        (["--optimizer", "megatron-hdo", "--device", "cuda"], 2,
+         "runs in one process (it shards nothing), got 2 ranks"),
+        (["--optimizer", "megatron-hdo", "--device", "cuda", "--checkpoint-dir", "ckpt"], 1,
+         "for --optimizer zero-shard only"),
         (["--optimizer", "torchao-offload", "--device", "cpu"], 1, "needs --device cuda, got cpu"),
         (["--optimizer", "torchao-offload", "--device", "cuda"], 2, "runs in one process"),
         (["--optimizer", "torchao-offload", "--device", "cuda", "--dtype", "fp16"], 1,
