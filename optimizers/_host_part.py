@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -414,8 +414,31 @@ def _run_job(
             stepped = True
     finally:
         if copier is not None:
-            job.copied = copier.submit(_copy_out, step, job, successor, stepped)
+            job.copied = _hand_to_copier(copier, step, job, successor, stepped)
     return stepped
+
+
+def _hand_to_copier(
+    copier: ThreadPoolExecutor,
+    step: HostStep,
+    job: ChunkJob,
+    successor: ChunkJob | None,
+    stepped: bool,
+) -> Future:
+    """The copier's ``_copy_out`` of the chunk; run here when the copier is shut down (the
+    interpreter exiting with a step in flight stops it first): the next chunk must not wait for
+    a copy nobody will queue."""
+    try:
+        return copier.submit(_copy_out, step, job, successor, stepped)
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        done: Future = Future()
+        try:
+            _copy_out(step, job, successor, stepped)
+        except BaseException as err:
+            done.set_exception(err)
+        else:
+            done.set_result(None)
+        return done
 
 
 def _copy_out(step: HostStep, job: ChunkJob, successor: ChunkJob | None, stepped: bool) -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -469,3 +474,27 @@ def test_host_staging_is_bounded_whatever_the_model(kernel: str) -> None:
         skip = {1: {0, 5, num_params - 1}}  # chunks without grads shift the buffers taken
         for step in train_side_by_side(opt, ref_opt, params, refs, steps=3, skip=skip):
             assert_matches(opt, params, refs, tol=OTHER_KERNEL, where=f"{num_params}: {step}")
+
+
+def test_the_interpreter_exits_with_a_step_in_flight() -> None:
+    # At exit concurrent.futures stops the copier before the worker is done: the chunks that
+    # take a buffer after it must still be copied, or the worker waits forever and exit hangs.
+    script = textwrap.dedent(
+        """
+        import torch
+        from optimizers import HybridDeviceOptimizer, OffloadPolicy
+        params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(24)]
+        policy = OffloadPolicy(fraction=1.0, chunk_numel=1 << 20, num_threads=1)
+        opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-3)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.launch_step()
+        print("launched", flush=True)
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert done.returncode == 0 and "launched" in done.stdout, done.stderr[-2000:]
