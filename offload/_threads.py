@@ -85,9 +85,10 @@ def resolve_thread_budget(requested: int | None = None, *, keep_free: int = 0) -
 
 @contextlib.contextmanager
 def intra_op_threads(num_threads: int | None) -> Iterator[None]:
-    """Runs the block's torch CPU kernels on ``num_threads`` intra-op threads of the calling
-    thread, then restores the count it had (torchrun's one, say, for the rest of the loop).
-    ``None`` leaves the count as it is."""
+    """Runs the block's torch CPU kernels on ``num_threads`` intra-op threads, then restores the
+    count there was (torchrun's one, say, for the rest of the loop). ``None`` leaves the count as
+    it is. torch's count is the process's, not the calling thread's: CPU kernels that other
+    threads run meanwhile get it too."""
     before = torch.get_num_threads()
     if num_threads is None or num_threads == before:
         yield

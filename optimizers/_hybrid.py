@@ -344,7 +344,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             num_state_tensors=max(len(layout.elementwise_keys) for layout in layouts),
             kernel=self._select_cpu_kernel(layout.host_chunks, threads),
             # A delayed update's weights wait in staging until the next backward is done.
-            ring=not self.policy.delayed_update,
+            ring=self.policy.host_staging == "bounded" and not self.policy.delayed_update,
         )
         self._device = DevicePart(
             trainable,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["CPU_KERNELS", "DEVICE_IMPLS", "OffloadPolicy"]
+__all__ = ["CPU_KERNELS", "DEVICE_IMPLS", "HOST_STAGING", "OffloadPolicy"]
 
 DEVICE_IMPLS = ("torch", "apex", "te")
 CPU_KERNELS = ("auto", "fused", "torch")
+HOST_STAGING = ("bounded", "per_chunk")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,17 @@ class OffloadPolicy:
             (``opt.state``) waits for the CPU step but keeps the lag. Under ``zero_shard.wrap``
             only for a plain model that zero-shard shards (not DDP, not FSDP2), on one process
             for now. Default False.
+        host_staging: the host buffers that grads land in and weights leave from, in the model
+            dtype. ``"bounded"`` (default): 4 buffers of the largest chunk's size, taken in turn
+            (128 MiB of bf16 at the default chunks); a chunk's grads are copied once an earlier
+            chunk's step has freed a buffer, so the grads a step was given are read until the
+            step is complete (``step()`` completes it before it returns; after ``launch_step()``
+            they must not be written in place before it is). ``"per_chunk"``: a buffer per chunk
+            (2 bytes a param of bf16): every grad is copied as the step starts, and the grads may
+            be written again once ``HostStep.wait_grads_copied()`` (a stream wait) is passed. A
+            delayed update always uses ``"per_chunk"``; so does ``zero_shard.wrap`` for a DDP
+            model, whose grads are the model's own and may be zeroed in place right after
+            ``step()``.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
@@ -62,6 +74,7 @@ class OffloadPolicy:
     device_impl: str = "torch"
     cpu_kernel: str = "auto"
     delayed_update: bool = False
+    host_staging: str = "bounded"
 
     def __post_init__(self) -> None:
         fraction = self.fraction
@@ -91,5 +104,9 @@ class OffloadPolicy:
             raise ValueError(f"chunk_numel must be a positive integer, got {chunk!r}")
         if self.cpu_kernel not in CPU_KERNELS:
             raise ValueError(f"cpu_kernel must be one of {CPU_KERNELS}, got {self.cpu_kernel!r}")
+        if self.host_staging not in HOST_STAGING:
+            raise ValueError(
+                f"host_staging must be one of {HOST_STAGING}, got {self.host_staging!r}"
+            )
         if self.device_impl not in DEVICE_IMPLS:
             raise ValueError(f"device_impl must be one of {DEVICE_IMPLS}, got {self.device_impl!r}")

@@ -386,6 +386,15 @@ class DDPComm(_GatheredComm):
         with self._ddp.no_sync():
             yield
 
+    def after_step(self, host_step: HostStep | None, *, delayed: bool = False) -> None:
+        """As for any gathered model; and the current stream waits until the step's copies read
+        the grads, which are the model's: ``zero_grad(set_to_none=False)`` or a backward right
+        after ``step()`` writes them in place (the copies were queued as the step started: a
+        stream wait, the CPU step goes on)."""
+        if host_step is not None:
+            host_step.wait_grads_copied()
+        super().after_step(host_step, delayed=delayed)
+
     def reset(self) -> None:
         pass  # the grads are the model's: zero_grad clears them
 

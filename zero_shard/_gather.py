@@ -154,7 +154,13 @@ def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
     shard = bucket.shard_buffer
     out = shard.new_empty(job.world_size * shard.numel())
     with record_function("zero_shard::all_gather"):
-        job.all_gather(shard, out, job.group).wait()
+        work = job.all_gather(shard, out, job.group)
+        if not callable(getattr(work, "wait", None)):  # the caller's all_gather (every rank's)
+            raise TypeError(
+                f"all_gather returned {type(work).__name__}, not a handle with wait(): return "
+                "what dist.all_gather_into_tensor(..., async_op=True) returns, or one like it"
+            )
+        work.wait()
     report.written = _copy_into_params(bucket, out, job.world_size)
     report.event = record_event(job.stream)
 

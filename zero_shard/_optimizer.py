@@ -228,6 +228,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         ]
         if self._params_on_host:  # the whole step is the host's already: in place, no copies
             policy = dataclasses.replace(policy, fraction=0.0)
+        if self.kind is ModelKind.DDP:
+            # DDP's grads are the model's: they may be zeroed in place right after step(), so
+            # every chunk's are copied as the step starts (see DDPComm.after_step).
+            policy = dataclasses.replace(policy, host_staging="per_chunk")
         # Host memory differs between hosts: a rank that cannot hold its share fails all ranks.
         return on_every_rank(
             lambda: HybridDeviceOptimizer(
@@ -603,11 +607,14 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """
         self._finalize_grads()
         grads = shard_grads(self._sharded)
-        found_inf.copy_(nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device))
+        with self._host_threads():
+            flag = nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device)
+        found_inf.copy_(flag)
         if any(grad.dtype == torch.float16 for grad in grads):
             self._grad_scale = float(inv_scale)
         elif grads:
-            torch._foreach_mul_(grads, inv_scale.to(self._device))
+            with self._host_threads():
+                torch._foreach_mul_(grads, inv_scale.to(self._device))
         self._checked_by_scaler = True
         return {found_inf.device: found_inf}
 

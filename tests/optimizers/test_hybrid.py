@@ -467,6 +467,12 @@ def test_host_staging_is_bounded_whatever_the_model(kernel: str) -> None:
     assert large.host_bytes - large.host_staging_bytes <= 12 * numel + grads + 80 * 4 * 8
     delayed = build(80, delayed=True)[0].memory_report()
     assert delayed.host_staging_bytes >= 80 * chunk_numel * 2
+    params = [torch.nn.Parameter(torch.ones(chunk_numel).bfloat16()) for _ in range(80)]
+    policy = OffloadPolicy(fraction=1.0, chunk_numel=chunk_numel, host_staging="per_chunk")
+    per_chunk = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy).memory_report()
+    assert per_chunk.host_staging_bytes >= 80 * chunk_numel * 2
+    with pytest.raises(ValueError, match=r"host_staging must be one of .*got 'ring'"):
+        OffloadPolicy(host_staging="ring")
     for num_params in (12, 80):
         opt, params = build(num_params)
         refs = fp32_copies(params)

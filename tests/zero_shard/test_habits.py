@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from _harness import check_outcome, run_cases
 from _models import (
+    GLOBAL_BATCH,
     LOSS_TOL,
     adamw,
     assert_params_close,
@@ -460,6 +461,40 @@ def torch_clipping_and_model_zero_grad_on_ddp_and_fsdp2_models(rank: int, world:
         assert_params_close(model, ref, f"{kind} with torch's clipping")
 
 
+@case
+def ddp_grads_zeroed_in_place_right_after_step(rank: int, world: int) -> None:
+    # DDP's grads are the model's: zeroing them in place right after step() (torch's
+    # zero_grad(set_to_none=False), the model's or the optimizer's) must not reach the CPU step
+    # still copying them. Dozens of chunks per rank, so that with bounded staging most would be
+    # copied late. Reference: one process, torch AdamW, whole batch.
+    width, depth = 256, 12
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+    for layer in model:  # norm-preserving: the grads stay far above their rounding
+        nn.init.orthogonal_(layer.weight)
+    ref = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+    ref.load_state_dict(model.state_dict())
+    net = nn.parallel.DistributedDataParallel(model)
+    policy = OffloadPolicy(
+        fraction=1.0, num_threads=1, chunk_numel=width * width // 8, cpu_kernel="torch"
+    )
+    opt = zero_shard.wrap(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3), net, offload=policy
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        x = torch.randn(GLOBAL_BATCH, width, generator=gen)
+        net(local_slice(x, rank, world)).square().mean().backward()
+        opt.step()
+        (opt, net)[step % 2].zero_grad(set_to_none=False)
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"DDP, grads zeroed in place after step {step}")
+
+
 # -- replicas ------------------------------------------------------------------------------------
 
 
@@ -585,7 +620,7 @@ def two_wrappers_over_disjoint_params_of_one_model(rank: int, world: int) -> Non
         zero_shard.wrap(torch.optim.AdamW(params, lr=1e-2), model, bucket_mb=TINY_BUCKETS)
         for params in (body, head)
     ]
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
     for step in range(STEPS):
         x, y = global_batch(step)
         mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()

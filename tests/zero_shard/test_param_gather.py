@@ -399,6 +399,10 @@ def a_failed_gather_raises_at_every_wait(rank: int, world: int) -> None:
         model(local_slice(batch(1)[0], rank, world))
     with pytest.raises(RuntimeError, match="injected gather failure"):
         opt.finish_param_sync()  # the later buckets were never gathered: they say so too
+    # A gather that returns no handle says so at the wait, on every rank.
+    model, opt = stepped(rank, world, all_gather=lambda shard, out, group: None)
+    with pytest.raises(TypeError, match=r"all_gather returned NoneType, not a handle with wait"):
+        model(local_slice(batch(1)[0], rank, world))
 
 
 @case
