@@ -4,15 +4,16 @@
 ``HostPart.start`` hands every chunk to the worker and returns a ``HostStep``. Completing a chunk
 means waiting for its CPU step and making the current stream wait for its H2D copy into the params
 (a stream wait: the host goes on). A copier thread queued that copy as soon as the worker stepped
-the chunk; a delayed update's is queued only here (see [Note: staging ring]). ``HybridDeviceOptimizer.step()``
-completes every chunk before it returns. ``launch_step()`` returns at once instead, and the caller
-completes the chunks it needs when it needs them (``wait_for``), the rest later (``wait``): with
-the chunks in parameter order, the next forward's first layers can run while the worker steps
-the last ones. Chunks complete strictly in the order the worker runs them, so one H2D event (the
-H2D stream runs in order) covers every chunk completed so far. Chunks may be completed from more
-than one thread (a caller's thread that gathers the new weights as they come, while a state dict
-on the main thread settles the step): a lock keeps them in order, and each caller's current
-stream waits for the H2D event of every chunk completed so far, by whichever thread.
+the chunk; a delayed update's is queued only here (see [Note: staging ring]).
+``HybridDeviceOptimizer.step()`` completes every chunk before it returns. ``launch_step()`` returns
+at once instead, and the caller completes the chunks it needs when it needs them (``wait_for``),
+the rest later (``wait``): with the chunks in parameter order, the next forward's first layers can
+run while the worker steps the last ones. Chunks complete strictly in the order the worker runs
+them, so one H2D event (the H2D stream runs in order) covers every chunk completed so far. Chunks
+may be completed from more than one thread (a caller's thread that gathers the new weights as they
+come, while a state dict on the main thread settles the step): a lock keeps them in order, and each
+caller's current stream waits for the H2D event of every chunk completed so far, by whichever
+thread.
 
 Until the whole step is complete, the host part is *busy*: its staging buffers and main weights
 belong to the worker. Everything else that writes them or the params (the next step, state dicts,
