@@ -113,16 +113,8 @@ class FSDPComm:
         self.sharded = [fsdp_sharded_param(p, fqn, g, reduced_dims) for p, fqn, g in trainable]
         self.buckets = []
 
-    def install(
-        self,
-        mesh: DeviceMesh,
-        *,
-        device: torch.device,
-        overlap: bool,
-        all_gather: AllGather | None = None,
-    ) -> list[Any]:
-        """Makes the model's state dicts watched as its params are (see [Note: FSDP2 versions]).
-        FSDP2 gathers the params itself (``all_gather`` is refused at wrap)."""
+    def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
+        """Makes the model's state dicts watched as its params are (see [Note: FSDP2 versions])."""
         return watch_state_dict_entries(self._module, self.sharded)
 
     @property
@@ -254,6 +246,7 @@ class _GatheredComm:
     _plan: UnitPlan
     _group: dist.ProcessGroup  # the mesh's group: the grads are sharded over it
     _bucket_indices: list[list[int]]  # per bucket, its shards' param indices in the hybrid
+    _all_gather: AllGather  # the params' gather: launch_all_gather, or wrap(all_gather=...)
 
     def _build(
         self,
@@ -264,9 +257,11 @@ class _GatheredComm:
         joint: DeviceMesh | None,
         *,
         bucket_mb: float,
+        all_gather: AllGather | None,
     ) -> None:
         self._module = module
         self._plan = plan
+        self._all_gather = all_gather or launch_all_gather
         self._group = mesh.get_group()
         # Buckets go in unit order (root first), then model order inside a unit: the next
         # forward needs the first buckets first ([Note: units]), and backward makes the last
@@ -289,20 +284,12 @@ class _GatheredComm:
         index_of = {id(record): index for index, record in enumerate(self.sharded)}
         self._bucket_indices = [[index_of[id(s)] for s in b.params] for b in self.buckets]
 
-    def install(
-        self,
-        mesh: DeviceMesh,
-        *,
-        device: torch.device,
-        overlap: bool,
-        all_gather: AllGather | None = None,
-    ) -> list[Any]:
+    def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
         """Creates the gathers' group and the model hooks; returns the hooks' handles."""
         group = gather_group(mesh, device)
         self.gatherer = ParamGatherer(
-            self.buckets, group, device=device, overlap=overlap,
-            all_gather=all_gather or launch_all_gather,
-        )  # fmt: skip
+            self.buckets, group, device=device, overlap=overlap, all_gather=self._all_gather
+        )
         waits = register_param_waits(self._module, self._plan, self.buckets, self.gatherer)
         # Tensor-parallel DTensor params: as under FSDP2 (see [Note: FSDP2 versions]).
         return [*waits, *watch_state_dict_entries(self._module, self.sharded)]
@@ -362,9 +349,12 @@ class DDPComm(_GatheredComm):
         joint: DeviceMesh | None,
         *,
         bucket_mb: float,
+        all_gather: AllGather | None = None,
     ) -> None:
         self._ddp = ddp
-        self._build(ddp.module, trainable, plan, mesh, joint, bucket_mb=bucket_mb)
+        self._build(
+            ddp.module, trainable, plan, mesh, joint, bucket_mb=bucket_mb, all_gather=all_gather
+        )
 
     def finalize_grads(self, *, reduce: bool = True) -> None:
         for sharded in self.sharded:
@@ -418,21 +408,17 @@ class ReplicatedComm(_GatheredComm):
         device: torch.device,
         bucket_mb: float,
         stage: int,
+        all_gather: AllGather | None = None,
     ) -> None:
-        self._build(module, trainable, plan, mesh, joint, bucket_mb=bucket_mb)
+        self._build(
+            module, trainable, plan, mesh, joint, bucket_mb=bucket_mb, all_gather=all_gather
+        )
         if mesh.size() == 1:  # one rank: the params become views of the shard buffers
             _alias_params(self.buckets)
         self.reducer = GradReducer(self.buckets, self._group, stage=stage, device=device)
 
-    def install(
-        self,
-        mesh: DeviceMesh,
-        *,
-        device: torch.device,
-        overlap: bool,
-        all_gather: AllGather | None = None,
-    ) -> list[Any]:
-        handles = super().install(mesh, device=device, overlap=overlap, all_gather=all_gather)
+    def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:
+        handles = super().install(mesh, device=device, overlap=overlap)
         # The reductions write the grad buffers that the last step's D2H copies read: the step
         # must be complete first (the gathers waited for every CPU chunk), whatever the forward
         # waited for (see [Note: deferred host step]); a delayed update's CPU step runs on, but

@@ -172,15 +172,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._params_on_host = params_on_host(self.kind, self.mesh, self._device)
         if self.kind is ModelKind.REPLICATED:  # DDP did the same; FSDP2's shards differ by rank
             broadcast_tensors(_module_tensors(self._module, self._device), self.mesh.get_group())
-        self._comm = self._make_comm(model, checked, stage, bucket_mb)
+        self._comm = self._make_comm(model, checked, stage, bucket_mb, all_gather)
         self._sharded = self._comm.sharded
         self._hybrid = self._make_hybrid(optimizer, checked.policy)
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
-        handles = self._comm.install(
-            self.mesh, device=self._device, overlap=overlap_param_gather, all_gather=all_gather
-        )
+        handles = self._comm.install(self.mesh, device=self._device, overlap=overlap_param_gather)
         weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid)  # type: ignore[assignment]
         for sharded in self._sharded:
@@ -191,7 +189,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     # -- construction -----------------------------------------------------------------------
 
     def _make_comm(
-        self, model: nn.Module, checked: CheckedInputs, stage: int, bucket_mb: float
+        self,
+        model: nn.Module,
+        checked: CheckedInputs,
+        stage: int,
+        bucket_mb: float,
+        all_gather: AllGather | None,
     ) -> Comm:
         if self.kind is ModelKind.FSDP:
             if stage == 1:
@@ -209,11 +212,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                     "are used as they are (stage 1). Pass the unwrapped module for stage 2."
                 )
             return DDPComm(
-                model, checked.trainable, plan, meshes.mesh, meshes.joint, bucket_mb=bucket_mb
-            )
+                model, checked.trainable, plan, meshes.mesh, meshes.joint, bucket_mb=bucket_mb,
+                all_gather=all_gather,
+            )  # fmt: skip
         return ReplicatedComm(
             self._module, checked.trainable, plan, meshes.mesh, meshes.joint,
-            device=self._device, bucket_mb=bucket_mb, stage=stage,
+            device=self._device, bucket_mb=bucket_mb, stage=stage, all_gather=all_gather,
         )  # fmt: skip
 
     def _make_hybrid(
