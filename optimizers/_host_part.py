@@ -336,7 +336,7 @@ class HostPart:
                 for r, piece in active
             ]  # fmt: skip
             jobs.append(job)
-        step = HostStep(self, jobs, start_event, ring=self.ring, on_done=self._step_done)
+        step = HostStep(self, jobs, start_event, on_done=self._step_done)
         lead = self.num_slots if self.ring else len(jobs)  # the rest: queued by the worker
         for job in jobs[:lead]:
             # Into staging once the last step's H2D out of it is done ([Note: staging ring]).

@@ -78,9 +78,7 @@ class ChunkJob:
 class HostStep:
     """The CPU share of one step; see [Note: deferred host step]."""
 
-    ring: bool  # the copier queues each chunk's H2D (else they are queued as chunks complete)
     start_event: Any  # on the current stream when the step started: the grads are final there
-    device: torch.device
     _part: HostPart
     _jobs: list[ChunkJob]  # in the order the worker runs them
     _num_completed: int  # jobs[:_num_completed] are done and their H2D is queued (or they failed)
@@ -101,13 +99,10 @@ class HostStep:
         jobs: Sequence[ChunkJob],
         start_event: Any,
         *,
-        ring: bool,
         on_done: Callable[[], None],
     ) -> None:
         self._part = part
-        self.ring = ring
         self.start_event = start_event
-        self.device = part.engine.device
         self._jobs = list(jobs)
         self._num_completed = 0
         self._writes_after = [start_event]
@@ -120,6 +115,16 @@ class HostStep:
         for position, job in enumerate(self._jobs):
             for record, _ in job.active:
                 self._last_job_of[record.index] = position
+
+    @property
+    def ring(self) -> bool:
+        """Whether the copier queues each chunk's H2D (else they are queued as chunks complete);
+        see [Note: staging ring]."""
+        return self._part.ring
+
+    @property
+    def device(self) -> torch.device:
+        return self._part.engine.device
 
     @property
     def done(self) -> bool:
@@ -184,13 +189,14 @@ class HostStep:
     def wait_grads_copied(self) -> None:
         """Makes the current stream wait until every grad of the step was copied to the host (a
         stream wait): afterwards the grads may be written again (the next backward)."""
-        if self.ring:  # the copier queues the later chunks' copies
-            for job in self._jobs:
-                job.future.exception()
-                job.copied.exception()
-        queued = [job.d2h_done for job in self._jobs if job.d2h_queued.is_set()]
-        # The D2H stream runs in order: the last copy queued follows every other.
-        wait_for_event(current_stream(self.device), queued[-1] if queued else None)
+        if self.ring:
+            raise AssertionError(
+                "expected per-chunk staging: with bounded staging the grads are read until the "
+                "step is complete"
+            )
+        # Every copy was queued as the step started, and the D2H stream runs in order.
+        last = self._jobs[-1].d2h_done if self._jobs else None
+        wait_for_event(current_stream(self.device), last)
 
     def wait(self) -> None:
         """Completes every chunk: the current stream then sees all the new weights."""

@@ -193,8 +193,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _optimizer_spec: OptimizerSpec  # how every sub-optimizer is constructed
     _records: list[ParamRecord] | None  # one per param over all groups; None while building
     _device: DevicePart
-    _device_num_threads: int | None  # the device part's threads where it is the host; None:
-    #                                  the caller's (an accelerator's part queues kernels)
+    host_num_threads: int | None  # the intra-op threads its step uses where the params
+    #                               themselves are on the host (a CPU run, FSDP2's
+    #                               CPUOffloadPolicy), for other passes over them and their grads
+    #                               too (norms, clipping); None where they are on an accelerator
     _host: HostPart
     _layouts: list[StateLayout]  # per param group: the state the optimizer keeps per param
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
@@ -332,7 +334,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if layout.host_chunks or on_host
             else None
         )
-        self._device_num_threads = threads.num_threads if on_host else None
+        self.host_num_threads = threads.num_threads if on_host else None
         self._host = HostPart(
             trainable,
             layout.host_chunks,
@@ -423,13 +425,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 continue
             grads[record.index] = grad
         return grads
-
-    @property
-    def host_num_threads(self) -> int | None:
-        """The intra-op threads its step uses where the params themselves are on the host (a
-        CPU run, FSDP2's CPUOffloadPolicy): the rank's budget, for other passes over them and
-        their grads too (norms, clipping); ``None`` where the params are on an accelerator."""
-        return self._device_num_threads
 
     @property
     def skips_on_device(self) -> bool:
@@ -539,7 +534,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         grads = self._collect_grads()
         pending = self._host.start(grads, grad_scale, need_order=need_order, found_inf=found_inf)
         try:
-            with intra_op_threads(self._device_num_threads):
+            with intra_op_threads(self.host_num_threads):
                 self._device.step(grads, grad_scale, found_inf)
         except BaseException:
             # The worker must not outlive a failed step, and the chunks it stepped must still
