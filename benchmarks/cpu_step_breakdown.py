@@ -19,7 +19,7 @@ import torch
 from _common import median_ms, write_json
 
 from offload import resolve_thread_budget
-from optimizers._cpu_kernel import CpuAdamKernel, load_cpu_adam
+from optimizers._cpu_kernel import CpuAdamKernel, KernelPiece, load_cpu_adam
 
 
 def cpu_breakdown(numel: int, chunk_numel: int, repeat: int) -> dict[str, float]:
@@ -68,7 +68,7 @@ def cpu_breakdown(numel: int, chunk_numel: int, repeat: int) -> dict[str, float]
 
         def fused_kernel() -> None:
             for main, stage, state in zip(mains, staging, states, strict=True):
-                kernel.step_piece(main, stage, state, group)
+                kernel.step([KernelPiece(main, stage, state)], group)
 
         kernel_ms = median_ms(fused_kernel, repeat)
     return {

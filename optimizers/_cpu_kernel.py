@@ -19,13 +19,14 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CpuAdamKernel", "fused_kernel_applies", "load_cpu_adam"]
+__all__ = ["CpuAdamKernel", "KernelPiece", "fused_kernel_applies", "load_cpu_adam"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_adam.c"
 _FLAGS = (
@@ -55,6 +56,26 @@ class _AdamArgs(ctypes.Structure):
             "grad_scale",
         )
     ]
+
+
+class _AdamPiece(ctypes.Structure):
+    _fields_ = [
+        ("param", ctypes.c_void_p),
+        ("exp_avg", ctypes.c_void_p),
+        ("exp_avg_sq", ctypes.c_void_p),
+        ("staging", ctypes.c_void_p),
+        ("numel", ctypes.c_int64),
+        ("args", _AdamArgs),
+    ]
+
+
+class KernelPiece(NamedTuple):
+    """One piece for the kernel: its fp32 main weight, its staging slots (model-dtype grad in,
+    weight out) and torch's per-param state (``step``, ``exp_avg``, ``exp_avg_sq``)."""
+
+    main: torch.Tensor
+    staging: torch.Tensor
+    state: dict[str, Any]
 
 
 def _cpu_signature() -> str:
@@ -111,11 +132,10 @@ def load_cpu_adam() -> ctypes.CDLL | None:
             detail = getattr(err, "stderr", "") or str(err)
             reason = f"building it with {compiler} failed: {detail.strip()[:300]}"
         else:
-            pointer = ctypes.c_void_p
             for name in ("zero_shard_adam_bf16", "zero_shard_adam_f32"):
                 function = getattr(library, name)
-                function.argtypes = [pointer] * 4 + [ctypes.c_int64, _AdamArgs, ctypes.c_int]
-                function.restype = None
+                function.argtypes = [ctypes.POINTER(_AdamPiece), ctypes.c_int64, ctypes.c_int]
+                function.restype = ctypes.c_int
             return library
     warnings.warn(
         f"zero-shard's single-pass CPU Adam kernel is not available ({reason}); using torch's "
@@ -187,28 +207,62 @@ class CpuAdamKernel:
         self.decoupled = issubclass(cls, torch.optim.AdamW)
         self.num_threads = num_threads
 
-    def step_piece(
+    def step(
         self,
-        main: torch.Tensor,
-        staging: torch.Tensor,
-        state: dict[str, Any],
+        pieces: Sequence[KernelPiece],
         group: dict[str, Any],
         grad_scale: float | None = None,
     ) -> None:
-        """One Adam step of ``main`` with the grad in ``staging`` (multiplied by ``grad_scale`` in
-        fp32 first, if given); the new weight goes there too.
+        """One Adam step of every piece (of one param group and model dtype), with the grads in
+        their staging (multiplied by ``grad_scale`` in fp32 first, if given); the new weights go
+        there too.
 
-        ``state`` is torch's per-param state (``step``, ``exp_avg``, ``exp_avg_sq``), updated in
-        place, so ``state_dict`` and torch's own step can take over at any point.
+        One call steps them all (a chunk of many small params costs one call, one GIL release,
+        not one each). The state is torch's per-param state, updated in place, so ``state_dict``
+        and torch's own step can take over at any point.
         """
-        _check_buffers(main, staging, state)
-        step_tensor = state["step"]
-        step_tensor += 1
-        step = float(step_tensor)
+        if not pieces:
+            return
+        dtype = pieces[0].staging.dtype
+        for piece in pieces:
+            _check_buffers(piece.main, piece.staging, piece.state)
+            if piece.staging.dtype != dtype:
+                raise AssertionError(
+                    f"expected every staging in {dtype}, got {piece.staging.dtype}"
+                )
+        step_tensors = [piece.state["step"] for piece in pieces]
+        torch._foreach_add_(step_tensors, 1)
+        steps = [float(value) for value in torch.stack(step_tensors).tolist()]
+        args_of = {step: self._args(step, group, grad_scale) for step in set(steps)}
+        table = (_AdamPiece * len(pieces))(
+            *(
+                _AdamPiece(
+                    piece.main.data_ptr(),
+                    piece.state["exp_avg"].data_ptr(),
+                    piece.state["exp_avg_sq"].data_ptr(),
+                    piece.staging.data_ptr(),
+                    piece.main.numel(),
+                    args_of[step],
+                )
+                for piece, step in zip(pieces, steps, strict=True)
+            )
+        )
+        function = (
+            self._library.zero_shard_adam_bf16
+            if dtype == torch.bfloat16
+            else self._library.zero_shard_adam_f32
+        )
+        if function(table, len(pieces), self.num_threads) != 0:
+            torch._foreach_sub_(step_tensors, 1)  # nothing was stepped
+            raise MemoryError(
+                f"the CPU Adam kernel could not allocate its table of {len(pieces)} pieces"
+            )
+
+    def _args(self, step: float, group: dict[str, Any], grad_scale: float | None) -> _AdamArgs:
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         weight_decay = group["weight_decay"]
         decoupled = self.decoupled or group.get("decoupled_weight_decay", False)
-        args = _AdamArgs(  # in double, rounded to float once: as torch's fused kernel does
+        return _AdamArgs(  # in double, rounded to float once: as torch's fused kernel does
             one_minus_beta1=1.0 - beta1,
             beta2=beta2,
             one_minus_beta2=1.0 - beta2,
@@ -218,18 +272,4 @@ class CpuAdamKernel:
             step_size=lr / (1.0 - beta1**step),
             bc2_sqrt=math.sqrt(1.0 - beta2**step),
             grad_scale=1.0 if grad_scale is None else grad_scale,
-        )
-        function = (
-            self._library.zero_shard_adam_bf16
-            if staging.dtype == torch.bfloat16
-            else self._library.zero_shard_adam_f32
-        )
-        function(
-            main.data_ptr(),
-            state["exp_avg"].data_ptr(),
-            state["exp_avg_sq"].data_ptr(),
-            staging.data_ptr(),
-            main.numel(),
-            args,
-            self.num_threads,
         )

@@ -63,7 +63,7 @@ from offload import (
     wait_event,
 )
 
-from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies
+from ._cpu_kernel import CpuAdamKernel, KernelPiece, fused_kernel_applies
 from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._host_step import ChunkJob, HostStep
@@ -459,11 +459,8 @@ def _step_chunk(job: ChunkJob, grad_scale: float | None) -> None:
     chunk, active = job.chunk, job.active
     with record_function("zero_shard::cpu_step"):
         if chunk.kernel is not None:
-            group = chunk.optimizer.param_groups[0]
-            for _, piece in active:
-                chunk.kernel.step_piece(
-                    piece.main, job.staging_of(piece), piece.state, group, grad_scale
-                )
+            pieces = [KernelPiece(p.main, job.staging_of(p), p.state) for _, p in active]
+            chunk.kernel.step(pieces, chunk.optimizer.param_groups[0], grad_scale)
             return
         whole = len(active) == len(chunk.pieces)
         if chunk.grad is None:  # fp32 params: the grads are stepped where they landed

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_float(uint16_t bits) {
@@ -80,23 +81,61 @@ ADAM_RANGE(adam_range_bf16_l2, uint16_t, 1, LOAD_BF16, STORE_BF16)
 ADAM_RANGE(adam_range_f32, float, 0, staging[i], staging[i] = weight)
 ADAM_RANGE(adam_range_f32_l2, float, 1, staging[i], staging[i] = weight)
 
-/* Blocks of 32K elements handed out dynamically: when a core is taken for a while (the main
- * thread queuing copies, the CUDA driver), the other threads take its share instead of all
- * waiting for it at the end of the parallel region, as a static split would. */
+/* One piece of a chunk: its fp32 weight and moments, its staging slots, and its coefficients
+ * (pieces of one chunk may be at different step counts). */
+struct adam_piece {
+    float *param, *exp_avg, *exp_avg_sq;
+    void *staging;
+    int64_t numel;
+    struct adam_args args;
+};
+
+/* The piece holding `block`: the last one whose first block is at most `block` (empty pieces
+ * share their successor's first block, so the last of equals is the one with elements). */
+static inline int64_t piece_of_block(const int64_t *first_block, int64_t num_pieces,
+                                     int64_t block) {
+    int64_t lo = 0, hi = num_pieces - 1;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo + 1) / 2;
+        if (first_block[mid] <= block)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Every piece of a chunk in one parallel region: one call (one GIL release) per chunk, however
+ * many small params it holds, instead of one per piece. Blocks of 32K elements are handed out
+ * dynamically: when a core is taken for a while (the main thread queuing copies, the CUDA
+ * driver), the other threads take its share instead of all waiting for it at the end of the
+ * parallel region, as a static split would. Returns 0, or -1 if the block table could not be
+ * allocated (nothing was stepped then). */
 #define ADAM_BLOCK 32768
 #define ADAM_ENTRY(name, range, range_l2, grad_t)                                               \
-    void name(float *param, float *exp_avg, float *exp_avg_sq, grad_t *staging, int64_t numel, \
-              struct adam_args a, int num_threads) {                                           \
-        const int64_t num_blocks = (numel + ADAM_BLOCK - 1) / ADAM_BLOCK;                      \
+    int name(const struct adam_piece *pieces, int64_t num_pieces, int num_threads) {           \
+        int64_t *first_block = malloc((size_t)(num_pieces + 1) * sizeof *first_block);          \
+        if (first_block == NULL) return -1;                                                    \
+        first_block[0] = 0;                                                                    \
+        for (int64_t p = 0; p < num_pieces; ++p)                                               \
+            first_block[p + 1] = first_block[p] + (pieces[p].numel + ADAM_BLOCK - 1) / ADAM_BLOCK; \
+        const int64_t num_blocks = first_block[num_pieces];                                    \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")              \
         for (int64_t block = 0; block < num_blocks; ++block) {                                 \
-            int64_t begin = block * ADAM_BLOCK;                                                \
-            int64_t end = begin + ADAM_BLOCK < numel ? begin + ADAM_BLOCK : numel;             \
-            if (a.l2 != 0.0f)                                                                  \
-                range_l2(param, exp_avg, exp_avg_sq, staging, begin, end, a);                  \
+            const struct adam_piece *piece =                                                   \
+                &pieces[piece_of_block(first_block, num_pieces, block)];                       \
+            int64_t begin = (block - first_block[piece - pieces]) * ADAM_BLOCK;                \
+            int64_t end = begin + ADAM_BLOCK < piece->numel ? begin + ADAM_BLOCK : piece->numel; \
+            grad_t *staging = (grad_t *)piece->staging;                                        \
+            if (piece->args.l2 != 0.0f)                                                        \
+                range_l2(piece->param, piece->exp_avg, piece->exp_avg_sq, staging, begin, end, \
+                         piece->args);                                                         \
             else                                                                               \
-                range(param, exp_avg, exp_avg_sq, staging, begin, end, a);                     \
+                range(piece->param, piece->exp_avg, piece->exp_avg_sq, staging, begin, end,    \
+                      piece->args);                                                            \
         }                                                                                      \
+        free(first_block);                                                                     \
+        return 0;                                                                              \
     }
 
 /* staging: bf16 grads in, bf16 weights out (the same slots). */

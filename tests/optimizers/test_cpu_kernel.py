@@ -18,7 +18,7 @@ from _parity import (
 )
 
 from optimizers import HybridDeviceOptimizer, OffloadPolicy, _cpu_kernel
-from optimizers._cpu_kernel import CpuAdamKernel, load_cpu_adam
+from optimizers._cpu_kernel import CpuAdamKernel, KernelPiece, load_cpu_adam
 
 NUMEL = 16 * 4099 + 13  # a vector body, and a tail that torch steps one element at a time
 
@@ -64,7 +64,7 @@ def test_same_bits_as_torch_fused_on_the_vector_body(
         grad = torch.randn(NUMEL, generator=gen).to(dtype)
         staging = grad.clone()
         ref.grad = grad.float() if grad_scale is None else grad.float() * grad_scale
-        kernel.step_piece(main, staging, state, group, grad_scale)
+        kernel.step([KernelPiece(main, staging, state)], group, grad_scale)
         ref_opt.step()
         torch.testing.assert_close(main, ref.detach(), rtol=SAME_KERNEL[0], atol=SAME_KERNEL[1])
         assert torch.equal(main[:body], ref.detach()[:body]), f"step {step}: weights"
@@ -74,6 +74,43 @@ def test_same_bits_as_torch_fused_on_the_vector_body(
         assert torch.equal(state["step"], ref_opt.state[ref]["step"])
         # The model-dtype weight written back is the fp32 weight rounded as torch rounds it.
         assert torch.equal(staging, main.to(dtype)), f"step {step}: staging"
+
+
+def test_pieces_of_one_call_step_as_torch_steps_each() -> None:
+    """One call over pieces of many sizes (empty, shorter than a block, several blocks with a
+    tail) at different step counts: each as torch's fused AdamW steps it alone, to the bit on
+    the vector body."""
+    kernel = kernel_for(torch.optim.AdamW)
+    gen = torch.Generator().manual_seed(1)
+    sizes = [NUMEL, 0, 5, 3 * 32768 + 7, 16 * 33]
+    mains = [torch.randn(n, generator=gen) for n in sizes]
+    refs = [m.clone().requires_grad_(True) for m in mains]
+    ref_opts = [
+        torch.optim.AdamW([r], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        for r in refs
+    ]
+    states = [
+        {"step": torch.tensor(0.0), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
+        for n in sizes
+    ]
+    group = ref_opts[0].param_groups[0]
+    for step in range(3):
+        chosen = range(len(sizes)) if step else [0, 3]  # the others lag one step behind
+        grads = {i: torch.randn(sizes[i], generator=gen).bfloat16() for i in chosen}
+        staging = {i: grad.clone() for i, grad in grads.items()}
+        kernel.step([KernelPiece(mains[i], staging[i], states[i]) for i in chosen], group)
+        for i in chosen:
+            refs[i].grad = grads[i].float()
+            ref_opts[i].step()
+            body = sizes[i] - sizes[i] % 16
+            ref_state = ref_opts[i].state[refs[i]]
+            assert torch.equal(mains[i][:body], refs[i].detach()[:body]), f"step {step}, piece {i}"
+            assert torch.equal(states[i]["exp_avg_sq"][:body], ref_state["exp_avg_sq"][:body])
+            torch.testing.assert_close(
+                mains[i], refs[i].detach(), rtol=SAME_KERNEL[0], atol=SAME_KERNEL[1]
+            )
+            assert torch.equal(states[i]["step"], ref_state["step"])
+            assert torch.equal(staging[i], mains[i].bfloat16())
 
 
 def test_bf16_rounding_of_special_values_matches_torch() -> None:
@@ -104,7 +141,7 @@ def test_bf16_rounding_of_special_values_matches_torch() -> None:
         "exp_avg_sq": torch.zeros_like(main),
     }
     group = {"lr": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-    kernel.step_piece(main, staging, state, group)
+    kernel.step([KernelPiece(main, staging, state)], group)
     nan = expected.isnan()
     assert torch.equal(staging.isnan(), nan)
     assert torch.equal(staging[~nan].view(torch.int16), expected[~nan].view(torch.int16))
