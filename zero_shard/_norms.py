@@ -16,6 +16,42 @@ from torch.profiler import record_function
 __all__ = ["clip_coefficient", "global_norm", "nonfinite_flag"]
 
 
+# Host tensors are reduced by rows of this many elements. torch reduces a whole CPU tensor to
+# one value on one thread whatever the thread count, and in fp32 with an error that grows with
+# its length: measured on 64M normal values, 0.5% off, at the speed of one core (1B fp32 host
+# grads took 0.55 s with 16 threads or 1 on an H100 host). Rows reduce in parallel (one output
+# each) and every sum stays short.
+HOST_ROW = 4096
+
+
+def _host_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """A contiguous host tensor as (rows, HOST_ROW) and the 1-D tail, each present if nonempty."""
+    flat = tensor.view(-1)
+    body = flat.numel() - flat.numel() % HOST_ROW
+    parts = [flat[:body].view(-1, HOST_ROW)] if body else []
+    return [*parts, flat[body:].view(1, -1)] if body < flat.numel() else parts
+
+
+def _host_norm(tensor: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``tensor``'s ``norm_type``-norm in fp32, reduced by rows (see HOST_ROW): the norm of its
+    rows' norms."""
+    if not tensor.is_contiguous():
+        return torch.linalg.vector_norm(tensor, norm_type, dtype=torch.float32)
+    rows = [
+        torch.linalg.vector_norm(part, norm_type, dim=1, dtype=torch.float32)
+        for part in _host_rows(tensor)
+    ]
+    return torch.linalg.vector_norm(torch.cat(rows), norm_type)
+
+
+def _norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each grad's ``norm_type``-norm in fp32 (the sums of powers accumulate in fp32 whatever the
+    grads' dtype: fp16 ones would overflow)."""
+    if all(grad.device.type != "cpu" for grad in grads):
+        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+    return [_host_norm(grad, norm_type) for grad in grads]
+
+
 def _local_term(
     grads: Sequence[torch.Tensor], norm_type: float, device: torch.device
 ) -> torch.Tensor:
@@ -23,11 +59,9 @@ def _local_term(
     grads = [grad for grad in grads if grad.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack(_norms(grads, norm_type))
     if math.isinf(norm_type):
-        # max |g| is exact in the grad's own dtype; no accumulation to widen.
-        return torch.stack([n.float() for n in torch._foreach_norm(grads, math.inf)]).amax()
-    # Sums of powers accumulate in fp32 whatever the grads' dtype (fp16 ones would overflow).
-    norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+        return norms.amax()  # max |g| is exact: no accumulation to widen
     return norms.pow(norm_type).sum()
 
 
@@ -57,6 +91,18 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
 
 
+def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
+    """Whether every element is finite (a 0-dim bool tensor). On the host, a norm by rows screens
+    first (an inf or a NaN makes it non-finite, and it runs in parallel where ``isfinite().all()``
+    costs ~8 ns an element on one core); only a non-finite norm, which finite values beyond ~1e19
+    can also give, is checked element by element."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return torch.isfinite(tensor).all()
+    if bool(torch.isfinite(_host_norm(tensor, 2.0))):
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(tensor).all()
+
+
 @record_function("zero_shard::nonfinite_check")
 def nonfinite_flag(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup], device: torch.device
@@ -69,7 +115,7 @@ def nonfinite_flag(
     tensors = [t for t in tensors if t.numel()]
     flag = torch.zeros((), dtype=torch.float32, device=device)
     if tensors:
-        finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        finite = torch.stack([_all_finite(t) for t in tensors]).all()
         flag = (~finite).float().to(device)
     for group in groups:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
