@@ -210,7 +210,14 @@ def peers(args: argparse.Namespace, report: dict[str, Any]) -> None:
             *args.extra,
         ],
     }
-    skipped = {"torchao_offload": torchao_unavailable(args.device, args.nproc)}
+    if args.systems is not None:
+        unknown = sorted(set(args.systems) - set(systems))
+        if unknown:
+            raise SystemExit(f"--systems: unknown {unknown}; choose from {sorted(systems)}")
+        systems = {name: flags for name, flags in systems.items() if name in args.systems}
+    skipped = {}
+    if "torchao_offload" in systems:
+        skipped["torchao_offload"] = torchao_unavailable(args.device, args.nproc)
     report["torchao"] = package_version("torchao")
     report["systems"] = {name: {"skipped": why} for name, why in skipped.items() if why}
     for name, why in report["systems"].items():
@@ -372,6 +379,13 @@ def main() -> None:
     parser.add_argument("--candidates", default="1b,3b,5b,7b,9b,10b",
                         help="largest: presets to try, in ascending size")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3, help="peers: rounds of fresh runs")
+    parser.add_argument(
+        "--systems",
+        type=lambda text: text.split(","),
+        help="peers: a "
+        "comma-separated subset of zero_shard_f1, torchao_offload, fsdp2_offload, "
+        "zero_shard_on_fsdp2_offload (default all)",
+    )
     parser.add_argument("--no-plain", dest="plain", action="store_false")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
     parser.add_argument("--out", type=Path, default=Path("runs/e2e_gpt"))

@@ -55,6 +55,17 @@ def test_offload_step_quick(tmp_path: Path) -> None:
     assert [t["verdict"] for t in workload["targets"]][2] == "n/a"  # no GPU floor here
 
 
+def test_host_step_timeline_smoke(tmp_path: Path) -> None:
+    run_script("host_step_timeline.py", "--out", str(tmp_path), "--", "--device", "cpu",
+               "--preset", "tiny", "--steps", "4", "--offload-fraction", "1")  # fmt: skip
+    report = json.loads((tmp_path / "timeline.json").read_text())
+    assert report["steps"], report  # steps 1 and 2 of 4: each between two others
+    for row in report["steps"]:
+        assert row["num_chunks"] >= 1 and row["kernels_ms"] > 0, row
+        assert row["cpu_wall_ms"] >= row["kernels_ms"] > 0, row
+    assert len(report["isolated_kernel_ms"]) == 3 and min(report["torch_floor_ms"]) > 0
+
+
 def test_checkpoint_save_smoke(tmp_path: Path) -> None:
     run_script("checkpoint_save.py", "--smoke", "--reps", "1", "--out", str(tmp_path))
     report = json.loads((tmp_path / "results.json").read_text())

@@ -1,0 +1,232 @@
+"""Where a full-offload iteration goes: ``examples/train_gpt.py`` with the host step's chunks timed.
+
+Runs the example in this process (under ``torchrun`` for one rank, as the example runs) with the
+host pipeline's worker functions wrapped to note, per chunk, when the worker took it, when its
+kernel started and ended, and how many pieces it stepped; the example's phase events are mapped
+onto the host clock (a device event recorded when each step starts, with the device idle after
+the last step's synchronize). Then, per step, the iteration (end of backward to end of the next
+backward) split into:
+
+- ``lag``: end of backward -> the first chunk's kernel (clip, ``step()``'s host code, the first
+  chunk's D2H);
+- ``kernels`` and ``gaps``: the CPU step's wall time, as kernel time and the worker's waits
+  between kernels (for a chunk's grads to land, for the GIL);
+- ``tail``: the last kernel -> the end of the next forward (its last H2D, the forward of the
+  units that waited for it).
+
+After the run the kernel steps the same chunks again alone (``isolated_kernel_ms``: the kernel's
+own floor in this process) and torch's fused CPU AdamW steps as many fp32 elements
+(``torch_floor_ms``). The wrapped functions are private (``optimizers._host_part``): this is a
+diagnosis tool for the host pipeline, not an API. Results go to ``--out``/timeline.json and are
+printed; flags after ``--`` go to the example (``-- --delayed-update``)::
+
+    torchrun --standalone --nproc-per-node 1 benchmarks/host_step_timeline.py --out $OUT/tl \\
+        -- --device cuda --preset 1b --offload-fraction 1 --steps 12
+    python benchmarks/host_step_timeline.py --out runs/tl -- --device cpu --preset tiny --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import reporting  # noqa: E402
+import torch  # noqa: E402
+import train_gpt  # noqa: E402
+
+import optimizers._host_part as host_part  # noqa: E402
+from optimizers._cpu_kernel import KernelPiece  # noqa: E402
+
+now = time.perf_counter
+
+
+class Recorder:
+    """Host times of the host step's chunks and of the example's phases."""
+
+    def __init__(self) -> None:
+        self.jobs: list[dict[str, Any]] = []  # per chunk: enter, k0, k1, exit, pieces, numel
+        self.starts: list[float] = []  # when each HostPart.start began
+        self.steps: list[dict[str, Any]] = []  # per step: t0, marks [(phase, start, end)]
+        self.parts: list[host_part.HostPart] = []
+
+    def install(self) -> None:
+        run_job, step_chunk, start = (
+            host_part._run_job,
+            host_part._step_chunk,
+            host_part.HostPart.start,
+        )
+        recorder = self
+
+        def timed_run_job(step: Any, job: Any, *args: Any) -> bool:
+            record = {"numel": job.chunk.spec.numel, "pieces": len(job.active), "enter": now()}
+            job.timing = record
+            recorder.jobs.append(record)
+            try:
+                return run_job(step, job, *args)
+            finally:
+                record["exit"] = now()
+
+        def timed_step_chunk(job: Any, grad_scale: float | None) -> None:
+            job.timing["k0"] = now()
+            step_chunk(job, grad_scale)
+            job.timing["k1"] = now()
+
+        def timed_start(part: host_part.HostPart, *args: Any, **kwargs: Any) -> Any:
+            if part not in recorder.parts:
+                recorder.parts.append(part)
+            recorder.starts.append(now())
+            return start(part, *args, **kwargs)
+
+        host_part._run_job, host_part._step_chunk = timed_run_job, timed_step_chunk
+        host_part.HostPart.start = timed_start
+        train_gpt.PhaseTimer = self._timer_class()
+
+    def _timer_class(self) -> type:
+        recorder = self
+
+        class Timer(reporting.PhaseTimer):
+            def start_step(self) -> None:
+                super().start_step()
+                self.t0 = now()
+                if self._module is not None:  # the device is idle: the last step synchronized
+                    self.reference = self._module.Event(enable_timing=True)
+                    self.reference.record()
+
+            def finish_step(self) -> dict[str, float]:
+                split = super().finish_step()
+                host: Callable[[Any], float] = (
+                    (lambda mark: mark)
+                    if self._module is None
+                    else (lambda event: self.t0 + self.reference.elapsed_time(event) / 1e3)
+                )
+                marks = [(phase, host(start), host(end)) for phase, start, end in self._marks]
+                recorder.steps.append({"t0": self.t0, "marks": marks})
+                return split
+
+        return Timer
+
+
+def split_steps(recorder: Recorder) -> list[dict[str, float]]:
+    """Per step (after the first, before the last): the iteration and its parts, in ms."""
+    rows = []
+    jobs = sorted((j for j in recorder.jobs if "k1" in j), key=lambda j: j["enter"])
+    for k in range(1, len(recorder.steps) - 1):
+        this, after = recorder.steps[k], recorder.steps[k + 1]
+        began = [t for t in recorder.starts if this["t0"] <= t < after["t0"]]
+        if not began:
+            continue
+        later = [t for t in recorder.starts if t > began[-1]]
+        until = later[0] if later else float("inf")
+        mine = [j for j in jobs if began[-1] <= j["enter"] < until]
+        if not mine:
+            continue
+        backward_end = [end for phase, _, end in this["marks"] if phase == "backward"][-1]
+        next_backward_end = [end for phase, _, end in after["marks"] if phase == "backward"][-1]
+        next_forward_end = next(end for phase, _, end in after["marks"] if phase == "forward")
+        first, last = min(j["k0"] for j in mine), max(j["k1"] for j in mine)
+        kernels = sum(j["k1"] - j["k0"] for j in mine)
+        most = max(mine, key=lambda j: j["pieces"])  # the chunk of the most (small) params
+        rows.append({
+            "step": k,
+            "iteration_ms": 1e3 * (next_backward_end - backward_end),
+            "lag_ms": 1e3 * (first - backward_end),
+            "cpu_wall_ms": 1e3 * (last - first),
+            "kernels_ms": 1e3 * kernels,
+            "gaps_ms": 1e3 * (last - first - kernels),
+            "tail_ms": 1e3 * (next_forward_end - last),
+            "num_chunks": len(mine),
+            "most_pieces": most["pieces"],
+            "most_pieces_kernel_ms": 1e3 * (most["k1"] - most["k0"]),
+        })  # fmt: skip
+    return rows
+
+
+@torch.no_grad()
+def isolated_kernel_ms(parts: list[host_part.HostPart], repeat: int = 3) -> list[float]:
+    """The kernel over every chunk again, alone, one call per chunk as in the run (staging holds
+    the last step's weights: finite values)."""
+    times = []
+    for _ in range(repeat):
+        start = now()
+        for part in parts:
+            for position, chunk in enumerate(part.chunks):
+                if chunk.kernel is None:
+                    continue
+                staging = part.staging(position % part.num_slots, chunk.spec)
+                pieces = [
+                    KernelPiece(piece.main, staging[piece.offset : piece.offset + piece.spec.numel],
+                                piece.state)
+                    for _, piece in chunk.pieces
+                ]  # fmt: skip
+                chunk.kernel.step(pieces, chunk.optimizer.param_groups[0])
+        times.append(1e3 * (now() - start))
+    return times
+
+
+def torch_floor_ms(numel: int, num_threads: int, repeat: int = 3) -> list[float]:
+    """torch's fused CPU AdamW over ``numel`` fp32 elements in 16M-element tensors."""
+    sizes = [16 * 2**20] * (numel // (16 * 2**20)) + (
+        [numel % (16 * 2**20)] if numel % (16 * 2**20) else []
+    )
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        optimizer.step()  # creates the state
+        times = []
+        for _ in range(repeat):
+            start = now()
+            optimizer.step()
+            times.append(1e3 * (now() - start))
+    finally:
+        torch.set_num_threads(before)
+    return times
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("runs/host_step_timeline"))
+    args = parser.parse_args(argv[:split])
+    example = argv[split + 1 :]
+    args.out.mkdir(parents=True, exist_ok=True)
+    recorder = Recorder()
+    recorder.install()
+    log = train_gpt.main([*example, "--quiet", "--eval-every", "0", "--out", str(args.out / "run")])
+    threads = [part.threads.num_threads for part in recorder.parts if part.threads is not None]
+    report: dict[str, Any] = {
+        "example_flags": example,
+        "iteration_ms": log["summary"]["iteration_ms"],
+        "threads": threads,
+        "steps": split_steps(recorder),
+        "isolated_kernel_ms": isolated_kernel_ms(recorder.parts),
+    }
+    numel = sum(chunk.spec.numel for part in recorder.parts for chunk in part.chunks)
+    recorder.parts.clear()
+    gc.collect()
+    report["torch_floor_ms"] = torch_floor_ms(numel, max(threads, default=os.cpu_count() or 1))
+    (args.out / "timeline.json").write_text(json.dumps(report, indent=1))
+    for row in report["steps"]:
+        print(" | ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
+                         for key, value in row.items()))  # fmt: skip
+    print(
+        f"isolated kernel {report['isolated_kernel_ms']} ms; torch floor {report['torch_floor_ms']} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
