@@ -253,6 +253,7 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             fraction=args.offload_fraction,
             num_threads=args.threads,
             delayed_update=args.delayed_update,
+            delayed_update_warmup=args.delayed_update_warmup,
         )
         optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
         scaler_type = zero_shard.GradScaler
@@ -655,7 +656,10 @@ def describe_optimizer(args: argparse.Namespace) -> str:
             f"zero-shard stage {args.stage} with tp {args.tp}, offload fraction "
             f"{args.offload_fraction}"
         )
-    return f"zero-shard stage {args.stage}, offload fraction {args.offload_fraction}"
+    delayed = ""
+    if args.delayed_update:
+        delayed = f", delayed update after {args.delayed_update_warmup} exact steps"
+    return f"zero-shard stage {args.stage}, offload fraction {args.offload_fraction}{delayed}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -696,6 +700,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "intra-op threads); default: cores / ranks")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
+    add("--delayed-update-warmup", type=int, default=0, metavar="STEPS", help="with "
+        "--delayed-update: the first STEPS steps are exact, the delay starts after them")  # fmt: skip
     add("--fsdp2-cpu-offload", action="store_true", help="zero-shard over the model sharded as "
         "--optimizer fsdp2-offload shards it (FSDP2's CPUOffloadPolicy: the params on the host); "
         "zero-shard steps them there (--offload-fraction 1)")  # fmt: skip

@@ -201,6 +201,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _layouts: list[StateLayout]  # per param group: the state the optimizer keeps per param
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
     _warned_ignored: bool
+    _num_steps: int  # steps launched, or the loaded state's step count: the delayed update's
+    #                  warm-up counts them (OffloadPolicy.delayed_update_warmup)
     _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over, until
     #                                                     the first step marks it stepped
 
@@ -228,6 +230,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._optimizer_spec = OptimizerSpec.of(optimizer_cls, optimizer_kwargs)
         self._records = None
         self._warned_ignored = False
+        self._num_steps = 0
         self._wrapped = None
         # The class's own constructor checks the hyperparameters and supplies their defaults.
         defaults = optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults
@@ -465,12 +468,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Last params first: backward made their grads first.
+        delayed = self.delays_next_step
         pending = self._launch(grad_scale, found_inf, need_order=None)
-        if self.policy.delayed_update:
+        if delayed:
             pending.wait_grads_copied()  # completed by the next step, or a state dict's settle
         else:
             pending.wait()
         return loss
+
+    @property
+    def delays_next_step(self) -> bool:
+        """Whether the next step is a delayed update: ``OffloadPolicy(delayed_update=True)`` and
+        past its warm-up (``delayed_update_warmup`` steps)."""
+        return self.policy.delayed_update and self._num_steps >= self.policy.delayed_update_warmup
 
     @property
     def step_in_flight(self) -> bool:
@@ -541,6 +551,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             # reach the model.
             pending.wait()
             raise
+        self._num_steps += 1
         return pending
 
     def _mark_stepped(self) -> None:
@@ -692,6 +703,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if main is not None:
                 self._load_main(record, main)
         init_state(self._records, self.optimizer_cls, self._layouts)
+        self._num_steps = self._state_step_count()
+
+    def _state_step_count(self) -> int:
+        """The most steps any param's state counts (0 where the state keeps no ``step``)."""
+        counts = [
+            float(record.pieces[0].state["step"])
+            for record in self._records
+            if record.pieces and "step" in record.pieces[0].state
+        ]
+        return int(max(counts, default=0))
 
     def _load_main(self, record: ParamRecord, main: torch.Tensor) -> None:
         flat = main.detach().reshape(-1)

@@ -50,6 +50,13 @@ class OffloadPolicy:
             (``opt.state``) waits for the CPU step but keeps the lag. Under ``zero_shard.wrap``
             only for a plain model that zero-shard shards (not DDP, not FSDP2), on one process
             for now. Default False.
+        delayed_update_warmup: with ``delayed_update=True``, the first this many steps are
+            exact (each one's weights reach the params before the next forward) and the delay
+            starts after them, as the ZeRO-Offload paper warms up before its delayed update: the
+            loss falls fastest in the first steps, where grads taken at weights two updates old
+            cost the most (docs/benchmarks/e2e.md). Steps are counted by ``step()`` calls that
+            reach the optimizer; a loaded state dict sets the count to its state's ``step``, so a
+            resumed run does not warm up again. Default 0.
         host_staging: the host buffers that grads land in and weights leave from, in the model
             dtype. ``"bounded"`` (default): 4 buffers of the largest chunk's size, taken in turn
             (128 MiB of bf16 at the default chunks); a chunk's grads are copied once an earlier
@@ -74,6 +81,7 @@ class OffloadPolicy:
     device_impl: str = "torch"
     cpu_kernel: str = "auto"
     delayed_update: bool = False
+    delayed_update_warmup: int = 0
     host_staging: str = "bounded"
 
     def __post_init__(self) -> None:
@@ -93,6 +101,14 @@ class OffloadPolicy:
                 f"delayed_update=True delays the CPU's step, so it needs fraction=1.0 (everything "
                 f"on the CPU), got fraction={fraction}: the accelerator's share would update at "
                 "once while the CPU's lagged. Use fraction=1.0, or delayed_update=False"
+            )
+        warmup = self.delayed_update_warmup
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"delayed_update_warmup must be an integer >= 0, got {warmup!r}")
+        if warmup and not self.delayed_update:
+            raise ValueError(
+                f"delayed_update_warmup={warmup} counts the exact steps before a delayed update, "
+                "so it needs delayed_update=True; set delayed_update=True, or leave the warmup at 0"
             )
         threads = self.num_threads
         if threads is not None and (

@@ -129,3 +129,37 @@ def test_delayed_update_lags_the_params_one_step() -> None:
     opt.state_dict()
     for param, mast in zip(model.parameters(), master.parameters(), strict=True):
         torch.testing.assert_close(param, mast, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
+
+
+def test_delayed_update_warmup_steps_are_exact() -> None:
+    # delayed_update_warmup=2: the updates of steps 0 and 1 reach the params at once, as exact
+    # steps do; from step 2 on they lag one step (reference as in the test above).
+    model, params_ref, master = (make_model(torch.float32) for _ in range(3))
+    policy = OffloadPolicy(
+        fraction=1.0, chunk_numel=64, num_threads=2, delayed_update=True, delayed_update_warmup=2
+    )
+    opt = HybridDeviceOptimizer(model.parameters(), policy=policy, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        assert opt.delays_next_step == (step >= 2)
+        x = torch.randn(5, 15, generator=gen)
+        for param, ref in zip(model.parameters(), params_ref.parameters(), strict=True):
+            torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
+        model(x).square().mean().backward()
+        params_ref(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for ref, mast in zip(params_ref.parameters(), master.parameters(), strict=True):
+                mast.grad, ref.grad = ref.grad, None
+                ref.copy_(mast)  # the last step's update reaches the params
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step < 2:  # a warm-up step: its own update reaches the params at once
+            with torch.no_grad():
+                for ref, mast in zip(params_ref.parameters(), master.parameters(), strict=True):
+                    ref.copy_(mast)
+    opt.state_dict()
+    for param, mast in zip(model.parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(param, mast, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])

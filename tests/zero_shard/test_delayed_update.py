@@ -14,6 +14,7 @@ it cannot honour (more processes, DDP, FSDP2).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterator
@@ -83,11 +84,17 @@ def reference_steps(
 
 
 def train_and_compare(
-    rank: int, world: int, skip: int | None = None
+    rank: int,
+    world: int,
+    skip: int | None = None,
+    *,
+    policy: OffloadPolicy | None = None,
+    flush_at: frozenset[int] = frozenset(),
 ) -> tuple[nn.Module, zero_shard.ZeroShardOptimizer, nn.Module]:
     model = make_model()
-    opt = zero_shard.wrap(adamw(model), model, offload=delayed(), bucket_mb=TINY_BUCKETS)
-    for step, (ref_loss, ref_params, master) in enumerate(reference_steps(skip)):
+    policy = delayed() if policy is None else policy
+    opt = zero_shard.wrap(adamw(model), model, offload=policy, bucket_mb=TINY_BUCKETS)
+    for step, (ref_loss, ref_params, master) in enumerate(reference_steps(skip, flush_at)):
         x, y = batch(step, skip)
         loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
         # The forward waited for the params it read: they are the lagging ones, as in the
@@ -116,6 +123,44 @@ def a_skipped_step_keeps_the_update_before_it(rank: int, world: int) -> None:
     opt.finish_param_sync()
     for (name, param), ref in zip(model.named_parameters(), master.parameters(), strict=True):
         torch.testing.assert_close(param.detach(), ref.detach(), **PARAM_TOL, msg=name)
+
+
+def the_warmup_steps_are_exact(rank: int, world: int) -> None:
+    # delayed_update_warmup=2: the updates of steps 0 and 1 reach the params before the next
+    # forward (in the reference: before steps 1 and 2); the lag starts with step 2's update.
+    policy = dataclasses.replace(delayed(), delayed_update_warmup=2)
+    model, opt, master = train_and_compare(rank, world, policy=policy, flush_at=frozenset({1, 2}))
+    opt.finish_param_sync()
+    for (name, param), ref in zip(model.named_parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(param.detach(), ref.detach(), **PARAM_TOL, msg=name)
+
+
+def a_resumed_run_does_not_warm_up_again(rank: int, world: int) -> None:
+    # The warm-up counts steps from the loaded state's step: after a load at step 3 (past a
+    # warm-up of 2) the next update is in flight after step(); a fresh run's first is not.
+    policy = dataclasses.replace(delayed(), delayed_update_warmup=2)
+
+    def one_step(model: nn.Module, opt: zero_shard.ZeroShardOptimizer, step: int) -> bool:
+        """Steps once; whether the params changed by the next forward."""
+        x, y = global_batch(step)
+        mse(model(x), y).backward()
+        opt.clip_grad_norm_(CLIP)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            model(x)  # its pre-hooks wait for whatever the step gathered
+        return any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=policy, bucket_mb=TINY_BUCKETS)
+    assert [one_step(model, opt, step) for step in range(3)] == [True, True, False]
+    weights, saved = model.state_dict(), opt.state_dict()
+    resumed = make_model()
+    resumed_opt = zero_shard.wrap(adamw(resumed), resumed, offload=policy, bucket_mb=TINY_BUCKETS)
+    resumed.load_state_dict(weights)
+    resumed_opt.load_state_dict(saved)
+    assert not one_step(resumed, resumed_opt, 3)  # delayed at once: its update is in flight
 
 
 def state_dicts_apply_the_update_in_flight(rank: int, world: int) -> None:
@@ -231,6 +276,8 @@ CASES_BY_WORLD = {
     1: {
         "trains_as_the_reference_and_flushes": trains_as_the_reference_and_flushes,
         "a_skipped_step_keeps_the_update_before_it": a_skipped_step_keeps_the_update_before_it,
+        "the_warmup_steps_are_exact": the_warmup_steps_are_exact,
+        "a_resumed_run_does_not_warm_up_again": a_resumed_run_does_not_warm_up_again,
         "state_dicts_apply_the_update_in_flight": state_dicts_apply_the_update_in_flight,
         "state_reads_keep_the_lag": state_reads_keep_the_lag,
         "a_load_after_step_wins": a_load_after_step_wins,
@@ -263,3 +310,8 @@ def test_delayed_update_needs_full_offload() -> None:
         OffloadPolicy(fraction=0.5, delayed_update=True)
     with pytest.raises(TypeError, match="delayed_update must be a bool"):
         OffloadPolicy(delayed_update=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="delayed_update_warmup=3 counts .* needs delayed_upd"):
+        OffloadPolicy(delayed_update_warmup=3)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="delayed_update_warmup must be an integer >= 0"):
+            OffloadPolicy(delayed_update=True, delayed_update_warmup=bad)  # type: ignore[arg-type]
