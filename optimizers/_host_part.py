@@ -336,7 +336,7 @@ class HostPart:
                 for r, piece in active
             ]  # fmt: skip
             jobs.append(job)
-        step = HostStep(self, jobs, start_event, on_done=self._step_done)
+        step = HostStep(self, jobs, start_event, on_done=self._step_done, verdict=verdict)
         lead = self.num_slots if self.ring else len(jobs)  # the rest: queued by the worker
         for job in jobs[:lead]:
             # Into staging once the last step's H2D out of it is done ([Note: staging ring]).
@@ -346,7 +346,7 @@ class HostPart:
             later = position + self.num_slots
             successor = jobs[later] if self.ring and later < len(jobs) else None
             job.future = self._executor.submit(
-                _run_job, step, job, successor, grad_scale, verdict, self._copier
+                _run_job, step, job, successor, grad_scale, self._copier
             )
         if step.done:  # no chunk had a grad
             step.wait()
@@ -396,7 +396,6 @@ def _run_job(
     job: ChunkJob,
     successor: ChunkJob | None,
     grad_scale: float | None,
-    verdict: HostFlag | None,
     copier: ThreadPoolExecutor | None,
 ) -> bool:
     """Worker thread: one chunk's CPU step; with a ring, then hands the chunk to the copier (its
@@ -409,7 +408,7 @@ def _run_job(
         if job.d2h_error is not None:
             raise RuntimeError("the copy of this chunk's grads failed") from job.d2h_error
         wait_event(job.d2h_done)  # the chunk's grads have landed in staging
-        if verdict is None or verdict.read() == 0:
+        if not step.skips():
             _step_chunk(job, grad_scale)
             stepped = True
     finally:

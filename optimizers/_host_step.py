@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
-from offload import CopyPair, current_stream, record_event, wait_for_event
+from offload import CopyPair, HostFlag, current_stream, record_event, wait_for_event
 
 from ._records import ParamRecord, Piece, flat_param
 
@@ -92,6 +92,8 @@ class HostStep:
     _on_done: Callable[[], None] | None  # runs once the last job is completed; then None
     _h2d_event: Any  # after the H2D of every chunk completed so far; None: none queued (or CPU)
     _lock: threading.Lock  # held while completing chunks
+    _verdict: HostFlag | None  # the step's found_inf on its way to the host; None: no check
+    _skips: bool | None  # its value once the worker read it (the first chunk); None: not yet
 
     def __init__(
         self,
@@ -100,8 +102,11 @@ class HostStep:
         start_event: Any,
         *,
         on_done: Callable[[], None],
+        verdict: HostFlag | None = None,
     ) -> None:
         self._part = part
+        self._verdict = verdict
+        self._skips = None
         self.start_event = start_event
         self._jobs = list(jobs)
         self._num_completed = 0
@@ -178,6 +183,14 @@ class HostStep:
         with record_function("zero_shard::h2d"):
             job.h2d_done = self._part.engine.h2d(pairs, after=after)
         self._h2d_of[job.slot] = job.h2d_done
+
+    def skips(self) -> bool:
+        """Whether the step is skipped (its found_inf is nonzero). The worker reads the flag at
+        its first chunk (blocking until the copy landed) and the later chunks reuse the value:
+        each read is a host wait and a GIL hand-off."""
+        if self._skips is None:
+            self._skips = self._verdict is not None and self._verdict.read() != 0
+        return self._skips
 
     def wait_worker(self) -> None:
         """Waits until the worker is done with every chunk (main weights and state are final),
