@@ -658,7 +658,8 @@ def describe_optimizer(args: argparse.Namespace) -> str:
         )
     delayed = ""
     if args.delayed_update:
-        delayed = f", delayed update after {args.delayed_update_warmup} exact steps"
+        warmup = args.delayed_update_warmup
+        delayed = ", delayed update" + (f" after {warmup} exact steps" if warmup else "")
     return f"zero-shard stage {args.stage}, offload fraction {args.offload_fraction}{delayed}"
 
 
@@ -740,6 +741,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         parser.error(f"--tp must be at least 1 and divide the {world_size} rank(s), got {args.tp}")
     if args.tp > 1 and args.optimizer != "zero-shard":
         parser.error("--tp runs with --optimizer zero-shard only")
+    if args.delayed_update_warmup and not args.delayed_update:
+        parser.error("--delayed-update-warmup counts the exact steps before --delayed-update: "
+                     "add --delayed-update")  # fmt: skip
+    if args.delayed_update_warmup < 0:
+        parser.error(f"--delayed-update-warmup must be >= 0, got {args.delayed_update_warmup}")
     if args.fsdp2_cpu_offload and (
         args.optimizer != "zero-shard"
         or args.offload_fraction != 1.0

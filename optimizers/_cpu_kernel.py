@@ -231,8 +231,9 @@ class CpuAdamKernel:
                     f"expected every staging in {dtype}, got {piece.staging.dtype}"
                 )
         step_tensors = [piece.state["step"] for piece in pieces]
-        torch._foreach_add_(step_tensors, 1)
-        steps = [float(value) for value in torch.stack(step_tensors).tolist()]
+        # The counts this step takes, read before anything changes: a failure leaves them.
+        counts = torch.stack([count.reshape(()) for count in step_tensors]).tolist()
+        steps = [float(count) + 1.0 for count in counts]
         args_of = {step: self._args(step, group, grad_scale) for step in set(steps)}
         table = (_AdamPiece * len(pieces))(
             *(
@@ -252,11 +253,11 @@ class CpuAdamKernel:
             if dtype == torch.bfloat16
             else self._library.zero_shard_adam_f32
         )
-        if function(table, len(pieces), self.num_threads) != 0:
-            torch._foreach_sub_(step_tensors, 1)  # nothing was stepped
+        if function(table, len(pieces), self.num_threads) != 0:  # nothing was stepped
             raise MemoryError(
                 f"the CPU Adam kernel could not allocate its table of {len(pieces)} pieces"
             )
+        torch._foreach_add_(step_tensors, 1)
 
     def _args(self, step: float, group: dict[str, Any], grad_scale: float | None) -> _AdamArgs:
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]

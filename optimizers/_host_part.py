@@ -141,6 +141,7 @@ class HostPart:
     _copier: ThreadPoolExecutor | None  # a ring: queues each stepped chunk's H2D and the next
     #                                     D2H into its buffer, off the worker's path
     pending: HostStep | None  # the step the worker is on, until every chunk is completed
+    num_updates: int  # steps completed and not skipped (a delayed update's warm-up counts them)
     _last_step: HostStep | None  # the last step started: when each staging buffer is free again
     _found_inf: HostFlag  # the step's found_inf on its way to the worker (reused each step: the
     #                      step in flight is settled before the next start sends another)
@@ -176,6 +177,7 @@ class HostPart:
         self.ring = ring
         self._cls = cls
         self.pending = None
+        self.num_updates = 0
         self._last_step = None
         self._found_inf = HostFlag(device)
         self.buffers = HostBuffers(
@@ -361,8 +363,10 @@ class HostPart:
         position = {index: place for place, index in enumerate(need_order)}
         return sorted(self.chunks, key=lambda c: min(position[r.index] for r, _ in c.pieces))
 
-    def _step_done(self) -> None:
+    def _step_done(self, step: HostStep) -> None:
         self.pending = None
+        if not step.skips():  # read by the worker already where the step had a chunk
+            self.num_updates += 1
 
     def wait_for_worker(self) -> None:
         """For reads of main weights and state: the step in flight, if any, is done on the worker

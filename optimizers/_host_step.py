@@ -89,9 +89,11 @@ class HostStep:
     _writes_lock: threading.Lock  # for _writes_after: the copier reads it while a caller that
     #                               holds _lock waits for it
     _h2d_of: dict[int, Any]  # staging slot -> the event after the last H2D out of it
-    _on_done: Callable[[], None] | None  # runs once the last job is completed; then None
+    _on_done: Callable[[HostStep], None] | None  # runs once the last job is completed; then None
     _h2d_event: Any  # after the H2D of every chunk completed so far; None: none queued (or CPU)
     _lock: threading.Lock  # held while completing chunks
+    delayed: bool  # a delayed update's: its weights reach the params at the next step (set by
+    #                 the optimizer that launched it; see OffloadPolicy.delayed_update)
     _verdict: HostFlag | None  # the step's found_inf on its way to the host; None: no check
     _skips: bool | None  # its value once the worker read it (the first chunk); None: not yet
 
@@ -101,10 +103,11 @@ class HostStep:
         jobs: Sequence[ChunkJob],
         start_event: Any,
         *,
-        on_done: Callable[[], None],
+        on_done: Callable[[HostStep], None],
         verdict: HostFlag | None = None,
     ) -> None:
         self._part = part
+        self.delayed = False
         self._verdict = verdict
         self._skips = None
         self.start_event = start_event
@@ -245,6 +248,6 @@ class HostStep:
         wait_for_event(current_stream(engine.device), self._h2d_event)
         if self.done and self._on_done is not None:
             on_done, self._on_done = self._on_done, None
-            on_done()
+            on_done(self)
         if error is not None:
             raise error

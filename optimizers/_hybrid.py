@@ -201,8 +201,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _layouts: list[StateLayout]  # per param group: the state the optimizer keeps per param
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
     _warned_ignored: bool
-    _num_steps: int  # steps launched, or the loaded state's step count: the delayed update's
-    #                  warm-up counts them (OffloadPolicy.delayed_update_warmup)
     _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over, until
     #                                                     the first step marks it stepped
 
@@ -230,7 +228,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._optimizer_spec = OptimizerSpec.of(optimizer_cls, optimizer_kwargs)
         self._records = None
         self._warned_ignored = False
-        self._num_steps = 0
         self._wrapped = None
         # The class's own constructor checks the hyperparameters and supplies their defaults.
         defaults = optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults
@@ -468,19 +465,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # Last params first: backward made their grads first.
-        delayed = self.delays_next_step
         pending = self._launch(grad_scale, found_inf, need_order=None)
-        if delayed:
+        if pending.delayed:
             pending.wait_grads_copied()  # completed by the next step, or a state dict's settle
         else:
             pending.wait()
         return loss
-
-    @property
-    def delays_next_step(self) -> bool:
-        """Whether the next step is a delayed update: ``OffloadPolicy(delayed_update=True)`` and
-        past its warm-up (``delayed_update_warmup`` steps)."""
-        return self.policy.delayed_update and self._num_steps >= self.policy.delayed_update_warmup
 
     @property
     def step_in_flight(self) -> bool:
@@ -536,6 +526,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if found_inf is not None:
             self._check_found_inf(found_inf)
         self._host.settle()
+        # A delayed update past its warm-up: the updates applied so far are final here.
+        delayed = (
+            self.policy.delayed_update
+            and self._host.num_updates >= self.policy.delayed_update_warmup
+        )
         self._mark_stepped()
         self._sync_hyperparams()
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
@@ -543,6 +538,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # copy records that stream on it, so dropping it is safe (copy_async).
         grads = self._collect_grads()
         pending = self._host.start(grads, grad_scale, need_order=need_order, found_inf=found_inf)
+        pending.delayed = delayed
         try:
             with intra_op_threads(self.host_num_threads):
                 self._device.step(grads, grad_scale, found_inf)
@@ -551,7 +547,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             # reach the model.
             pending.wait()
             raise
-        self._num_steps += 1
         return pending
 
     def _mark_stepped(self) -> None:
@@ -703,7 +698,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if main is not None:
                 self._load_main(record, main)
         init_state(self._records, self.optimizer_cls, self._layouts)
-        self._num_steps = self._state_step_count()
+        self._host.num_updates = self._state_step_count()
 
     def _state_step_count(self) -> int:
         """The most steps any param's state counts (0 where the state keeps no ``step``)."""

@@ -50,13 +50,16 @@ class OffloadPolicy:
             (``opt.state``) waits for the CPU step but keeps the lag. Under ``zero_shard.wrap``
             only for a plain model that zero-shard shards (not DDP, not FSDP2), on one process
             for now. Default False.
-        delayed_update_warmup: with ``delayed_update=True``, the first this many steps are
+        delayed_update_warmup: with ``delayed_update=True``, the first this many updates are
             exact (each one's weights reach the params before the next forward) and the delay
             starts after them, as the ZeRO-Offload paper warms up before its delayed update: the
             loss falls fastest in the first steps, where grads taken at weights two updates old
-            cost the most (docs/benchmarks/e2e.md). Steps are counted by ``step()`` calls that
-            reach the optimizer; a loaded state dict sets the count to its state's ``step``, so a
-            resumed run does not warm up again. Default 0.
+            cost the most (docs/benchmarks/e2e.md). Updates are counted as the state counts them:
+            a skipped step (non-finite grads) is not one, and a loaded state dict sets the count
+            to its state's ``step``, so a resumed run goes on as the run it resumes (an optimizer
+            whose state keeps no ``step``, such as SGD, counts from 0 again after a load). The
+            warm-up steps keep a staging buffer per chunk, as the delayed ones do, so they run
+            somewhat slower than steps without ``delayed_update``. Default 0.
         host_staging: the host buffers that grads land in and weights leave from, in the model
             dtype. ``"bounded"`` (default): 4 buffers of the largest chunk's size, taken in turn
             (128 MiB of bf16 at the default chunks); a chunk's grads are copied once an earlier

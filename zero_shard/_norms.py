@@ -16,12 +16,20 @@ from torch.profiler import record_function
 __all__ = ["clip_coefficient", "global_norm", "nonfinite_flag"]
 
 
-# Host tensors are reduced by rows of this many elements. torch reduces a whole CPU tensor to
-# one value on one thread whatever the thread count, and in fp32 with an error that grows with
-# its length: measured on 64M normal values, 0.5% off, at the speed of one core (1B fp32 host
-# grads took 0.55 s with 16 threads or 1 on an H100 host). Rows reduce in parallel (one output
-# each) and every sum stays short.
+# Host tensors of HOST_ROWS_FROM elements or more are reduced by rows of HOST_ROW elements.
+# torch reduces a whole CPU tensor to one value on one thread whatever the thread count, and in
+# fp32 with an error that grows with its length: measured on 64M normal values, 0.5% off, at the
+# speed of one core (1B fp32 host grads took 0.55 s with 16 threads or 1 on an H100 host). Rows
+# reduce in parallel (one output each) and every sum stays short. Smaller tensors go to one
+# foreach call together: a few ops per tensor would cost more than their reduction.
 HOST_ROW = 4096
+HOST_ROWS_FROM = 1 << 20
+
+
+def _accumulate_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """fp32, or fp64 where a tensor is: sums of powers of fp16 grads would overflow in fp16, and
+    fp64 ones must not be narrowed."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _host_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -32,24 +40,37 @@ def _host_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [*parts, flat[body:].view(1, -1)] if body < flat.numel() else parts
 
 
-def _host_norm(tensor: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """``tensor``'s ``norm_type``-norm in fp32, reduced by rows (see HOST_ROW): the norm of its
-    rows' norms."""
-    if not tensor.is_contiguous():
-        return torch.linalg.vector_norm(tensor, norm_type, dtype=torch.float32)
+def _host_norm(tensor: torch.Tensor, norm_type: float, dtype: torch.dtype) -> torch.Tensor:
+    """A large contiguous host tensor's ``norm_type``-norm, reduced by rows (see HOST_ROW): the
+    norm of its rows' norms."""
     rows = [
-        torch.linalg.vector_norm(part, norm_type, dim=1, dtype=torch.float32)
-        for part in _host_rows(tensor)
+        torch.linalg.vector_norm(part, norm_type, dim=1, dtype=dtype) for part in _host_rows(tensor)
     ]
     return torch.linalg.vector_norm(torch.cat(rows), norm_type)
 
 
-def _norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Each grad's ``norm_type``-norm in fp32 (the sums of powers accumulate in fp32 whatever the
-    grads' dtype: fp16 ones would overflow)."""
-    if all(grad.device.type != "cpu" for grad in grads):
-        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
-    return [_host_norm(grad, norm_type) for grad in grads]
+def _by_rows(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.device.type == "cpu" and tensor.numel() >= HOST_ROWS_FROM and tensor.is_contiguous()
+    )
+
+
+def _norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's ``norm_type``-norm, accumulated in fp32 (fp64 where a tensor is fp64);
+    large host tensors by rows."""
+    dtype = _accumulate_dtype(tensors)
+    norms: list[torch.Tensor | None] = [None] * len(tensors)
+    rest = []
+    for index, tensor in enumerate(tensors):
+        if _by_rows(tensor):
+            norms[index] = _host_norm(tensor, norm_type, dtype)
+        else:
+            rest.append(index)
+    if rest:
+        found = torch._foreach_norm([tensors[i] for i in rest], norm_type, dtype=dtype)
+        for index, norm in zip(rest, found, strict=True):
+            norms[index] = norm
+    return norms  # type: ignore[return-value]
 
 
 def _local_term(
@@ -61,8 +82,8 @@ def _local_term(
         return torch.zeros((), dtype=torch.float32, device=device)
     norms = torch.stack(_norms(grads, norm_type))
     if math.isinf(norm_type):
-        return norms.amax()  # max |g| is exact: no accumulation to widen
-    return norms.pow(norm_type).sum()
+        return norms.amax().float()  # max |g| is exact: no accumulation to widen
+    return norms.pow(norm_type).sum().float()
 
 
 @record_function("zero_shard::norm")
@@ -91,16 +112,17 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
 
 
-def _all_finite(tensor: torch.Tensor) -> torch.Tensor:
-    """Whether every element is finite (a 0-dim bool tensor). On the host, a norm by rows screens
-    first (an inf or a NaN makes it non-finite, and it runs in parallel where ``isfinite().all()``
-    costs ~8 ns an element on one core); only a non-finite norm, which finite values beyond ~1e19
-    can also give, is checked element by element."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return torch.isfinite(tensor).all()
-    if bool(torch.isfinite(_host_norm(tensor, 2.0))):
-        return torch.ones((), dtype=torch.bool)
-    return torch.isfinite(tensor).all()
+def _all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Whether every element of every tensor is finite (a 0-dim bool tensor). Host tensors are
+    screened by their norms first (an inf or a NaN makes a norm non-finite, and ``_norms`` runs
+    in parallel where ``isfinite().all()`` costs ~8 ns an element on one core); only a non-finite
+    norm, which finite values beyond ~1e19 can also give, is checked element by element."""
+    host = [t for t in tensors if t.device.type == "cpu"]
+    device = [t for t in tensors if t.device.type != "cpu"]
+    finite = [torch.isfinite(t).all() for t in device]
+    if host and not bool(torch.isfinite(torch.stack(_norms(host, 2.0))).all()):
+        finite.extend(torch.isfinite(t).all() for t in host)
+    return torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool)
 
 
 @record_function("zero_shard::nonfinite_check")
@@ -115,8 +137,7 @@ def nonfinite_flag(
     tensors = [t for t in tensors if t.numel()]
     flag = torch.zeros((), dtype=torch.float32, device=device)
     if tensors:
-        finite = torch.stack([_all_finite(t) for t in tensors]).all()
-        flag = (~finite).float().to(device)
+        flag = (~_all_finite(tensors)).float().to(device)
     for group in groups:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return flag

@@ -337,11 +337,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             skip, found_inf = self._check_nonfinite()
             if skip:
                 return loss
-            delayed = self._hybrid.delays_next_step  # past the delayed update's warm-up
             host_step = self._hybrid.launch_step(
                 grad_scale=self._grad_scale, found_inf=found_inf, need_order=self._comm.need_order
             )
-            self._comm.after_step(host_step, delayed=delayed)
+            self._comm.after_step(host_step, delayed=host_step.delayed)
         finally:
             self._end_window()
             self._comm.end_window()

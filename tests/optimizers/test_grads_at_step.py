@@ -142,7 +142,6 @@ def test_delayed_update_warmup_steps_are_exact() -> None:
     ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
     for step in range(5):
-        assert opt.delays_next_step == (step >= 2)
         x = torch.randn(5, 15, generator=gen)
         for param, ref in zip(model.parameters(), params_ref.parameters(), strict=True):
             torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])

@@ -135,6 +135,18 @@ def the_warmup_steps_are_exact(rank: int, world: int) -> None:
         torch.testing.assert_close(param.detach(), ref.detach(), **PARAM_TOL, msg=name)
 
 
+def a_skipped_step_is_not_a_warmup_update(rank: int, world: int) -> None:
+    # Step 0's grads are not finite: skipped, it is no update, so steps 1 and 2 are the warm-up's
+    # two exact ones (in the reference: their updates reach the params before steps 2 and 3).
+    policy = dataclasses.replace(delayed(), delayed_update_warmup=2)
+    model, opt, master = train_and_compare(
+        rank, world, skip=0, policy=policy, flush_at=frozenset({1, 2, 3})
+    )
+    opt.finish_param_sync()
+    for (name, param), ref in zip(model.named_parameters(), master.parameters(), strict=True):
+        torch.testing.assert_close(param.detach(), ref.detach(), **PARAM_TOL, msg=name)
+
+
 def a_resumed_run_does_not_warm_up_again(rank: int, world: int) -> None:
     # The warm-up counts steps from the loaded state's step: after a load at step 3 (past a
     # warm-up of 2) the next update is in flight after step(); a fresh run's first is not.
@@ -277,6 +289,7 @@ CASES_BY_WORLD = {
         "trains_as_the_reference_and_flushes": trains_as_the_reference_and_flushes,
         "a_skipped_step_keeps_the_update_before_it": a_skipped_step_keeps_the_update_before_it,
         "the_warmup_steps_are_exact": the_warmup_steps_are_exact,
+        "a_skipped_step_is_not_a_warmup_update": a_skipped_step_is_not_a_warmup_update,
         "a_resumed_run_does_not_warm_up_again": a_resumed_run_does_not_warm_up_again,
         "state_dicts_apply_the_update_in_flight": state_dicts_apply_the_update_in_flight,
         "state_reads_keep_the_lag": state_reads_keep_the_lag,

@@ -10,7 +10,7 @@ import torch
 from zero_shard._norms import global_norm, nonfinite_flag  # private free functions, unit-tested
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def grads_of(dtype: torch.dtype, device: str) -> list[torch.Tensor]:
@@ -34,7 +34,8 @@ def test_nonfinite_flag_is_exact_and_leaves_grads_alone(device: str, dtype: torc
     if dtype != torch.float16:
         # Finite, but its square overflows a norm: the host's screen by norms must not flag it.
         large = [g.clone() for g in grads]
-        large[0][4095, 1023] = 3e30
+        large[0][4095, 1023] = 3e30  # reduced by rows on the host
+        large[3][999, 6] = 3e30  # reduced with the small tensors
         assert float(nonfinite_flag(large, [], torch.device(device))) == 0.0
 
 
