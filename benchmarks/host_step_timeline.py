@@ -11,12 +11,13 @@ backward) split into:
   chunk's D2H);
 - ``kernels`` and ``gaps``: the CPU step's wall time, as kernel time and the worker's waits
   between kernels (for a chunk's grads to land, for the GIL);
-- ``tail``: the last kernel -> the end of the next forward (its last H2D, the forward of the
-  units that waited for it).
+- ``tail``: the last kernel -> the end of the next step's first forward (its last H2D, the
+  forward of the units that waited for it).
 
 After the run the kernel steps the same chunks again alone (``isolated_kernel_ms``: the kernel's
-own floor in this process) and torch's fused CPU AdamW steps as many fp32 elements
-(``torch_floor_ms``). The wrapped functions are private (``optimizers._host_part``): this is a
+own floor in this process; three more steps of the live optimizer, whose state is then of no
+further use) and torch's fused CPU AdamW steps as many fp32 elements (``torch_floor_ms``). The
+report also names the host's CPU model, usable cores and NUMA nodes (``host``). The wrapped functions are private (``optimizers._host_part``): this is a
 diagnosis tool for the host pipeline, not an API. Results go to ``--out``/timeline.json and are
 printed; flags after ``--`` go to the example (``-- --delayed-update``)::
 
@@ -196,6 +197,25 @@ def torch_floor_ms(numel: int, num_threads: int, repeat: int = 3) -> list[float]
     return times
 
 
+def describe_host() -> dict[str, Any]:
+    """The host's CPU model, usable cores and NUMA nodes: the kernel's speed against torch's
+    floor has differed between leases of the same machine kind."""
+    models: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    models.add(line.split(":", 1)[1].strip())
+    except OSError:
+        pass
+    nodes = sorted(path.name for path in Path("/sys/devices/system/node").glob("node[0-9]*"))
+    return {
+        "cpu_models": sorted(models),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "numa_nodes": nodes,
+    }
+
+
 def main() -> None:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -214,6 +234,7 @@ def main() -> None:
         "threads": threads,
         "steps": split_steps(recorder),
         "isolated_kernel_ms": isolated_kernel_ms(recorder.parts),
+        "host": describe_host(),
     }
     numel = sum(chunk.spec.numel for part in recorder.parts for chunk in part.chunks)
     recorder.parts.clear()
@@ -223,9 +244,9 @@ def main() -> None:
     for row in report["steps"]:
         print(" | ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
                          for key, value in row.items()))  # fmt: skip
-    print(
-        f"isolated kernel {report['isolated_kernel_ms']} ms; torch floor {report['torch_floor_ms']} ms"
-    )
+    for key in ("isolated_kernel_ms", "torch_floor_ms"):
+        print(f"{key}: {', '.join(f'{ms:.1f}' for ms in report[key])}")
+    print(f"host: {report['host']}")
 
 
 if __name__ == "__main__":
