@@ -96,53 +96,27 @@ def test_reload_after_backward_keeps_the_grads() -> None:
         torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
 
 
-def test_delayed_update_lags_the_params_one_step() -> None:
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_delayed_update_lags_the_params_one_step(warmup: int) -> None:
     # OffloadPolicy(delayed_update=True): the CPU step of step k reaches the params at step k+1,
     # so the grads of step k+1 are taken at the weights of step k-1. The reference writes that
-    # out with torch AdamW on a master copy; state_dict() applies the update in flight.
-    model, params_ref, master = (make_model(torch.float32) for _ in range(3))
-    policy = OffloadPolicy(fraction=1.0, chunk_numel=64, num_threads=2, delayed_update=True)
-    opt = HybridDeviceOptimizer(model.parameters(), policy=policy, lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(5):
-        x = torch.randn(5, 15, generator=gen)
-        for param, ref in zip(model.parameters(), params_ref.parameters(), strict=True):
-            torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
-        model(x).square().mean().backward()
-        params_ref(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for ref, mast in zip(params_ref.parameters(), master.parameters(), strict=True):
-                mast.grad, ref.grad = ref.grad, None
-                ref.copy_(mast)  # the last step's update reaches the params
-        ref_opt.step()
-        ref_opt.zero_grad()
-        if step == 0:  # the first step's update is still in flight
-            assert all(
-                torch.equal(p, q)
-                for p, q in zip(
-                    model.parameters(), make_model(torch.float32).parameters(), strict=True
-                )
-            )
-    opt.state_dict()
-    for param, mast in zip(model.parameters(), master.parameters(), strict=True):
-        torch.testing.assert_close(param, mast, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
-
-
-def test_delayed_update_warmup_steps_are_exact() -> None:
-    # delayed_update_warmup=2: the updates of steps 0 and 1 reach the params at once, as exact
-    # steps do; from step 2 on they lag one step (reference as in the test above).
+    # out with torch AdamW on a master copy; state_dict() applies the update in flight. With
+    # delayed_update_warmup=2 the updates of steps 0 and 1 reach the params at once, as exact
+    # steps do, and the lag starts with step 2's.
     model, params_ref, master = (make_model(torch.float32) for _ in range(3))
     policy = OffloadPolicy(
-        fraction=1.0, chunk_numel=64, num_threads=2, delayed_update=True, delayed_update_warmup=2
+        fraction=1.0,
+        chunk_numel=64,
+        num_threads=2,
+        delayed_update=True,
+        delayed_update_warmup=warmup,
     )
     opt = HybridDeviceOptimizer(model.parameters(), policy=policy, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
     for step in range(5):
         x = torch.randn(5, 15, generator=gen)
+        # At step 1 without warm-up: the initial weights (step 0's update is still in flight).
         for param, ref in zip(model.parameters(), params_ref.parameters(), strict=True):
             torch.testing.assert_close(param, ref, rtol=OTHER_KERNEL[0], atol=OTHER_KERNEL[1])
         model(x).square().mean().backward()
@@ -155,7 +129,7 @@ def test_delayed_update_warmup_steps_are_exact() -> None:
                 ref.copy_(mast)  # the last step's update reaches the params
         ref_opt.step()
         ref_opt.zero_grad()
-        if step < 2:  # a warm-up step: its own update reaches the params at once
+        if step < warmup:  # a warm-up step: its own update reaches the params at once
             with torch.no_grad():
                 for ref, mast in zip(params_ref.parameters(), master.parameters(), strict=True):
                     ref.copy_(mast)
