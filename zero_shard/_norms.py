@@ -119,10 +119,12 @@ def _all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     norm, which finite values beyond ~1e19 can also give, is checked element by element."""
     host = [t for t in tensors if t.device.type == "cpu"]
     device = [t for t in tensors if t.device.type != "cpu"]
-    finite = [torch.isfinite(t).all() for t in device]
     if host and not bool(torch.isfinite(torch.stack(_norms(host, 2.0))).all()):
-        finite.extend(torch.isfinite(t).all() for t in host)
-    return torch.stack(finite).all() if finite else torch.ones((), dtype=torch.bool)
+        if not all(bool(torch.isfinite(t).all()) for t in host):
+            return torch.zeros((), dtype=torch.bool)
+    if not device:
+        return torch.ones((), dtype=torch.bool)
+    return torch.stack([torch.isfinite(t).all() for t in device]).all()  # no host wait
 
 
 @record_function("zero_shard::nonfinite_check")
