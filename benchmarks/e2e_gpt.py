@@ -382,9 +382,8 @@ def main() -> None:
     parser.add_argument(
         "--systems",
         type=lambda text: text.split(","),
-        help="peers: a "
-        "comma-separated subset of zero_shard_f1, torchao_offload, fsdp2_offload, "
-        "zero_shard_on_fsdp2_offload (default all)",
+        help="peers: a comma-separated subset of zero_shard_f1, torchao_offload, "
+        "fsdp2_offload, zero_shard_on_fsdp2_offload (default all)",
     )
     parser.add_argument("--no-plain", dest="plain", action="store_false")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
