@@ -29,6 +29,7 @@ printed; flags after ``--`` go to the example (``-- --delayed-update``)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -51,14 +52,33 @@ from optimizers._cpu_kernel import KernelPiece  # noqa: E402
 now = time.perf_counter
 
 
+@dataclasses.dataclass
+class ChunkTiming:
+    """Host times of one chunk's turn on the worker (``time.perf_counter`` seconds)."""
+
+    pieces: int  # the pieces it stepped (params with a grad)
+    taken: float  # the worker took the chunk
+    kernel_start: float | None = None  # None: the chunk was not stepped (skipped or failed)
+    kernel_end: float | None = None
+
+
+@dataclasses.dataclass
+class StepMarks:
+    """One training step's start and its phases, on the host clock."""
+
+    start: float
+    phases: list[tuple[str, float, float]]  # (phase, start, end) as PhaseTimer marked them
+
+
 class Recorder:
     """Host times of the host step's chunks and of the example's phases."""
 
     def __init__(self) -> None:
-        self.jobs: list[dict[str, Any]] = []  # per chunk: enter, k0, k1, exit, pieces, numel
+        self.chunks: list[ChunkTiming] = []
         self.starts: list[float] = []  # when each HostPart.start began
-        self.steps: list[dict[str, Any]] = []  # per step: t0, marks [(phase, start, end)]
+        self.steps: list[StepMarks] = []
         self.parts: list[host_part.HostPart] = []
+        self._timing_of: dict[int, ChunkTiming] = {}  # id(job) -> its timing, while it runs
 
     def install(self) -> None:
         run_job, step_chunk, start = (
@@ -69,18 +89,19 @@ class Recorder:
         recorder = self
 
         def timed_run_job(step: Any, job: Any, *args: Any) -> bool:
-            record = {"numel": job.chunk.spec.numel, "pieces": len(job.active), "enter": now()}
-            job.timing = record
-            recorder.jobs.append(record)
+            timing = ChunkTiming(pieces=len(job.active), taken=now())
+            recorder.chunks.append(timing)
+            recorder._timing_of[id(job)] = timing
             try:
                 return run_job(step, job, *args)
             finally:
-                record["exit"] = now()
+                del recorder._timing_of[id(job)]
 
         def timed_step_chunk(job: Any, grad_scale: float | None) -> None:
-            job.timing["k0"] = now()
+            timing = recorder._timing_of[id(job)]
+            timing.kernel_start = now()
             step_chunk(job, grad_scale)
-            job.timing["k1"] = now()
+            timing.kernel_end = now()
 
         def timed_start(part: host_part.HostPart, *args: Any, **kwargs: Any) -> Any:
             if part not in recorder.parts:
@@ -110,8 +131,8 @@ class Recorder:
                     if self._module is None
                     else (lambda event: self.t0 + self.reference.elapsed_time(event) / 1e3)
                 )
-                marks = [(phase, host(start), host(end)) for phase, start, end in self._marks]
-                recorder.steps.append({"t0": self.t0, "marks": marks})
+                phases = [(phase, host(start), host(end)) for phase, start, end in self._marks]
+                recorder.steps.append(StepMarks(self.t0, phases))
                 return split
 
         return Timer
@@ -120,23 +141,26 @@ class Recorder:
 def split_steps(recorder: Recorder) -> list[dict[str, float]]:
     """Per step (after the first, before the last): the iteration and its parts, in ms."""
     rows = []
-    jobs = sorted((j for j in recorder.jobs if "k1" in j), key=lambda j: j["enter"])
+    stepped = sorted(
+        (c for c in recorder.chunks if c.kernel_end is not None), key=lambda c: c.taken
+    )
     for k in range(1, len(recorder.steps) - 1):
         this, after = recorder.steps[k], recorder.steps[k + 1]
-        began = [t for t in recorder.starts if this["t0"] <= t < after["t0"]]
+        began = [t for t in recorder.starts if this.start <= t < after.start]
         if not began:
             continue
         later = [t for t in recorder.starts if t > began[-1]]
         until = later[0] if later else float("inf")
-        mine = [j for j in jobs if began[-1] <= j["enter"] < until]
+        mine = [c for c in stepped if began[-1] <= c.taken < until]
         if not mine:
             continue
-        backward_end = [end for phase, _, end in this["marks"] if phase == "backward"][-1]
-        next_backward_end = [end for phase, _, end in after["marks"] if phase == "backward"][-1]
-        next_forward_end = next(end for phase, _, end in after["marks"] if phase == "forward")
-        first, last = min(j["k0"] for j in mine), max(j["k1"] for j in mine)
-        kernels = sum(j["k1"] - j["k0"] for j in mine)
-        most = max(mine, key=lambda j: j["pieces"])  # the chunk of the most (small) params
+        backward_end = [end for phase, _, end in this.phases if phase == "backward"][-1]
+        next_backward_end = [end for phase, _, end in after.phases if phase == "backward"][-1]
+        next_forward_end = next(end for phase, _, end in after.phases if phase == "forward")
+        first = min(c.kernel_start for c in mine)
+        last = max(c.kernel_end for c in mine)
+        kernels = sum(c.kernel_end - c.kernel_start for c in mine)
+        most = max(mine, key=lambda c: c.pieces)  # the chunk of the most (small) params
         rows.append({
             "step": k,
             "iteration_ms": 1e3 * (next_backward_end - backward_end),
@@ -146,8 +170,8 @@ def split_steps(recorder: Recorder) -> list[dict[str, float]]:
             "gaps_ms": 1e3 * (last - first - kernels),
             "tail_ms": 1e3 * (next_forward_end - last),
             "num_chunks": len(mine),
-            "most_pieces": most["pieces"],
-            "most_pieces_kernel_ms": 1e3 * (most["k1"] - most["k0"]),
+            "most_pieces": most.pieces,
+            "most_pieces_kernel_ms": 1e3 * (most.kernel_end - most.kernel_start),
         })  # fmt: skip
     return rows
 
