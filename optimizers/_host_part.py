@@ -365,7 +365,8 @@ class HostPart:
 
     def _step_done(self, step: HostStep) -> None:
         self.pending = None
-        if not step.skips():  # read by the worker already where the step had a chunk
+        # A step with no chunk updated nothing here (and nobody read its verdict: no host wait).
+        if step.num_chunks and not step.skips():  # read by the worker already
             self.num_updates += 1
 
     def wait_for_worker(self) -> None:

@@ -135,6 +135,11 @@ class HostStep:
         return self._part.engine.device
 
     @property
+    def num_chunks(self) -> int:
+        """Chunks this step steps (those with a grad)."""
+        return len(self._jobs)
+
+    @property
     def done(self) -> bool:
         """Whether every chunk is completed (its weights queued to the params)."""
         return self._num_completed == len(self._jobs)

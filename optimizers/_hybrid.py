@@ -503,7 +503,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         read (no forward) before their chunks are completed, and the grads not written (no
         backward) before the whole step is. The chunks may be completed from another thread than
         the one that launched the step (each caller's current stream is made to wait).
-        ``grad_scale`` and ``found_inf`` are as for :meth:`step`.
+        ``grad_scale`` and ``found_inf`` are as for :meth:`step`. With
+        ``OffloadPolicy(delayed_update=True)`` past its warm-up the returned step's ``delayed`` is
+        True: its weights are for the next step, which completes it (as :meth:`step` does).
         """
         if need_order is None:
             need_order = range(len(self._records))

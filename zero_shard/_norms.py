@@ -59,6 +59,8 @@ def _norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tens
     """Each tensor's ``norm_type``-norm, accumulated in fp32 (fp64 where a tensor is fp64);
     large host tensors by rows."""
     dtype = _accumulate_dtype(tensors)
+    if all(tensor.device.type != "cpu" for tensor in tensors):  # the accelerator's: one call
+        return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
     norms: list[torch.Tensor | None] = [None] * len(tensors)
     rest = []
     for index, tensor in enumerate(tensors):
