@@ -6,6 +6,7 @@ This layer knows no optimizer and no process group.
 from ._copy_engine import CopyEngine, CopyPair, copy_async
 from ._flag import HostFlag
 from ._host_memory import check_host_memory, format_bytes, local_world_size
+from ._phases import phase
 from ._pinned import HostBufferRequest, HostBuffers
 from ._streams import (
     current_stream,
@@ -32,6 +33,7 @@ __all__ = [
     "format_bytes",
     "intra_op_threads",
     "local_world_size",
+    "phase",
     "record_event",
     "resolve_thread_budget",
     "side_stream",

@@ -89,7 +89,9 @@ def wait_for_event(stream: Stream | None, event: Event | None) -> None:
 def wait_event(event: Event | None) -> None:
     """Blocks the calling host thread until ``event`` completed (``None``: already done).
 
-    The wait releases the GIL, so a worker thread waiting here lets the main thread run on.
+    The wait releases the GIL, so a worker thread waiting here lets the main thread run on. An
+    event already complete is seen by a query, which keeps the GIL: on a busy host, each release
+    may wait for another thread to hand the GIL back.
     """
-    if event is not None:
+    if event is not None and not event.query():
         event.synchronize()

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CpuAdamKernel", "KernelPiece", "fused_kernel_applies", "load_cpu_adam"]
+__all__ = ["CpuAdamKernel", "KernelPiece", "KernelTable", "fused_kernel_applies", "load_cpu_adam"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_adam.c"
 _FLAGS = (
@@ -198,12 +198,12 @@ def _check_buffers(main: torch.Tensor, staging: torch.Tensor, state: dict[str, A
 class CpuAdamKernel:
     """Steps host pieces of Adam/AdamW with the single-pass kernel, torch's state kept as is."""
 
-    _library: ctypes.CDLL
+    library: ctypes.CDLL
     decoupled: bool  # AdamW's weight decay (Adam's L2 otherwise)
     num_threads: int
 
     def __init__(self, library: ctypes.CDLL, cls: type, num_threads: int) -> None:
-        self._library = library
+        self.library = library
         self.decoupled = issubclass(cls, torch.optim.AdamW)
         self.num_threads = num_threads
 
@@ -219,47 +219,16 @@ class CpuAdamKernel:
 
         One call steps them all (a chunk of many small params costs one call, one GIL release,
         not one each). The state is torch's per-param state, updated in place, so ``state_dict``
-        and torch's own step can take over at any point.
+        and torch's own step can take over at any point. Steps that repeat on the same pieces
+        build a :class:`KernelTable` once and run it instead.
         """
-        if not pieces:
-            return
-        dtype = pieces[0].staging.dtype
-        for piece in pieces:
-            _check_buffers(piece.main, piece.staging, piece.state)
-            if piece.staging.dtype != dtype:
-                raise AssertionError(
-                    f"expected every staging in {dtype}, got {piece.staging.dtype}"
-                )
-        step_tensors = [piece.state["step"] for piece in pieces]
-        # The counts this step takes, read before anything changes: a failure leaves them.
-        counts = torch.stack([count.reshape(()) for count in step_tensors]).tolist()
-        steps = [float(count) + 1.0 for count in counts]
-        args_of = {step: self._args(step, group, grad_scale) for step in set(steps)}
-        table = (_AdamPiece * len(pieces))(
-            *(
-                _AdamPiece(
-                    piece.main.data_ptr(),
-                    piece.state["exp_avg"].data_ptr(),
-                    piece.state["exp_avg_sq"].data_ptr(),
-                    piece.staging.data_ptr(),
-                    piece.main.numel(),
-                    args_of[step],
-                )
-                for piece, step in zip(pieces, steps, strict=True)
-            )
-        )
-        function = (
-            self._library.zero_shard_adam_bf16
-            if dtype == torch.bfloat16
-            else self._library.zero_shard_adam_f32
-        )
-        if function(table, len(pieces), self.num_threads) != 0:  # nothing was stepped
-            raise MemoryError(
-                f"the CPU Adam kernel could not allocate its table of {len(pieces)} pieces"
-            )
-        torch._foreach_add_(step_tensors, 1)
+        if pieces:
+            KernelTable(self, pieces).run(group, grad_scale)
 
-    def _args(self, step: float, group: dict[str, Any], grad_scale: float | None) -> _AdamArgs:
+    def coefficients(
+        self, step: float, group: dict[str, Any], grad_scale: float | None
+    ) -> _AdamArgs:
+        """The coefficients of a step numbered ``step`` (counted from 1) for ``group``."""
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         weight_decay = group["weight_decay"]
         decoupled = self.decoupled or group.get("decoupled_weight_decay", False)
@@ -274,3 +243,89 @@ class CpuAdamKernel:
             bc2_sqrt=math.sqrt(1.0 - beta2**step),
             grad_scale=1.0 if grad_scale is None else grad_scale,
         )
+
+
+def _count_of(step: torch.Tensor) -> ctypes.c_float | ctypes.c_double:
+    """The step count's own memory as a ctypes number: read and advanced with no torch call."""
+    count_type = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}.get(step.dtype)
+    if count_type is None or step.device.type != "cpu" or step.numel() != 1:
+        raise AssertionError(
+            f"expected the step count as one fp32/fp64 CPU element, got {step.dtype}, "
+            f"{tuple(step.shape)} on {step.device}"
+        )
+    return count_type.from_address(step.data_ptr())
+
+
+class KernelTable:
+    """The kernel's call over fixed pieces: the C table of their buffers filled in once, then
+    run step after step.
+
+    A run sets each piece's coefficients for its step count, calls the kernel and advances the
+    counts. The counts are read and advanced through their memory (ctypes), not through torch
+    ops: every torch op releases the GIL, and on the host step's worker each release may wait
+    for the thread that queues the forward meanwhile. A run then releases the GIL once, for the
+    kernel itself. The table holds every tensor it points into, so its pointers stay valid;
+    ``backs`` says whether the same state tensors are still the pieces' (a loaded state dict
+    replaces them).
+    """
+
+    _kernel: CpuAdamKernel
+    _function: Any  # the C entry point for the staging dtype
+    _entries: ctypes.Array  # one _AdamPiece per piece, pointers filled in
+    _held: list[tuple[torch.Tensor, ...]]  # per piece: main, staging, exp_avg, exp_avg_sq, step
+    _counts: list[ctypes.c_float | ctypes.c_double]  # per piece: its step count, in place
+
+    def __init__(self, kernel: CpuAdamKernel, pieces: Sequence[KernelPiece]) -> None:
+        if not pieces:
+            raise AssertionError("expected at least one piece for a kernel table")
+        dtype = pieces[0].staging.dtype
+        self._held, self._counts = [], []
+        for piece in pieces:
+            _check_buffers(piece.main, piece.staging, piece.state)
+            if piece.staging.dtype != dtype:
+                raise AssertionError(
+                    f"expected every staging in {dtype}, got {piece.staging.dtype}"
+                )
+            state = piece.state
+            self._held.append(
+                (piece.main, piece.staging, state["exp_avg"], state["exp_avg_sq"], state["step"])
+            )
+            self._counts.append(_count_of(state["step"]))
+        self._kernel = kernel
+        self._entries = (_AdamPiece * len(pieces))(
+            *(
+                _AdamPiece(main.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                           staging.data_ptr(), main.numel(), _AdamArgs())
+                for main, staging, exp_avg, exp_avg_sq, _ in self._held
+            )
+        )  # fmt: skip
+        library = kernel.library
+        self._function = (
+            library.zero_shard_adam_bf16 if dtype == torch.bfloat16 else library.zero_shard_adam_f32
+        )
+
+    def backs(self, states: Sequence[dict[str, Any]]) -> bool:
+        """Whether ``states`` (the pieces' state dicts, in order) hold the tensors it points into."""
+        return len(states) == len(self._held) and all(
+            state.get("exp_avg") is held[2]
+            and state.get("exp_avg_sq") is held[3]
+            and state.get("step") is held[4]
+            for state, held in zip(states, self._held, strict=True)
+        )
+
+    def run(self, group: dict[str, Any], grad_scale: float | None = None) -> None:
+        """One Adam step of every piece; see :meth:`CpuAdamKernel.step`."""
+        # The counts this step takes, read before anything changes: a failure leaves them.
+        steps = [count.value + 1.0 for count in self._counts]
+        args_of: dict[float, _AdamArgs] = {}
+        for entry, step in zip(self._entries, steps, strict=True):
+            args = args_of.get(step)
+            if args is None:
+                args = args_of[step] = self._kernel.coefficients(step, group, grad_scale)
+            entry.args = args
+        if self._function(self._entries, len(self._entries), self._kernel.num_threads) != 0:
+            raise MemoryError(  # nothing was stepped
+                f"the CPU Adam kernel could not allocate its table of {len(self._entries)} pieces"
+            )
+        for count, step in zip(self._counts, steps, strict=True):
+            count.value = step  # rounded to the count's dtype, as torch's `step += 1` is

@@ -6,7 +6,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.profiler import record_function
+
+from offload import phase
 
 from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
@@ -161,7 +162,7 @@ class DevicePart:
         # The params written after them then get the same values again.
         skip_on_device = found_inf is not None and self.skips_on_device
         flag = found_inf.reshape(()) if skip_on_device else None
-        with record_function("zero_shard::device_step"):
+        with phase("zero_shard::device_step"):
             for round_ in self.rounds:
                 self._step_round(round_, grads, grad_scale, flag)
 

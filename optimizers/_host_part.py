@@ -43,11 +43,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
 from offload import (
     CopyEngine,
@@ -58,12 +57,13 @@ from offload import (
     ThreadBudget,
     check_host_memory,
     current_stream,
+    phase,
     record_event,
     use_device,
     wait_event,
 )
 
-from ._cpu_kernel import CpuAdamKernel, KernelPiece, fused_kernel_applies
+from ._cpu_kernel import CpuAdamKernel, KernelPiece, KernelTable, fused_kernel_applies
 from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._host_step import ChunkJob, HostStep
@@ -90,6 +90,8 @@ class HostChunk:
     #                            the grads are read from staging (the kernel, or fp32 params)
     optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
     kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step()
+    tables: dict[int, KernelTable] = field(default_factory=dict)  # the kernel's call for the
+    #       whole chunk in each staging slot it took; built and used by the worker only
 
 
 def _needs_grad_buffer(spec: ChunkSpec, kernel: CpuAdamKernel | None) -> bool:
@@ -332,11 +334,7 @@ class HostPart:
                 continue
             slot = len(jobs) % self.num_slots if self.ring else chunk.index
             job = ChunkJob(chunk, active, slot, self.staging(slot, chunk.spec))
-            job.grads_in = [
-                CopyPair(job.staging_of(piece), _slice(grads[r.index], piece.spec.start,
-                                                       piece.spec.numel))
-                for r, piece in active
-            ]  # fmt: skip
+            job.grads = [grads[record.index] for record, _ in active]
             jobs.append(job)
         step = HostStep(self, jobs, start_event, on_done=self._step_done, verdict=verdict)
         lead = self.num_slots if self.ring else len(jobs)  # the rest: queued by the worker
@@ -375,6 +373,13 @@ class HostPart:
         pending = self.pending
         if pending is not None:
             pending.wait_worker()
+
+    def drop_kernel_tables(self) -> None:
+        """Forgets the kernel's tables: a loaded state dict is about to replace the state they
+        point into, which they would otherwise keep alive until the next step rebuilt them."""
+        self.settle()
+        for chunk in self.chunks:
+            chunk.tables.clear()
 
     def settle(self) -> None:
         """Completes the step in flight, if any: its chunks' weights reach the params."""
@@ -461,10 +466,9 @@ def _copy_out(step: HostStep, job: ChunkJob, successor: ChunkJob | None, stepped
 def _step_chunk(job: ChunkJob, grad_scale: float | None) -> None:
     """Grads in the job's staging -> fp32 -> CPU step -> weights back into staging."""
     chunk, active = job.chunk, job.active
-    with record_function("zero_shard::cpu_step"):
+    with phase("zero_shard::cpu_step"):
         if chunk.kernel is not None:
-            pieces = [KernelPiece(p.main, job.staging_of(p), p.state) for _, p in active]
-            chunk.kernel.step(pieces, chunk.optimizer.param_groups[0], grad_scale)
+            _kernel_table(job).run(chunk.optimizer.param_groups[0], grad_scale)
             return
         whole = len(active) == len(chunk.pieces)
         if chunk.grad is None:  # fp32 params: the grads are stepped where they landed
@@ -484,3 +488,18 @@ def _step_chunk(job: ChunkJob, grad_scale: float | None) -> None:
         else:
             for _, piece in active:
                 job.staging_of(piece).copy_(piece.main)
+
+
+def _kernel_table(job: ChunkJob) -> KernelTable:
+    """The kernel's call for the job: built once per staging slot for the whole chunk, and again
+    where a loaded state dict replaced the state it points into (or only some pieces have grads:
+    built for those, not kept)."""
+    chunk, active = job.chunk, job.active
+    whole = len(active) == len(chunk.pieces)
+    table = chunk.tables.get(job.slot) if whole else None
+    if table is None or not table.backs([piece.state for _, piece in active]):
+        pieces = [KernelPiece(p.main, job.staging_of(p), p.state) for _, p in active]
+        table = KernelTable(chunk.kernel, pieces)
+        if whole:
+            chunk.tables[job.slot] = table
+    return table

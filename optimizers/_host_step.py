@@ -26,7 +26,8 @@ once the current stream has waited for a chunk's H2D, both copies of that chunk 
 grads they read may be written again (by the next backward). Each copy records the D2H stream on
 the memory it reads (``copy_async``), so the caller may drop the grads at once (``zero_grad``):
 their memory waits for the copies, not for the whole CPU step. A chunk whose D2H is not queued
-yet holds its grads (``ChunkJob.grads_in``) until it is.
+yet holds its grads (``ChunkJob.grads``) until it is; the copies' views of them are made when it
+is queued (by the copier, for most chunks), not all at the start on the caller's thread.
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.profiler import record_function
 
-from offload import CopyPair, HostFlag, current_stream, record_event, wait_for_event
+from offload import CopyPair, HostFlag, current_stream, phase, record_event, wait_for_event
 
 from ._records import ParamRecord, Piece, flat_param
 
@@ -62,7 +62,8 @@ class ChunkJob:
     active: list[tuple[ParamRecord, Piece]]  # the pieces whose param has a grad this step
     slot: int  # the staging buffer it takes (see [Note: staging ring])
     staging: torch.Tensor  # that buffer as the chunk's: 1-D, model dtype, chunk numel
-    grads_in: list[CopyPair] | None = None  # its D2H copies until queued (holding the grads)
+    grads: list[torch.Tensor] | None = None  # the flat grad of each active piece's param, held
+    #                                          until its D2H is queued
     d2h_queued: threading.Event = field(default_factory=threading.Event)  # set once d2h_done is
     d2h_error: BaseException | None = None  # the D2H could not be queued
     d2h_done: Any = None  # after its D2H into staging; None: not queued, or ran synchronously
@@ -170,13 +171,17 @@ class HostStep:
         no longer held here (the copies recorded their stream on them). The worker learns of it
         (``d2h_queued``) also when it failed."""
         try:
-            with record_function("zero_shard::d2h"):
-                job.d2h_done = self._part.engine.d2h(job.grads_in, after=after)
+            with phase("zero_shard::d2h"):
+                pairs = [
+                    CopyPair(job.staging_of(piece), _piece_of(grad, piece))
+                    for grad, (_, piece) in zip(job.grads, job.active, strict=True)
+                ]
+                job.d2h_done = self._part.engine.d2h(pairs, after=after)
         except BaseException as err:
             job.d2h_error = err
             raise
         finally:
-            job.grads_in = None
+            job.grads = None
             job.d2h_queued.set()
 
     def queue_h2d(self, job: ChunkJob) -> None:
@@ -188,7 +193,7 @@ class HostStep:
         ]
         with self._writes_lock:
             after = list(self._writes_after)
-        with record_function("zero_shard::h2d"):
+        with phase("zero_shard::h2d"):
             job.h2d_done = self._part.engine.h2d(pairs, after=after)
         self._h2d_of[job.slot] = job.h2d_done
 

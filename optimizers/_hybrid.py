@@ -669,7 +669,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Main weights come from ``main_param`` where present, else from the model params.
         Everything is checked before anything changes.
         """
-        self._host.settle()
+        self._host.drop_kernel_tables()  # settles the step in flight first
         pairs = self._match_saved(state_dict)
         saved_state = state_dict["state"]
         for record, saved_id in pairs:

@@ -55,9 +55,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
-from offload import current_stream, record_event, side_stream, use_device, use_stream
+from offload import current_stream, phase, record_event, side_stream, use_device, use_stream
 from optimizers import HostStep
 
 from ._buckets import Bucket
@@ -131,7 +130,7 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, world_size: int) -
     # By position, not by `in`: records compare their tensors (dataclass equality).
     written = [s.changed or v != s.version for s, v in zip(bucket.params, before, strict=True)]
     targets = [None if w else s.local for s, w in zip(bucket.params, written, strict=True)]
-    with record_function("zero_shard::unpack"):
+    with phase("zero_shard::unpack"):
         unpack_params(gathered, bucket.layout, bucket.specs, targets, world_size)
     for position, (sharded, version, target) in enumerate(
         zip(bucket.params, before, targets, strict=True)
@@ -153,7 +152,7 @@ def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
         return
     shard = bucket.shard_buffer
     out = shard.new_empty(job.world_size * shard.numel())
-    with record_function("zero_shard::all_gather"):
+    with phase("zero_shard::all_gather"):
         work = job.all_gather(shard, out, job.group)
         if not callable(getattr(work, "wait", None)):  # the caller's all_gather (every rank's)
             raise TypeError(
@@ -317,7 +316,7 @@ class ParamGatherer:
             return
         report = reports[index]
         if not report.done.is_set():
-            with record_function("zero_shard::wait_gather"):
+            with phase("zero_shard::wait_gather"):
                 report.done.wait()
         self._stream_wait(report)
         self._waited[index] = True

@@ -49,9 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.profiler import record_function
 
-from offload import current_stream, record_event, side_stream, use_stream, wait_stream
+from offload import current_stream, phase, record_event, side_stream, use_stream, wait_stream
 
 from ._buckets import Bucket, ShardedParam
 from ._collectives import choose_reduce_scaling, launch_reduction, pack_grads
@@ -218,7 +217,7 @@ class GradReducer:
                 packed = torch.zeros(
                     world * layout.segment_numel, dtype=layout.dtype, device=self._device
                 )
-            with record_function("zero_shard::pack"):
+            with phase("zero_shard::pack"):
                 pack_grads(packed, layout, bucket.specs, grads, world)
                 if any(zeroed):
                     _flag_zeroed_as_before(packed, bucket, zeroed, before, world)
@@ -252,9 +251,7 @@ class GradReducer:
         out = None
         if self._scatter:
             out = bucket.grad_buffer if direct else torch.empty_like(bucket.grad_buffer)
-        with record_function(
-            "zero_shard::reduce_scatter" if self._scatter else "zero_shard::all_reduce"
-        ):
+        with phase("zero_shard::reduce_scatter" if self._scatter else "zero_shard::all_reduce"):
             launch_reduction(packed, out, self._group, scaling).wait()
         result = out if self._scatter else packed.view(world, -1)[self._rank]
         if scaling.post_divide is not None:

@@ -3,22 +3,26 @@ fallback when it cannot be built, and HybridDeviceOptimizer with and without it.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import warnings
+import weakref
 
 import pytest
 import torch
 from _parity import (
+    EXACT,
     SAME_KERNEL,
     assert_matches,
     fp32_copies,
     groups_of,
+    main_weights,
     make_params,
     train_side_by_side,
 )
 
 from optimizers import HybridDeviceOptimizer, OffloadPolicy, _cpu_kernel
-from optimizers._cpu_kernel import CpuAdamKernel, KernelPiece, load_cpu_adam
+from optimizers._cpu_kernel import CpuAdamKernel, KernelPiece, KernelTable, load_cpu_adam
 
 NUMEL = 16 * 4099 + 13  # a vector body, and a tail that torch steps one element at a time
 
@@ -111,6 +115,93 @@ def test_pieces_of_one_call_step_as_torch_steps_each() -> None:
             )
             assert torch.equal(states[i]["step"], ref_state["step"])
             assert torch.equal(staging[i], mains[i].bfloat16())
+
+
+def test_a_table_run_step_after_step_is_torch_fused_adamw() -> None:
+    """A table built once and run four times, its step counts read and advanced through their
+    memory (an fp32 count and an fp64 one, as torch keeps them under a float64 default dtype),
+    with the lr changed between runs as a scheduler changes it: each run is torch's fused AdamW
+    step, to the bit on the vector body, and the counts are torch's."""
+    kernel = kernel_for(torch.optim.AdamW)
+    gen = torch.Generator().manual_seed(2)
+    sizes = [NUMEL, 3 * 32768 + 7]
+    mains = [torch.randn(n, generator=gen) for n in sizes]
+    refs = [m.clone().requires_grad_(True) for m in mains]
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    group = ref_opt.param_groups[0]
+    states = [
+        {"step": torch.tensor(0.0, dtype=dtype), "exp_avg": torch.zeros(n),
+         "exp_avg_sq": torch.zeros(n)}
+        for n, dtype in zip(sizes, [torch.float32, torch.float64], strict=True)
+    ]  # fmt: skip
+    staging = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    pieces = [KernelPiece(*parts) for parts in zip(mains, staging, states, strict=True)]
+    table = KernelTable(kernel, pieces)
+    for step in range(4):
+        group["lr"] = 1e-2 / (step + 1)
+        for ref, slot in zip(refs, staging, strict=True):
+            grad = torch.randn(slot.numel(), generator=gen).bfloat16()
+            slot.copy_(grad)
+            ref.grad = grad.float()
+        table.run(group)
+        ref_opt.step()
+        for i, (main, ref, state) in enumerate(zip(mains, refs, states, strict=True)):
+            body = main.numel() - main.numel() % 16
+            ref_state = ref_opt.state[ref]
+            assert torch.equal(main[:body], ref.detach()[:body]), f"step {step}, piece {i}"
+            assert torch.equal(state["exp_avg"][:body], ref_state["exp_avg"][:body])
+            assert float(state["step"]) == float(ref_state["step"]) == step + 1
+            assert torch.equal(staging[i], main.bfloat16())
+    assert table.backs(states)
+    replaced = dict(states[1], exp_avg=states[1]["exp_avg"].clone())
+    assert not table.backs([states[0], replaced])
+
+
+def test_a_state_dict_loaded_after_steps_is_the_state_stepped_next() -> None:
+    """Loading replaces the state tensors that the kernel's tables (built by the steps before)
+    point into: the steps after it must step the loaded state, as an optimizer that never
+    stepped before the load does, and the replaced state must not be kept alive."""
+    kernel_for(torch.optim.AdamW)
+    gen = torch.Generator().manual_seed(5)
+
+    def build(params: list[torch.Tensor]) -> HybridDeviceOptimizer:
+        policy = OffloadPolicy(fraction=1.0, chunk_numel=40, num_threads=2)
+        return HybridDeviceOptimizer(groups_of(params), policy=policy, lr=1e-2, weight_decay=0.1)
+
+    def step_with_grads(pairs: list[tuple[HybridDeviceOptimizer, list[torch.Tensor]]]) -> None:
+        grads = [torch.randn(p.shape, generator=gen).bfloat16() for p in pairs[0][1]]
+        for opt, params in pairs:
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad.clone()
+            opt.step()
+
+    params = make_params(torch.bfloat16, "cpu")
+    opt = build(params)
+    assert all(chunk.kernel is not None for chunk in opt._host.chunks)
+    for _ in range(3):
+        step_with_grads([(opt, params)])
+    saved = {
+        "state": {
+            index: {key: value.clone() for key, value in state.items()}
+            for index, state in opt.state_dict()["state"].items()
+        },
+        "param_groups": opt.state_dict()["param_groups"],
+    }
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = build(fresh_params)
+    fresh.load_state_dict(saved)
+    for _ in range(2):  # the run goes on past the save, then rewinds to it
+        step_with_grads([(opt, params)])
+    replaced = weakref.ref(opt._host.chunks[0].pieces[0][1].state["exp_avg"])
+    opt.load_state_dict(saved)
+    gc.collect()
+    assert replaced() is None, "the replaced state is still held"
+    for step in range(2):
+        step_with_grads([(opt, params), (fresh, fresh_params)])
+        for index, (a, b) in enumerate(
+            zip(main_weights(opt, params), main_weights(fresh, fresh_params), strict=True)
+        ):
+            torch.testing.assert_close(a, b, rtol=EXACT[0], atol=EXACT[1], msg=f"{step}: {index}")
 
 
 def test_bf16_rounding_of_special_values_matches_torch() -> None:
