@@ -64,6 +64,7 @@ def test_host_step_timeline_smoke(tmp_path: Path) -> None:
         assert row["num_chunks"] >= 1 and row["kernels_ms"] > 0, row
         assert row["cpu_wall_ms"] >= row["kernels_ms"] > 0, row
     assert len(report["isolated_kernel_ms"]) == 3 and min(report["torch_floor_ms"]) > 0
+    assert min(report["torch_on_run_memory_ms"]) > 0
 
 
 def test_checkpoint_save_smoke(tmp_path: Path) -> None:
