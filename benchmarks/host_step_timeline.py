@@ -15,7 +15,7 @@ backward) split into:
   forward of the units that waited for it).
 
 After the run, interleaved, the kernel steps the same chunks again alone (``isolated_kernel_ms``:
-the kernel's own floor in this process; three more steps of the live optimizer, whose state is
+the kernel's own floor in this process; more steps of the live optimizer, whose state is
 then of no further use), torch's fused CPU AdamW steps the same main weights and state
 (``torch_on_run_memory_ms``) and as many fresh fp32 elements (``torch_floor_ms``). The
 report also names the host's CPU model, usable cores and NUMA nodes (``host``). The wrapped functions are private (``optimizers._host_part``): this is a
@@ -224,9 +224,9 @@ def isolated_ms(
     """After the run, interleaved: the kernel over the run's chunks (``isolated_kernel_ms``: its
     own floor in this process), torch's fused AdamW over the same main weights and state
     (``torch_on_run_memory_ms``) and over fresh tensors of as many elements (``torch_floor_ms``).
-    A kernel slower than torch's floor on the run's memory but not on fresh memory points at the
-    memory, not the code (the two have differed by up to 1.35x between leases). Three more steps
-    of the live optimizer's state: it is of no further use."""
+    Measured interleaved because the host's memory speed moves: on one H100 host the same kernel
+    over the same chunks took 343.7 and then 201.0 ms seconds apart. Each repeat steps the live
+    optimizer's state twice more (kernel and torch): it is of no further use."""
     pieces = [p for part in parts for chunk in part.chunks if chunk.kernel is not None
               for _, p in chunk.pieces]  # fmt: skip
     fresh = [torch.randn(piece.main.numel()) for piece in pieces]
