@@ -226,7 +226,8 @@ def isolated_ms(
     (``torch_on_run_memory_ms``) and over fresh tensors of as many elements (``torch_floor_ms``).
     Measured interleaved because the host's memory speed moves: on one H100 host the same kernel
     over the same chunks took 343.7 and then 201.0 ms seconds apart. Each repeat steps the live
-    optimizer's state twice more (kernel and torch): it is of no further use."""
+    optimizer's state twice more (kernel and torch): it is of no further use. The fresh tensors
+    sit beside the run's, so this needs about twice the run's host memory (fine at 1B)."""
     pieces = [p for part in parts for chunk in part.chunks if chunk.kernel is not None
               for _, p in chunk.pieces]  # fmt: skip
     fresh = [torch.randn(piece.main.numel()) for piece in pieces]

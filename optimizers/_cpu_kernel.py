@@ -256,6 +256,16 @@ def _count_of(step: torch.Tensor) -> ctypes.c_float | ctypes.c_double:
     return count_type.from_address(step.data_ptr())
 
 
+class _Pointed(NamedTuple):
+    """The tensors one table entry points into (held, so that the pointers stay valid)."""
+
+    main: torch.Tensor
+    staging: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+
+
 class KernelTable:
     """The kernel's call over fixed pieces: the C table of their buffers filled in once, then
     run step after step.
@@ -272,7 +282,7 @@ class KernelTable:
     _kernel: CpuAdamKernel
     _function: Any  # the C entry point for the staging dtype
     _entries: ctypes.Array  # one _AdamPiece per piece, pointers filled in
-    _held: list[tuple[torch.Tensor, ...]]  # per piece: main, staging, exp_avg, exp_avg_sq, step
+    _held: list[_Pointed]  # per piece
     _counts: list[ctypes.c_float | ctypes.c_double]  # per piece: its step count, in place
 
     def __init__(self, kernel: CpuAdamKernel, pieces: Sequence[KernelPiece]) -> None:
@@ -287,16 +297,18 @@ class KernelTable:
                     f"expected every staging in {dtype}, got {piece.staging.dtype}"
                 )
             state = piece.state
-            self._held.append(
-                (piece.main, piece.staging, state["exp_avg"], state["exp_avg_sq"], state["step"])
+            held = _Pointed(
+                piece.main, piece.staging, state["exp_avg"], state["exp_avg_sq"], state["step"]
             )
-            self._counts.append(_count_of(state["step"]))
+            self._held.append(held)
+            self._counts.append(_count_of(held.step))
         self._kernel = kernel
         self._entries = (_AdamPiece * len(pieces))(
             *(
-                _AdamPiece(main.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                           staging.data_ptr(), main.numel(), _AdamArgs())
-                for main, staging, exp_avg, exp_avg_sq, _ in self._held
+                _AdamPiece(held.main.data_ptr(), held.exp_avg.data_ptr(),
+                           held.exp_avg_sq.data_ptr(), held.staging.data_ptr(),
+                           held.main.numel(), _AdamArgs())
+                for held in self._held
             )
         )  # fmt: skip
         library = kernel.library
@@ -307,9 +319,9 @@ class KernelTable:
     def backs(self, states: Sequence[dict[str, Any]]) -> bool:
         """Whether ``states`` (the pieces' state dicts, in order) hold the tensors it points into."""
         return len(states) == len(self._held) and all(
-            state.get("exp_avg") is held[2]
-            and state.get("exp_avg_sq") is held[3]
-            and state.get("step") is held[4]
+            state.get("exp_avg") is held.exp_avg
+            and state.get("exp_avg_sq") is held.exp_avg_sq
+            and state.get("step") is held.step
             for state, held in zip(states, self._held, strict=True)
         )
 
