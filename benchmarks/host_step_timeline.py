@@ -14,6 +14,19 @@ backward) split into:
 - ``tail``: the last kernel -> the end of the next step's first forward (its last H2D, the
   forward of the units that waited for it).
 
+With ``--floor-every K`` the floor is also sampled *between* training steps: before every K-th
+step (from the third), once the worker and the copier are done with the step in flight and the
+device is idle, torch's fused CPU AdamW steps fresh fp32 tensors of as many elements as the host
+step, with all the host's cores (``interleaved_floor_ms``). The rows a sample disturbs are left
+out (``steady``: the row holding it, and for a delayed update also the next, whose wait for the
+CPU step the sample took); each other row is set against the samples just before and after it
+(``interleaved``):
+its ``ratio`` is iteration / (backward + floor) for the exact step and iteration / max(forward +
+backward, floor) for a delayed update (``-- --delayed-update``), issue 17's bounds (targets 1.10
+and 1.15). The host's memory speed moves by up to 1.7x within seconds on the lent hosts, so a
+floor measured after the run (as ``e2e_gpt.py`` does) can be off by as much; samples seconds apart
+from the step they bound are the fair measure.
+
 After the run, interleaved, the kernel steps the same chunks again alone (``isolated_kernel_ms``:
 the kernel's own floor in this process; more steps of the live optimizer, whose state is
 then of no further use), torch's fused CPU AdamW steps the same main weights and state
@@ -24,6 +37,10 @@ printed; flags after ``--`` go to the example (``-- --delayed-update``)::
 
     torchrun --standalone --nproc-per-node 1 benchmarks/host_step_timeline.py --out $OUT/tl \\
         -- --device cuda --preset 1b --offload-fraction 1 --steps 12
+    torchrun --standalone --nproc-per-node 1 benchmarks/host_step_timeline.py --floor-every 2 \\
+        --out $OUT/tl -- --device cuda --preset 1b --offload-fraction 1 --steps 16
+    torchrun --standalone --nproc-per-node 1 benchmarks/host_step_timeline.py --floor-every 3 \\
+        --out $OUT/tl -- --device cuda --preset 1b --offload-fraction 1 --steps 20 --delayed-update
     python benchmarks/host_step_timeline.py --out runs/tl -- --device cpu --preset tiny --steps 4
 """
 
@@ -79,6 +96,7 @@ class Recorder:
         self.starts: list[float] = []  # when each HostPart.start began
         self.steps: list[StepMarks] = []
         self.parts: list[host_part.HostPart] = []
+        self.floor: FloorSampler | None = None  # --floor-every: samples between steps
         self._timing_of: dict[int, ChunkTiming] = {}  # id(job) -> its timing, while it runs
 
     def install(self) -> None:
@@ -119,6 +137,8 @@ class Recorder:
 
         class Timer(reporting.PhaseTimer):
             def start_step(self) -> None:
+                if recorder.floor is not None:  # before t0: in the last row, not this step
+                    recorder.floor.maybe_sample(len(recorder.steps), recorder.parts)
                 super().start_step()
                 self.t0 = now()
                 if self._module is not None:  # the device is idle: the last step synchronized
@@ -165,6 +185,8 @@ def split_steps(recorder: Recorder) -> list[dict[str, float]]:
         rows.append({
             "step": k,
             "iteration_ms": 1e3 * (next_backward_end - backward_end),
+            "forward_ms": 1e3 * _phase_seconds(after, "forward"),  # the next step's: in the row
+            "backward_ms": 1e3 * _phase_seconds(after, "backward"),
             "lag_ms": 1e3 * (first - backward_end),
             "cpu_wall_ms": 1e3 * (last - first),
             "kernels_ms": 1e3 * kernels,
@@ -175,6 +197,108 @@ def split_steps(recorder: Recorder) -> list[dict[str, float]]:
             "most_pieces_kernel_ms": 1e3 * (most.kernel_end - most.kernel_start),
         })  # fmt: skip
     return rows
+
+
+def _phase_seconds(step: StepMarks, name: str) -> float:
+    return sum(end - start for phase, start, end in step.phases if phase == name)
+
+
+class FloorSampler:
+    """torch's fused CPU AdamW over fresh fp32 tensors as large as the host step (all the host's
+    cores), timed before every ``every``-th training step from the third, with the host step
+    quiet: the CPU AdamW floor at the moment of the steps around it."""
+
+    def __init__(self, every: int, num_threads: int) -> None:
+        self.every = every
+        self.num_threads = num_threads
+        self.samples: list[tuple[int, float]] = []  # (the step it preceded, ms)
+        self._step: Callable[[], None] | None = None  # built at the first sample
+
+    def maybe_sample(self, step_index: int, parts: list[host_part.HostPart]) -> None:
+        """Before step ``step_index``: builds the tensors and state before the second step (in
+        the first row, which no report holds), then samples before every ``every``-th."""
+        if not parts or not (step_index == 1 or (step_index >= 2 and step_index % self.every == 0)):
+            return
+        _wait_until_quiet(parts)
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads)
+        try:
+            if self._step is None:  # its first step (state, page faults) is not a sample
+                numel = sum(chunk.main.numel() for part in parts for chunk in part.chunks)
+                self._step = _torch_over([torch.randn(numel)], None)
+            if step_index >= 2:
+                start = now()
+                self._step()
+                self.samples.append((step_index, 1e3 * (now() - start)))
+        finally:
+            torch.set_num_threads(before)
+
+    def run_once(self) -> float:
+        """One more timed step, for the floors after the run (``isolated_ms``)."""
+        if self._step is None:
+            raise AssertionError("expected a sample taken during the run")
+        start = now()
+        self._step()
+        return 1e3 * (now() - start)
+
+
+def _wait_until_quiet(parts: list[host_part.HostPart]) -> None:
+    """Waits until the worker stepped every chunk in flight and the copier queued their copies,
+    then until the device ran them: nothing of the host step runs during a floor sample. Nothing
+    is completed, so the step then goes on as it would have (a delayed update keeps its lag)."""
+    for part in parts:
+        pending = part.pending
+        if pending is not None:
+            pending.wait_worker()
+        if part._copier is not None:  # runs in order: a no-op is done after the last copy
+            part._copier.submit(int).result()
+        module = torch.get_device_module(part.engine.device)
+        if part.engine.device.type != "cpu":
+            module.synchronize()
+
+
+def steady(k: int, sampled: set[int], *, delayed: bool) -> bool:
+    """Whether row ``k`` (from the end of backward k to that of k + 1) ran as in a run with no
+    samples. A sample before step j lies in row j - 1. A delayed update's row also starts by
+    waiting for the CPU step launched in the row before, which a sample before step k (or the
+    example's settled first step, for row 1) has already waited for."""
+    if k + 1 in sampled:
+        return False
+    return not delayed or (k >= 2 and k not in sampled)
+
+
+def interleaved_rows(
+    rows: list[dict[str, float]], samples: list[tuple[int, float]], *, delayed: bool
+) -> dict[str, Any]:
+    """The steady rows, each against the last sample before it and the first after it."""
+    floor_before = dict(samples)
+    bound_name = "max(forward + backward, floor)" if delayed else "backward + floor"
+    kept = []
+    for row in rows:
+        k = row["step"]
+        if not steady(k, set(floor_before), delayed=delayed):
+            continue
+        before = [j for j in floor_before if j <= k]
+        after = [j for j in floor_before if j >= k + 2]
+        around = [floor_before[j] for j in (max(before, default=None), min(after, default=None))
+                  if j is not None]  # fmt: skip
+        if not around:
+            continue
+        floor = sum(around) / len(around)
+        if delayed:
+            bound = max(row["forward_ms"] + row["backward_ms"], floor)
+        else:
+            bound = row["backward_ms"] + floor
+        kept.append({"step": k, "iteration_ms": row["iteration_ms"], "floor_ms": around,
+                     "bound_ms": bound, "ratio": row["iteration_ms"] / bound})  # fmt: skip
+    ratios = sorted(row["ratio"] for row in kept)
+    return {
+        "bound": f"iteration / ({bound_name})",
+        "target": 1.15 if delayed else 1.10,  # issue 17
+        "rows": kept,
+        "ratio_median": ratios[len(ratios) // 2] if ratios else None,
+        "ratio_max": ratios[-1] if ratios else None,
+    }
 
 
 @torch.no_grad()
@@ -219,7 +343,10 @@ def _torch_over(
 
 
 def isolated_ms(
-    parts: list[host_part.HostPart], num_threads: int, repeat: int = 3
+    parts: list[host_part.HostPart],
+    num_threads: int,
+    repeat: int = 3,
+    floor: FloorSampler | None = None,
 ) -> dict[str, list[float]]:
     """After the run, interleaved: the kernel over the run's chunks (``isolated_kernel_ms``: its
     own floor in this process), torch's fused AdamW over the same main weights and state
@@ -227,14 +354,18 @@ def isolated_ms(
     Measured interleaved because the host's memory speed moves: on one H100 host the same kernel
     over the same chunks took 343.7 and then 201.0 ms seconds apart. Each repeat steps the live
     optimizer's state twice more (kernel and torch): it is of no further use. The fresh tensors
-    sit beside the run's, so this needs about twice the run's host memory (fine at 1B)."""
+    sit beside the run's, so this needs about twice the run's host memory (fine at 1B); with
+    ``floor`` (a sampler that ran during the run) its tensors are the fresh ones."""
     pieces = [p for part in parts for chunk in part.chunks if chunk.kernel is not None
               for _, p in chunk.pieces]  # fmt: skip
-    fresh = [torch.randn(piece.main.numel()) for piece in pieces]
+    if floor is None or not floor.samples:
+        fresh_floor = _torch_over([torch.randn(piece.main.numel()) for piece in pieces], None)
+    else:
+        fresh_floor = floor.run_once
     runs = {
         "isolated_kernel_ms": _kernel_over_chunks(parts),
         "torch_on_run_memory_ms": _torch_over([p.main for p in pieces], [p.state for p in pieces]),
-        "torch_floor_ms": _torch_over(fresh, None),
+        "torch_floor_ms": fresh_floor,
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     before = torch.get_num_threads()
@@ -274,21 +405,38 @@ def main() -> None:
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/host_step_timeline"))
+    parser.add_argument("--floor-every", type=int, default=0, metavar="K",
+                        help="sample the CPU AdamW floor before every K-th step (K >= 2; 0: not "
+                        "during the run)")  # fmt: skip
     args = parser.parse_args(argv[:split])
+    if args.floor_every == 1 or args.floor_every < 0:
+        parser.error(f"--floor-every must be 0 or at least 2, got {args.floor_every}: a row "
+                     "holding a sample is left out, so every step cannot have one")  # fmt: skip
     example = argv[split + 1 :]
     args.out.mkdir(parents=True, exist_ok=True)
     recorder = Recorder()
+    if args.floor_every:
+        recorder.floor = FloorSampler(args.floor_every, len(os.sched_getaffinity(0)))
     recorder.install()
     log = train_gpt.main([*example, "--quiet", "--eval-every", "0", "--out", str(args.out / "run")])
     threads = [part.threads.num_threads for part in recorder.parts if part.threads is not None]
+    rows = split_steps(recorder)
     report: dict[str, Any] = {
         "example_flags": example,
+        # With --floor-every, the log's mean leaves out the waits before the samples (they lie
+        # between its steps): read the rows instead.
         "iteration_ms": log["summary"]["iteration_ms"],
         "threads": threads,
-        "steps": split_steps(recorder),
-        **isolated_ms(recorder.parts, max(threads, default=os.cpu_count() or 1)),
-        "host": describe_host(),
+        "steps": rows,
     }
+    if recorder.floor is not None:
+        report["interleaved_floor_ms"] = recorder.floor.samples
+        report["interleaved"] = interleaved_rows(
+            rows, recorder.floor.samples, delayed="--delayed-update" in example
+        )
+    threads_after = max(threads, default=os.cpu_count() or 1)
+    report.update(isolated_ms(recorder.parts, threads_after, floor=recorder.floor))
+    report["host"] = describe_host()
     recorder.parts.clear()
     gc.collect()
     (args.out / "timeline.json").write_text(json.dumps(report, indent=1))
@@ -297,6 +445,16 @@ def main() -> None:
                          for key, value in row.items()))  # fmt: skip
     for key in ("isolated_kernel_ms", "torch_on_run_memory_ms", "torch_floor_ms"):
         print(f"{key}: {', '.join(f'{ms:.1f}' for ms in report[key])}")
+    if "interleaved" in report:
+        interleaved = report["interleaved"]
+        samples = ", ".join(f"{ms:.1f} (step {j})" for j, ms in report["interleaved_floor_ms"])
+        print(f"interleaved floor samples, ms (before step): {samples}")
+        for row in interleaved["rows"]:
+            floors = ", ".join(f"{ms:.1f}" for ms in row["floor_ms"])
+            print(f"step {row['step']}: iteration {row['iteration_ms']:.1f}, floor {floors}, "
+                  f"bound {row['bound_ms']:.1f}, ratio {row['ratio']:.3f}")  # fmt: skip
+        print(f"{interleaved['bound']}: median {interleaved['ratio_median']}, max "
+              f"{interleaved['ratio_max']} (target {interleaved['target']})")  # fmt: skip
     print(f"host: {report['host']}")
 
 

@@ -67,6 +67,44 @@ def test_host_step_timeline_smoke(tmp_path: Path) -> None:
     assert min(report["torch_on_run_memory_ms"]) > 0
 
 
+def test_host_step_timeline_samples_the_floor_between_steps(tmp_path: Path) -> None:
+    run_script("host_step_timeline.py", "--floor-every", "2", "--out", str(tmp_path), "--",
+               "--device", "cpu", "--preset", "tiny", "--steps", "6", "--offload-fraction", "1")  # fmt: skip
+    report = json.loads((tmp_path / "timeline.json").read_text())
+    assert [j for j, _ in report["interleaved_floor_ms"]] == [2, 4]  # before steps 2 and 4
+    # (the sampler's tensors and state were built before step 1, in row 0, not a sample)
+    assert min(ms for _, ms in report["interleaved_floor_ms"]) > 0
+    interleaved = report["interleaved"]
+    assert [row["step"] for row in interleaved["rows"]] == [2, 4]  # rows 1 and 3 hold a sample
+    assert interleaved["target"] == 1.10 and interleaved["ratio_median"] > 0
+    assert len(report["torch_floor_ms"]) == 3  # after the run, on the sampler's tensors
+
+
+def test_interleaved_rows_pair_each_row_with_the_samples_around_it() -> None:
+    from host_step_timeline import interleaved_rows
+
+    rows = [{"step": k, "iteration_ms": 300.0 + k, "forward_ms": 30.0, "backward_ms": 60.0}
+            for k in range(1, 7)]  # fmt: skip
+    samples = [(2, 200.0), (4, 240.0), (6, 100.0)]  # in rows 1, 3 and 5
+    exact = interleaved_rows(rows, samples, delayed=False)
+    assert [row["step"] for row in exact["rows"]] == [2, 4, 6]
+    assert [row["floor_ms"] for row in exact["rows"]] == [[200.0, 240.0], [240.0, 100.0], [100.0]]
+    assert [row["bound_ms"] for row in exact["rows"]] == [280.0, 230.0, 160.0]
+    assert exact["ratio_median"] == pytest.approx(304.0 / 230.0)
+    assert exact["ratio_max"] == pytest.approx(306.0 / 160.0)
+    # A delayed update's row after a sample is not steady either (the sample waited for its
+    # CPU step), nor row 1 (the example settles the first step).
+    delayed = interleaved_rows(rows, [(3, 200.0), (6, 100.0)], delayed=True)
+    assert [row["step"] for row in delayed["rows"]] == [4]  # rows 1, 2, 3, 5 and 6 are not
+    assert delayed["rows"][0]["floor_ms"] == [200.0, 100.0]
+    assert delayed["rows"][0]["bound_ms"] == 150.0  # max(fwd + bwd = 90, floor 150)
+    assert delayed["target"] == 1.15
+    late = interleaved_rows(rows, [(2, 50.0), (5, 60.0)], delayed=True)
+    assert [row["step"] for row in late["rows"]] == [3, 6]
+    assert [row["bound_ms"] for row in late["rows"]] == [90.0, 90.0]  # fwd + bwd above floor
+    assert interleaved_rows(rows, [], delayed=False)["ratio_median"] is None
+
+
 def test_checkpoint_save_smoke(tmp_path: Path) -> None:
     run_script("checkpoint_save.py", "--smoke", "--reps", "1", "--out", str(tmp_path))
     report = json.loads((tmp_path / "results.json").read_text())
