@@ -249,11 +249,15 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             model = parallelize(model, mesh["tp"])
             groups = weight_decay_groups(model, weight_decay=0.1)
         adamw = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
+        interval = {} if args.gil_switch_interval is None else {
+            "gil_switch_interval": args.gil_switch_interval or None  # 0: leave it alone
+        }
         policy = zero_shard.OffloadPolicy(
             fraction=args.offload_fraction,
             num_threads=args.threads,
             delayed_update=args.delayed_update,
             delayed_update_warmup=args.delayed_update_warmup,
+            **interval,
         )
         optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
         scaler_type = zero_shard.GradScaler
@@ -699,6 +703,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(dp, tp) mesh, zero-shard sharding over dp; zero-shard only")  # fmt: skip
     add("--threads", type=int, help="CPU optimizer threads per rank (the peers: torch's "
         "intra-op threads); default: cores / ranks")  # fmt: skip
+    add("--gil-switch-interval", type=float, metavar="SECONDS", help="the GIL switch interval "
+        "while zero-shard's CPU step is in flight (0: leave the interpreter's alone); default: "
+        "OffloadPolicy's")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
     add("--delayed-update-warmup", type=int, default=0, metavar="STEPS", help="with "

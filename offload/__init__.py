@@ -5,6 +5,7 @@ This layer knows no optimizer and no process group.
 
 from ._copy_engine import CopyEngine, CopyPair, copy_async
 from ._flag import HostFlag
+from ._gil import SwitchInterval, check_switch_interval, switch_interval
 from ._host_memory import check_host_memory, format_bytes, local_world_size
 from ._phases import phase
 from ._pinned import HostBufferRequest, HostBuffers
@@ -26,8 +27,10 @@ __all__ = [
     "HostBufferRequest",
     "HostBuffers",
     "HostFlag",
+    "SwitchInterval",
     "ThreadBudget",
     "check_host_memory",
+    "check_switch_interval",
     "copy_async",
     "current_stream",
     "format_bytes",
@@ -37,6 +40,7 @@ __all__ = [
     "record_event",
     "resolve_thread_budget",
     "side_stream",
+    "switch_interval",
     "usable_cores",
     "use_device",
     "use_stream",

@@ -32,6 +32,9 @@ is completed, after the next backward, which reads the params they overwrite; it
 staging until then. The next step's D2H into a buffer waits for the last H2D out of it, so each
 chunk's grads go in as soon as its weights are out, not after every chunk's.
 
+While a step is in flight, the interpreter's GIL switch interval is shortened: the worker takes
+the GIL back after each chunk's kernel (see [Note: GIL switch interval] in offload/_gil.py).
+
 The worker touches a buffer only after the D2H into it completed, and until it queued the H2D
 out of it. This assumes that forward and backward run on the stream that was current when
 ``step()`` ran (as in ordinary training); a model run on another stream must make that stream
@@ -59,6 +62,7 @@ from offload import (
     current_stream,
     phase,
     record_event,
+    switch_interval,
     use_device,
     wait_event,
 )
@@ -147,6 +151,9 @@ class HostPart:
     _last_step: HostStep | None  # the last step started: when each staging buffer is free again
     _found_inf: HostFlag  # the step's found_inf on its way to the worker (reused each step: the
     #                      step in flight is settled before the next start sends another)
+    switch_interval: float | None  # the GIL switch interval while a step is in flight (see
+    #                                [Note: GIL switch interval]); None: left alone
+    _holds_interval: bool  # whether the step in flight holds the shorter interval
 
     def __init__(
         self,
@@ -161,6 +168,7 @@ class HostPart:
         num_state_tensors: int,
         kernel: CpuAdamKernel | None,
         ring: bool,
+        switch_interval: float | None = None,
     ) -> None:
         cls = optimizer_spec.cls
         kernels = [
@@ -177,6 +185,8 @@ class HostPart:
         self.engine = CopyEngine(device)
         self.threads = threads
         self.ring = ring
+        self.switch_interval = switch_interval
+        self._holds_interval = False
         self._cls = cls
         self.pending = None
         self.num_updates = 0
@@ -342,6 +352,9 @@ class HostPart:
             # Into staging once the last step's H2D out of it is done ([Note: staging ring]).
             h2d_before = None if previous is None else previous.h2d_event_of(job.slot)
             step.queue_d2h(job, after=[start_event, h2d_before])
+        if jobs and self.switch_interval is not None:  # released by _step_done
+            switch_interval.hold(self.switch_interval)
+            self._holds_interval = True
         for position, job in enumerate(jobs):
             later = position + self.num_slots
             successor = jobs[later] if self.ring and later < len(jobs) else None
@@ -363,6 +376,9 @@ class HostPart:
 
     def _step_done(self, step: HostStep) -> None:
         self.pending = None
+        if self._holds_interval:
+            self._holds_interval = False
+            switch_interval.release()
         # A step with no chunk updated nothing here (and nobody read its verdict: no host wait).
         if step.num_chunks and not step.skips():  # read by the worker already
             self.num_updates += 1

@@ -347,6 +347,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             kernel=self._select_cpu_kernel(layout.host_chunks, threads),
             # A delayed update's weights wait in staging until the next backward is done.
             ring=self.policy.host_staging == "bounded" and not self.policy.delayed_update,
+            switch_interval=self.policy.gil_switch_interval,
         )
         self._device = DevicePart(
             trainable,

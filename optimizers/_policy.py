@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from offload import check_switch_interval
+
 __all__ = ["CPU_KERNELS", "DEVICE_IMPLS", "HOST_STAGING", "OffloadPolicy"]
 
 DEVICE_IMPLS = ("torch", "apex", "te")
@@ -71,6 +73,12 @@ class OffloadPolicy:
             delayed update always uses ``"per_chunk"``; so does ``zero_shard.wrap`` for a DDP
             model, whose grads are the model's own and may be zeroed in place right after
             ``step()``.
+        gil_switch_interval: seconds. While the CPU's share of a step is in flight, the
+            interpreter's GIL switch interval (``sys.setswitchinterval``) is shortened to this if
+            it is longer, and put back once the step is complete (unless changed meanwhile). The
+            worker takes the GIL back after each chunk's kernel; with Python's default of 5 ms it
+            may wait that long for a thread running Python (the next forward), chunk after
+            chunk. ``None`` leaves the interval alone. Default 0.0005.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
@@ -86,6 +94,7 @@ class OffloadPolicy:
     delayed_update: bool = False
     delayed_update_warmup: int = 0
     host_staging: str = "bounded"
+    gil_switch_interval: float | None = 0.0005
 
     def __post_init__(self) -> None:
         fraction = self.fraction
@@ -127,5 +136,6 @@ class OffloadPolicy:
             raise ValueError(
                 f"host_staging must be one of {HOST_STAGING}, got {self.host_staging!r}"
             )
+        check_switch_interval(self.gil_switch_interval)
         if self.device_impl not in DEVICE_IMPLS:
             raise ValueError(f"device_impl must be one of {DEVICE_IMPLS}, got {self.device_impl!r}")

@@ -94,6 +94,7 @@ def test_fraction_given_twice() -> None:
         ("num_threads", 0, "num_threads must be a positive integer or None, got 0"),
         ("chunk_numel", 0, "chunk_numel must be a positive integer, got 0"),
         ("device_impl", "cuda", "device_impl must be one of"),
+        ("gil_switch_interval", 0.0, "gil_switch_interval must be a positive number .*got 0.0"),
     ],
 )
 def test_bad_policy(field: str, value: object, message: str) -> None:

@@ -345,6 +345,34 @@ def test_launch_step_completes_chunks_in_the_order_asked(monkeypatch: pytest.Mon
         launched.launch_step(need_order=[0, 0])
 
 
+@pytest.mark.parametrize("interval", [0.0005, None])
+def test_the_gil_switch_interval_is_short_while_a_step_is_in_flight(
+    interval: float | None,
+) -> None:
+    # The worker takes the GIL back after each chunk's kernel: the interval is shortened from
+    # launch until the step is complete, then the user's is back; None leaves it alone.
+    params = make_params(torch.bfloat16, "cpu")
+    cls, kwargs = OPTIMIZERS["adamw"]
+    policy = OffloadPolicy(fraction=1.0, chunk_numel=40, num_threads=2, gil_switch_interval=interval)
+    opt = HybridDeviceOptimizer(groups_of(params), cls, policy=policy, **kwargs)
+    set_grads(params, fp32_copies(params), torch.Generator().manual_seed(0))
+    user = 0.004
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(user)
+    try:
+        pending = opt.launch_step()
+        assert sys.getswitchinterval() == pytest.approx(user if interval is None else interval)
+        pending.wait()
+        assert sys.getswitchinterval() == pytest.approx(user)
+        opt.step()  # step() completes the step before it returns
+        assert sys.getswitchinterval() == pytest.approx(user)
+        opt.zero_grad()
+        opt.launch_step().wait()  # no grads: nothing in flight, nothing held
+        assert sys.getswitchinterval() == pytest.approx(user)
+    finally:
+        sys.setswitchinterval(before)
+
+
 def _snapshot(opt: HybridDeviceOptimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
     state = opt.state_dict()["state"]
     tensors = [p.detach().clone() for p in params]
