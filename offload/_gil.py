@@ -6,11 +6,12 @@ kernel) must take it back when the call returns. If another thread is running Py
 main thread queuing the next forward, a copier building a chunk's copies), CPython hands the GIL
 over only once the waiting thread has waited for the switch interval (``sys.setswitchinterval``,
 5 ms by default) or the running thread blocks. So each chunk may wait up to the interval after
-its kernel, and a step of 64 chunks up to 64 times. Shortening the interval to 0.5 ms while a
-host step is in flight took the median time of a 1B-parameter full-offload step's kernels in the
-run from 269-279 ms to 219-220 ms on one H100 host, where torch's AdamW on as many elements took
-about 205 ms between the same steps (docs/benchmarks/e2e.md). The cost: threads that run Python
-at the same time hand the GIL over more often (each hand-off is a few microseconds).
+its kernel, and a step of 64 chunks up to 64 times. On one H100 host, a 1B-parameter
+full-offload step with the interval at 0.5 ms while the host step is in flight was faster than
+with 5 ms in 6 of 7 alternating pairs of runs (by 7% of its bound, median), its kernels in the
+run 205-236 ms (median per run) against 203-279 ms (docs/benchmarks/e2e.md, eighth session).
+The cost: threads that run Python at the same time hand the GIL over more often (each hand-off
+is a few microseconds).
 
 The interval belongs to the interpreter, so holds are counted: the first shortens it (never
 lengthens it), the last puts back the value it found, unless something else changed the interval
