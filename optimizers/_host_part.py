@@ -153,7 +153,9 @@ class HostPart:
     #                      step in flight is settled before the next start sends another)
     switch_interval: float | None  # the GIL switch interval while a step is in flight (see
     #                                [Note: GIL switch interval]); None: left alone
-    _holds_interval: bool  # whether the step in flight holds the shorter interval
+    _release_interval: weakref.finalize | None  # ends the step in flight's hold on the shorter
+    #     interval: when it is complete, or when it is collected never completed (a dropped
+    #     optimizer); None: no hold
 
     def __init__(
         self,
@@ -186,7 +188,7 @@ class HostPart:
         self.threads = threads
         self.ring = ring
         self.switch_interval = switch_interval
-        self._holds_interval = False
+        self._release_interval = None
         self._cls = cls
         self.pending = None
         self.num_updates = 0
@@ -354,7 +356,7 @@ class HostPart:
             step.queue_d2h(job, after=[start_event, h2d_before])
         if jobs and self.switch_interval is not None:  # released by _step_done
             switch_interval.hold(self.switch_interval)
-            self._holds_interval = True
+            self._release_interval = weakref.finalize(step, switch_interval.release)
         for position, job in enumerate(jobs):
             later = position + self.num_slots
             successor = jobs[later] if self.ring and later < len(jobs) else None
@@ -376,9 +378,9 @@ class HostPart:
 
     def _step_done(self, step: HostStep) -> None:
         self.pending = None
-        if self._holds_interval:
-            self._holds_interval = False
-            switch_interval.release()
+        release, self._release_interval = self._release_interval, None
+        if release is not None:
+            release()  # once: a finalizer runs at most once
         # A step with no chunk updated nothing here (and nobody read its verdict: no host wait).
         if step.num_chunks and not step.skips():  # read by the worker already
             self.num_updates += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import itertools
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -368,6 +370,17 @@ def test_the_gil_switch_interval_is_short_while_a_step_is_in_flight(
         assert sys.getswitchinterval() == pytest.approx(user)
         opt.zero_grad()
         opt.launch_step().wait()  # no grads: nothing in flight, nothing held
+        assert sys.getswitchinterval() == pytest.approx(user)
+        # A step never completed, its optimizer dropped: the hold ends when they are collected.
+        set_grads(params, fp32_copies(params), torch.Generator().manual_seed(1))
+        opt.launch_step()
+        opt._host.wait_for_worker()
+        del opt, pending  # the first step refers to the host part too
+        for _ in range(500):  # until the copier thread let go of the step too
+            gc.collect()
+            if sys.getswitchinterval() == pytest.approx(user):
+                break
+            time.sleep(0.01)
         assert sys.getswitchinterval() == pytest.approx(user)
     finally:
         sys.setswitchinterval(before)
