@@ -355,7 +355,9 @@ def test_the_gil_switch_interval_is_short_while_a_step_is_in_flight(
     # launch until the step is complete, then the user's is back; None leaves it alone.
     params = make_params(torch.bfloat16, "cpu")
     cls, kwargs = OPTIMIZERS["adamw"]
-    policy = OffloadPolicy(fraction=1.0, chunk_numel=40, num_threads=2, gil_switch_interval=interval)
+    policy = OffloadPolicy(
+        fraction=1.0, chunk_numel=40, num_threads=2, gil_switch_interval=interval
+    )
     opt = HybridDeviceOptimizer(groups_of(params), cls, policy=policy, **kwargs)
     set_grads(params, fp32_copies(params), torch.Generator().manual_seed(0))
     user = 0.004
