@@ -249,13 +249,9 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             model = parallelize(model, mesh["tp"])
             groups = weight_decay_groups(model, weight_decay=0.1)
         adamw = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
-        interval = (
-            {}
-            if args.gil_switch_interval is None
-            else {
-                "gil_switch_interval": args.gil_switch_interval or None  # 0: leave it alone
-            }
-        )
+        interval = {}  # unset: the policy's default; 0: leave the interpreter's alone
+        if args.gil_switch_interval is not None:
+            interval["gil_switch_interval"] = args.gil_switch_interval or None
         policy = zero_shard.OffloadPolicy(
             fraction=args.offload_fraction,
             num_threads=args.threads,
