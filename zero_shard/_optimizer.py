@@ -27,7 +27,7 @@ from optimizers import (
 from ._buckets import ShardedParam, norm_grads, shard_grads
 from ._collectives import AllGather, broadcast_tensors
 from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
-from ._norms import clip_coefficient, global_norm, nonfinite_flag
+from ._norms import clip_coefficient, global_norm, nonfinite_flag, scale_grads_
 from ._owners import claim, is_claimed
 from ._setup import (
     NONFINITE_POLICIES,
@@ -300,7 +300,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         coefficient = torch.where(torch.isfinite(norm), coefficient, torch.ones_like(coefficient))
         if grads:
             with self._host_threads():
-                torch._foreach_mul_(grads, coefficient.to(self._device))
+                scale_grads_(grads, coefficient)
         self._window_norm = norm
         self._clipped_marker = self._comm.grads_marker()
         return norm

@@ -7,7 +7,11 @@ import math
 import pytest
 import torch
 
-from zero_shard._norms import global_norm, nonfinite_flag  # private free functions, unit-tested
+from zero_shard._norms import (  # private free functions, unit-tested
+    global_norm,
+    nonfinite_flag,
+    scale_grads_,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -54,3 +58,25 @@ def test_global_norm_on_one_rank_is_torchs(
     norm = global_norm(grads, norm_type, [], torch.device(device))
     assert norm.dtype == torch.float32
     torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_grads_has_the_bits_of_foreach_mul_with_the_fp32_factor(
+    device: str, dtype: torch.dtype
+) -> None:
+    # What torch.nn.utils.clip_grad_norm_ computes (foreach_mul_ by the fp32 factor on the
+    # device), and what a grad-by-grad mul_ computes; the factors include ones that bf16 and
+    # fp16 round, and the empty grad.
+    for value in (0.3183098861837907, 1.0, 1e-3 / 7, 0.999):
+        factor = torch.tensor(value, dtype=torch.float32, device=device)
+        grads = [*grads_of(dtype, device), grads_of(torch.float32, device)[0]]  # mixed dtypes
+        by_foreach = [g.clone() for g in grads]
+        by_tensor = [g.clone() for g in grads]
+        scale_grads_(grads, factor)
+        torch._foreach_mul_(by_foreach, factor)
+        for grad in by_tensor:
+            grad.mul_(factor)
+        for got, foreach, one_by_one in zip(grads, by_foreach, by_tensor, strict=True):
+            assert torch.equal(got, foreach), (value, got.dtype)
+            assert torch.equal(got, one_by_one), (value, got.dtype)
