@@ -14,18 +14,18 @@ backward) split into:
 - ``tail``: the last kernel -> the end of the next step's first forward (its last H2D, the
   forward of the units that waited for it).
 
-With ``--floor-every K`` the floor is also sampled *between* training steps: before every K-th
-step (from the third), once the worker and the copier are done with the step in flight and the
-device is idle, torch's fused CPU AdamW steps fresh fp32 tensors of as many elements as the host
-step, with all the host's cores (``interleaved_floor_ms``). The rows a sample disturbs are left
-out (``steady``: the row holding it, and for a delayed update also the next, whose wait for the
-CPU step the sample took); each other row is set against the samples just before and after it
-(``interleaved``):
-its ``ratio`` is iteration / (backward + floor) for the exact step and iteration / max(forward +
-backward, floor) for a delayed update (``-- --delayed-update``), issue 17's bounds (targets 1.10
-and 1.15). The host's memory speed moves by up to 1.7x within seconds on the lent hosts, so a
-floor measured after the run (as ``e2e_gpt.py`` does) can be off by as much; samples seconds apart
-from the step they bound are the fair measure.
+With ``--floor-every K`` the floor is also sampled *between* training steps: before each step
+whose index (from 0) is a multiple of K, from index 2 on, once the worker and the copier are
+done with the step in flight and the device is idle, torch's fused CPU AdamW steps fresh fp32
+tensors of as many elements as the host step, with all the host's cores
+(``interleaved_floor_ms``). The rows a sample disturbs are left out (``steady``: the row holding
+it, and for a delayed update also the next, whose wait for the CPU step the sample took); each
+other row is set against the samples just before and after it (``interleaved``): its ``ratio``
+is iteration / (backward + floor) for the exact step and iteration / max(forward + backward,
+floor) for a delayed update (``-- --delayed-update``), issue 17's bounds (targets 1.10 and 1.15).
+The host's memory speed moves by up to 1.7x within seconds on the lent hosts, so a floor
+measured after the run (as ``e2e_gpt.py`` does) can be off by as much; samples seconds apart from
+the step they bound are the fair measure.
 
 After the run, interleaved, the kernel steps the same chunks again alone (``isolated_kernel_ms``:
 the kernel's own floor in this process; more steps of the live optimizer, whose state is
@@ -51,6 +51,7 @@ import dataclasses
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -205,8 +206,8 @@ def _phase_seconds(step: StepMarks, name: str) -> float:
 
 class FloorSampler:
     """torch's fused CPU AdamW over fresh fp32 tensors as large as the host step (all the host's
-    cores), timed before every ``every``-th training step from the third, with the host step
-    quiet: the CPU AdamW floor at the moment of the steps around it."""
+    cores), timed before each training step whose index is a multiple of ``every`` (from 2 on),
+    with the host step quiet: the CPU AdamW floor at the moment of the steps around it."""
 
     def __init__(self, every: int, num_threads: int) -> None:
         self.every = every
@@ -252,9 +253,8 @@ def _wait_until_quiet(parts: list[host_part.HostPart]) -> None:
             pending.wait_worker()
         if part._copier is not None:  # runs in order: a no-op is done after the last copy
             part._copier.submit(int).result()
-        module = torch.get_device_module(part.engine.device)
         if part.engine.device.type != "cpu":
-            module.synchronize()
+            torch.get_device_module(part.engine.device).synchronize()
 
 
 def steady(k: int, sampled: set[int], *, delayed: bool) -> bool:
@@ -291,13 +291,13 @@ def interleaved_rows(
             bound = row["backward_ms"] + floor
         kept.append({"step": k, "iteration_ms": row["iteration_ms"], "floor_ms": around,
                      "bound_ms": bound, "ratio": row["iteration_ms"] / bound})  # fmt: skip
-    ratios = sorted(row["ratio"] for row in kept)
+    ratios = [row["ratio"] for row in kept]
     return {
         "bound": f"iteration / ({bound_name})",
         "target": 1.15 if delayed else 1.10,  # issue 17
         "rows": kept,
-        "ratio_median": ratios[len(ratios) // 2] if ratios else None,
-        "ratio_max": ratios[-1] if ratios else None,
+        "ratio_median": statistics.median(ratios) if ratios else None,
+        "ratio_max": max(ratios, default=None),
     }
 
 
