@@ -116,7 +116,8 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def scale_grads_(grads: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiplies ``grads`` in place by ``factor`` (one element), with the bits of
-    ``torch._foreach_mul_(grads, factor)`` (as ``torch.nn.utils.clip_grad_norm_`` scales).
+    ``torch._foreach_mul_(grads, factor)`` (as ``torch.nn.utils.clip_grad_norm_`` scales): the
+    clip's coefficient, and a loss scale's inverse where the grads are unscaled in place.
 
     On CUDA, ``_foreach_mul_`` takes its fused path only for a factor of the grads' dtype; for
     bf16 or fp16 grads and an fp32 factor it multiplies one grad at a time, each factor rounded

@@ -618,7 +618,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._grad_scale = float(inv_scale)
         elif grads:
             with self._host_threads():
-                torch._foreach_mul_(grads, inv_scale.to(self._device))
+                scale_grads_(grads, inv_scale)
         self._checked_by_scaler = True
         return {found_inf.device: found_inf}
 
