@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
+
+from offload import phase
 
 __all__ = ["clip_coefficient", "global_norm", "nonfinite_flag", "scale_grads_"]
 
@@ -88,7 +89,6 @@ def _local_term(
     return norms.pow(norm_type).sum().float()
 
 
-@record_function("zero_shard::norm")
 def global_norm(
     grads: Sequence[torch.Tensor],
     norm_type: float,
@@ -97,16 +97,17 @@ def global_norm(
 ) -> torch.Tensor:
     """The ``norm_type``-norm of all ranks' ``grads`` together, as a 0-dim fp32 tensor on
     ``device`` (the same value on every rank); ``groups`` are those the grads are sharded over."""
-    term = _local_term(grads, norm_type, device).to(device)  # host grads, reduced on the mesh's
-    if math.isinf(norm_type):
-        # A MAX reduction may drop a NaN (gloo keeps the other rank's value); inf survives it.
-        term = torch.nan_to_num(term, nan=math.inf)
-    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    for group in groups:
-        dist.all_reduce(term, op=op, group=group)
-    if math.isinf(norm_type):
-        return term
-    return term.pow(1.0 / norm_type)
+    with phase("zero_shard::norm"):
+        term = _local_term(grads, norm_type, device).to(device)  # host grads: on the mesh's
+        if math.isinf(norm_type):
+            # A MAX reduction may drop a NaN (gloo keeps the other rank's value); inf survives.
+            term = torch.nan_to_num(term, nan=math.inf)
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        for group in groups:
+            dist.all_reduce(term, op=op, group=group)
+        if math.isinf(norm_type):
+            return term
+        return term.pow(1.0 / norm_type)
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -149,7 +150,6 @@ def _all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.isfinite(t).all() for t in device]).all()  # no host wait
 
 
-@record_function("zero_shard::nonfinite_check")
 def nonfinite_flag(
     tensors: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup], device: torch.device
 ) -> torch.Tensor:
@@ -158,10 +158,11 @@ def nonfinite_flag(
     Pass few large tensors where possible (a bucket's whole grad buffer rather than its views):
     each costs two small kernels.
     """
-    tensors = [t for t in tensors if t.numel()]
-    flag = torch.zeros((), dtype=torch.float32, device=device)
-    if tensors:
-        flag = (~_all_finite(tensors)).float().to(device)
-    for group in groups:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return flag
+    with phase("zero_shard::nonfinite_check"):
+        tensors = [t for t in tensors if t.numel()]
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        if tensors:
+            flag = (~_all_finite(tensors)).float().to(device)
+        for group in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return flag
