@@ -53,6 +53,7 @@ class _AdamArgs(ctypes.Structure):
             "decay",
             "step_size",
             "bc2_sqrt",
+            "grad_factor",
             "grad_scale",
         )
     ]
@@ -212,10 +213,12 @@ class CpuAdamKernel:
         pieces: Sequence[KernelPiece],
         group: dict[str, Any],
         grad_scale: float | None = None,
+        grad_factor: float | None = None,
     ) -> None:
         """One Adam step of every piece (of one param group and model dtype), with the grads in
-        their staging (multiplied by ``grad_scale`` in fp32 first, if given); the new weights go
-        there too.
+        their staging (first multiplied by ``grad_factor`` in the model dtype, if given: the
+        factor a value of that dtype, the product rounded to it; then by ``grad_scale`` in fp32,
+        if given); the new weights go there too.
 
         One call steps them all (a chunk of many small params costs one call, one GIL release,
         not one each). The state is torch's per-param state, updated in place, so ``state_dict``
@@ -223,10 +226,14 @@ class CpuAdamKernel:
         build a :class:`KernelTable` once and run it instead.
         """
         if pieces:
-            KernelTable(self, pieces).run(group, grad_scale)
+            KernelTable(self, pieces).run(group, grad_scale, grad_factor)
 
     def coefficients(
-        self, step: float, group: dict[str, Any], grad_scale: float | None
+        self,
+        step: float,
+        group: dict[str, Any],
+        grad_scale: float | None,
+        grad_factor: float | None = None,
     ) -> _AdamArgs:
         """The coefficients of a step numbered ``step`` (counted from 1) for ``group``."""
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
@@ -241,6 +248,7 @@ class CpuAdamKernel:
             decay=1.0 - lr * weight_decay if decoupled else 1.0,
             step_size=lr / (1.0 - beta1**step),
             bc2_sqrt=math.sqrt(1.0 - beta2**step),
+            grad_factor=1.0 if grad_factor is None else grad_factor,
             grad_scale=1.0 if grad_scale is None else grad_scale,
         )
 
@@ -325,7 +333,12 @@ class KernelTable:
             for state, held in zip(states, self._held, strict=True)
         )
 
-    def run(self, group: dict[str, Any], grad_scale: float | None = None) -> None:
+    def run(
+        self,
+        group: dict[str, Any],
+        grad_scale: float | None = None,
+        grad_factor: float | None = None,
+    ) -> None:
         """One Adam step of every piece; see :meth:`CpuAdamKernel.step`."""
         # The counts this step takes, read before anything changes: a failure leaves them.
         steps = [count.value + 1.0 for count in self._counts]
@@ -333,7 +346,9 @@ class KernelTable:
         for entry, step in zip(self._entries, steps, strict=True):
             args = args_of.get(step)
             if args is None:
-                args = args_of[step] = self._kernel.coefficients(step, group, grad_scale)
+                args = args_of[step] = self._kernel.coefficients(
+                    step, group, grad_scale, grad_factor
+                )
             entry.args = args
         if self._function(self._entries, len(self._entries), self._kernel.num_threads) != 0:
             raise MemoryError(  # nothing was stepped

@@ -1,7 +1,10 @@
 /* One pass of Adam / AdamW over a chunk on the CPU, for zero-shard's host share.
  *
- * Reads the model-dtype grad straight from the pinned staging buffer (multiplied in fp32 by an
- * optional grad scale, as torch's path multiplies the fp32 main grad), updates the fp32 main
+ * Reads the model-dtype grad straight from the pinned staging buffer (first multiplied by an
+ * optional grad factor in the model dtype, as a clip's `_foreach_mul_` by a factor of the grads'
+ * dtype multiplies it on the accelerator: in fp32, rounded back to the model dtype; then
+ * multiplied in fp32 by an optional grad scale, as torch's path multiplies the fp32 main grad),
+ * updates the fp32 main
  * weight and both moments, and writes the model-dtype weight back into the same staging slot,
  * so the grad cast and the weight cast cost no pass of their own over host memory. The math
  * is torch's fused CPU Adam/AdamW operation for operation, with its fused multiply-adds where
@@ -43,7 +46,9 @@ struct adam_args {
     float decay;   /* 1 - lr * weight_decay for AdamW, 1 for Adam */
     float step_size;             /* lr / bias_correction1 */
     float bias_correction2_sqrt;
-    float grad_scale;            /* each grad is multiplied by it in fp32 first (1: none) */
+    float grad_factor;  /* each grad is first multiplied by it, rounded to the model dtype (1:
+                         * none); a value of that dtype, so the product is exact in fp32 */
+    float grad_scale;   /* then multiplied by it in fp32 (1: none) */
 };
 
 /* One thread's contiguous range; restrict and local scalars let the compiler vectorize. Adam's
@@ -56,7 +61,8 @@ struct adam_args {
         const float l2 = a.l2, decay = a.decay, one_minus_beta1 = a.one_minus_beta1;          \
         const float beta2 = a.beta2, one_minus_beta2 = a.one_minus_beta2, eps = a.eps;        \
         const float step_size = a.step_size, bc2_sqrt = a.bias_correction2_sqrt;              \
-        const float grad_scale = a.grad_scale;                                                \
+        const float grad_factor = a.grad_factor, grad_scale = a.grad_scale;                   \
+        (void)grad_factor;                                                                    \
         for (int64_t i = begin; i < end; ++i) {                                               \
             float grad = (load_grad) * grad_scale;                                            \
             float weight = param[i];                                                          \
@@ -75,11 +81,16 @@ struct adam_args {
     }
 
 #define LOAD_BF16 bf16_to_float(staging[i])
+#define LOAD_BF16_FACTOR bf16_to_float(float_to_bf16(bf16_to_float(staging[i]) * grad_factor))
 #define STORE_BF16 staging[i] = float_to_bf16(weight)
 ADAM_RANGE(adam_range_bf16, uint16_t, 0, LOAD_BF16, STORE_BF16)
 ADAM_RANGE(adam_range_bf16_l2, uint16_t, 1, LOAD_BF16, STORE_BF16)
+ADAM_RANGE(adam_range_bf16_factor, uint16_t, 0, LOAD_BF16_FACTOR, STORE_BF16)
+ADAM_RANGE(adam_range_bf16_l2_factor, uint16_t, 1, LOAD_BF16_FACTOR, STORE_BF16)
 ADAM_RANGE(adam_range_f32, float, 0, staging[i], staging[i] = weight)
 ADAM_RANGE(adam_range_f32_l2, float, 1, staging[i], staging[i] = weight)
+ADAM_RANGE(adam_range_f32_factor, float, 0, staging[i] * grad_factor, staging[i] = weight)
+ADAM_RANGE(adam_range_f32_l2_factor, float, 1, staging[i] * grad_factor, staging[i] = weight)
 
 /* One piece of a chunk: its fp32 weight and moments, its staging slots, and its coefficients
  * (pieces of one chunk may be at different step counts). */
@@ -112,7 +123,7 @@ static inline int64_t piece_of_block(const int64_t *first_block, int64_t num_pie
  * parallel region, as a static split would. Returns 0, or -1 if the block table could not be
  * allocated (nothing was stepped then). */
 #define ADAM_BLOCK 32768
-#define ADAM_ENTRY(name, range, range_l2, grad_t)                                               \
+#define ADAM_ENTRY(name, range, range_l2, range_f, range_l2_f, grad_t)                           \
     int name(const struct adam_piece *pieces, int64_t num_pieces, int num_threads) {           \
         int64_t *first_block = malloc((size_t)(num_pieces + 1) * sizeof *first_block);          \
         if (first_block == NULL) return -1;                                                    \
@@ -127,18 +138,20 @@ static inline int64_t piece_of_block(const int64_t *first_block, int64_t num_pie
             int64_t begin = (block - first_block[piece - pieces]) * ADAM_BLOCK;                \
             int64_t end = begin + ADAM_BLOCK < piece->numel ? begin + ADAM_BLOCK : piece->numel; \
             grad_t *staging = (grad_t *)piece->staging;                                        \
-            if (piece->args.l2 != 0.0f)                                                        \
-                range_l2(piece->param, piece->exp_avg, piece->exp_avg_sq, staging, begin, end, \
-                         piece->args);                                                         \
-            else                                                                               \
-                range(piece->param, piece->exp_avg, piece->exp_avg_sq, staging, begin, end,    \
-                      piece->args);                                                            \
+            const int l2 = piece->args.l2 != 0.0f, factor = piece->args.grad_factor != 1.0f;   \
+            void (*run)(float *, float *, float *, grad_t *, int64_t, int64_t,                 \
+                        struct adam_args) =                                                    \
+                l2 ? (factor ? range_l2_f : range_l2) : (factor ? range_f : range);            \
+            run(piece->param, piece->exp_avg, piece->exp_avg_sq, staging, begin, end,          \
+                piece->args);                                                                  \
         }                                                                                      \
         free(first_block);                                                                     \
         return 0;                                                                              \
     }
 
 /* staging: bf16 grads in, bf16 weights out (the same slots). */
-ADAM_ENTRY(zero_shard_adam_bf16, adam_range_bf16, adam_range_bf16_l2, uint16_t)
+ADAM_ENTRY(zero_shard_adam_bf16, adam_range_bf16, adam_range_bf16_l2, adam_range_bf16_factor,
+           adam_range_bf16_l2_factor, uint16_t)
 /* staging: fp32 grads in, fp32 weights out. */
-ADAM_ENTRY(zero_shard_adam_f32, adam_range_f32, adam_range_f32_l2, float)
+ADAM_ENTRY(zero_shard_adam_f32, adam_range_f32, adam_range_f32_l2, adam_range_f32_factor,
+           adam_range_f32_l2_factor, float)

@@ -35,22 +35,38 @@ def kernel_for(cls: type) -> CpuAdamKernel:
 
 
 @pytest.mark.parametrize(
-    ("cls", "dtype", "weight_decay", "grad_scale"),
+    ("cls", "dtype", "weight_decay", "grad_scale", "grad_factor"),
     [
         *itertools.product(
             [torch.optim.AdamW, torch.optim.Adam],
             [torch.bfloat16, torch.float32],
             [0.0, 0.1],
             [None],
+            [None],
         ),
         # A grad scale applied in fp32 to the widened grad, as torch's path scales the fp32
         # main grad (a bf16 multiply first would round the scaled grad to bf16).
-        (torch.optim.AdamW, torch.bfloat16, 0.1, 0.3),
-        (torch.optim.Adam, torch.float32, 0.1, 2.0**-7),
+        (torch.optim.AdamW, torch.bfloat16, 0.1, 0.3, None),
+        (torch.optim.Adam, torch.float32, 0.1, 2.0**-7, None),
+        # A grad factor (a clip's) applied in the model dtype first, as `_foreach_mul_` by a
+        # factor of the grads' dtype multiplies the grads on the accelerator.
+        *itertools.product(
+            [torch.optim.AdamW, torch.optim.Adam],
+            [torch.bfloat16, torch.float32],
+            [0.0, 0.1],
+            [None],
+            [0.3713],
+        ),
+        (torch.optim.Adam, torch.bfloat16, 0.1, 2.0**-7, 0.0517),
+        (torch.optim.AdamW, torch.float32, 0.1, 0.3, 1e-3),
     ],
 )
 def test_same_bits_as_torch_fused_on_the_vector_body(
-    cls: type, dtype: torch.dtype, weight_decay: float, grad_scale: float | None
+    cls: type,
+    dtype: torch.dtype,
+    weight_decay: float,
+    grad_scale: float | None,
+    grad_factor: float | None,
 ) -> None:
     kernel = kernel_for(cls)
     gen = torch.Generator().manual_seed(0)
@@ -64,11 +80,19 @@ def test_same_bits_as_torch_fused_on_the_vector_body(
         "exp_avg_sq": torch.zeros(NUMEL),
     }
     body = NUMEL - NUMEL % 16
+    factor = None if grad_factor is None else torch.tensor(grad_factor).to(dtype)
     for step in range(4):
         grad = torch.randn(NUMEL, generator=gen).to(dtype)
+        grad[:7] = torch.tensor([0.0, -0.0, 1e-30, 3e-38, -1e-39, 1e30, 65504.0]).to(dtype)
         staging = grad.clone()
-        ref.grad = grad.float() if grad_scale is None else grad.float() * grad_scale
-        kernel.step([KernelPiece(main, staging, state)], group, grad_scale)
+        factored = grad if factor is None else torch._foreach_mul([grad], factor)[0]
+        ref.grad = factored.float() if grad_scale is None else factored.float() * grad_scale
+        kernel.step(
+            [KernelPiece(main, staging, state)],
+            group,
+            grad_scale,
+            None if factor is None else factor.item(),
+        )
         ref_opt.step()
         torch.testing.assert_close(main, ref.detach(), rtol=SAME_KERNEL[0], atol=SAME_KERNEL[1])
         assert torch.equal(main[:body], ref.detach()[:body]), f"step {step}: weights"
