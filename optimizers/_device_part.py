@@ -145,10 +145,12 @@ class DevicePart:
         grads: dict[int, torch.Tensor],
         grad_scale: float | None = None,
         found_inf: torch.Tensor | None = None,
+        grad_factor: torch.Tensor | None = None,
     ) -> None:
         """Steps every piece whose param has a grad in ``grads`` (1-D, by record index), the
-        grads multiplied by ``grad_scale`` in fp32 if given; nothing changes where ``found_inf``
-        (one element, on the device) is nonzero.
+        grads multiplied by ``grad_factor`` (one element, on the device) in their dtype, in
+        place, and then by ``grad_scale`` in fp32, where given; nothing changes where
+        ``found_inf`` (one element, on the device) is nonzero.
 
         Runs on the current stream, so it is ordered after backward and before the next forward
         with no synchronization (none for ``found_inf`` either where ``skips_on_device``).
@@ -164,7 +166,7 @@ class DevicePart:
         flag = found_inf.reshape(()) if skip_on_device else None
         with phase("zero_shard::device_step"):
             for round_ in self.rounds:
-                self._step_round(round_, grads, grad_scale, flag)
+                self._step_round(round_, grads, grad_scale, flag, grad_factor)
 
     def _step_round(
         self,
@@ -172,6 +174,7 @@ class DevicePart:
         grads: dict[int, torch.Tensor],
         grad_scale: float | None,
         found_inf: torch.Tensor | None,
+        grad_factor: torch.Tensor | None,
     ) -> None:
         cast_dst, cast_src, written_params, written_mains, in_place = [], [], [], [], []
         offset = 0
@@ -196,6 +199,8 @@ class DevicePart:
             written_mains.append(piece.main)
         if not cast_dst and not in_place:
             return
+        if grad_factor is not None:
+            scale_in_dtype_(cast_src + in_place, grad_factor)
         if cast_dst:
             torch._foreach_copy_(cast_dst, cast_src)
         if grad_scale is not None:
@@ -241,3 +246,14 @@ def _split_rounds(
         rounds[-1].append(spec)
         numel += size
     return rounds
+
+
+def scale_in_dtype_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiplies ``tensors`` in place by ``factor`` (one element) rounded to each one's dtype,
+    the products rounded to it: ``torch._foreach_mul_`` by a factor of the tensors' dtype (on
+    CUDA its fused path), as the CPU's share of a step multiplies its grads on the host."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for dtype, group in by_dtype.items():
+        torch._foreach_mul_(group, factor.reshape(()).to(device=group[0].device, dtype=dtype))

@@ -35,6 +35,9 @@ chunk's grads go in as soon as its weights are out, not after every chunk's.
 While a step is in flight, the interpreter's GIL switch interval is shortened: the worker takes
 the GIL back after each chunk's kernel (see [Note: GIL switch interval] in offload/_gil.py).
 
+With a buffer per chunk, the grads of a chunk may instead be copied while backward runs, before
+the step (see [Note: early grad copies] in _early.py).
+
 The worker touches a buffer only after the D2H into it completed, and until it queued the H2D
 out of it. This assumes that forward and backward run on the stream that was current when
 ``step()`` ran (as in ordinary training); a model run on another stream must make that stream
@@ -68,6 +71,7 @@ from offload import (
 )
 
 from ._cpu_kernel import CpuAdamKernel, KernelPiece, KernelTable, fused_kernel_applies
+from ._early import EarlyCopy, GradIdentity
 from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._host_step import ChunkJob, HostStep
@@ -151,6 +155,12 @@ class HostPart:
     _last_step: HostStep | None  # the last step started: when each staging buffer is free again
     _found_inf: HostFlag  # the step's found_inf on its way to the worker (reused each step: the
     #                      step in flight is settled before the next start sends another)
+    _grad_factor: HostFlag  # the step's grad factor on its way to the worker (reused as above)
+    early_copies: bool  # grads_ready may copy chunks' grads before the step ([Note: early grad
+    #                     copies]): a buffer per chunk, whose weights leave it within the step
+    _early: dict[int, EarlyCopy]  # chunk index -> its grads copied since the last step
+    _early_grads: dict[int, torch.Tensor]  # record index -> its grad given since the last step
+    _chunks_of: dict[int, list[HostChunk]]  # record index -> the chunks with a piece of it
     switch_interval: float | None  # the GIL switch interval while a step is in flight (see
     #                                [Note: GIL switch interval]); None: left alone
     _release_interval: weakref.finalize | None  # ends the step in flight's hold on the shorter
@@ -171,6 +181,7 @@ class HostPart:
         kernel: CpuAdamKernel | None,
         ring: bool,
         switch_interval: float | None = None,
+        early_copies: bool = False,
     ) -> None:
         cls = optimizer_spec.cls
         kernels = [
@@ -194,6 +205,11 @@ class HostPart:
         self.num_updates = 0
         self._last_step = None
         self._found_inf = HostFlag(device)
+        self._grad_factor = HostFlag(device)
+        if early_copies and ring:
+            raise AssertionError("expected a staging buffer per chunk for early copies")
+        self.early_copies = early_copies
+        self._early, self._early_grads = {}, {}
         self.buffers = HostBuffers(
             [HostBufferRequest(size, torch.uint8) for size in staging_bytes(specs, ring=ring)],
             pin=pin_memory and device.type != "cpu",
@@ -204,6 +220,10 @@ class HostPart:
                 (i, s, kernels[i]) for i, s in enumerate(specs) if s.group_index == group_index
             ]
             self._build_group(records, group_specs, groups[group_index], optimizer_spec)
+        self._chunks_of = {}
+        for chunk in self.chunks:
+            for record, _ in chunk.pieces:
+                self._chunks_of.setdefault(record.index, []).append(chunk)
         self._executor = self._copier = None
         if self.chunks and ring:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_shard_copies")
@@ -290,6 +310,7 @@ class HostPart:
         """Refreshes host fp32 main weights from the model params, through staging: of every
         param, or of the params whose record index is in ``indices``."""
         self.settle()
+        self.forget_early_copies()  # their buffers are overwritten here
         after = record_event(current_stream(self.engine.device))
         for chunk in self.chunks:
             chosen = [(r, p) for r, p in chunk.pieces if indices is None or r.index in indices]
@@ -317,9 +338,12 @@ class HostPart:
         *,
         need_order: Sequence[int] | None = None,
         found_inf: torch.Tensor | None = None,
+        grad_factor: torch.Tensor | None = None,
     ) -> HostStep:
-        """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied by
-        ``grad_scale`` on the host if given; see [Note: host pipeline]. The chunks go last params
+        """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied on
+        the host by ``grad_factor`` (one fp32 element, on the device) in their dtype and then by
+        ``grad_scale`` in fp32, where given; see [Note: host pipeline]. A chunk whose grads were
+        copied by ``grads_ready`` and are unchanged since is not copied again. The chunks go last params
         first (their grads are ready first in backward), or, given ``need_order`` (every record
         index, in the order the new weights will be needed), by the first param of each chunk
         needed. Where ``found_inf`` (one element, on the device) is nonzero, the worker steps no
@@ -332,11 +356,16 @@ class HostPart:
         for chunk in self.chunks:  # refuse before any chunk is handed to the worker
             if chunk.kernel is not None:
                 self._check_kernel_still_applies(chunk)
-        verdict = None
+        verdict = factor = None
+        # On the current stream, where the values are final: not behind the grads' copies on
+        # the D2H stream (early copies may still be draining). The worker reads them first.
         if found_inf is not None and self.chunks:
-            # Behind start_event: the flag is final there. The worker reads it after this copy.
-            self._found_inf.send(found_inf, stream=self.engine.d2h_stream, after=[start_event])
+            self._found_inf.send(found_inf)
             verdict = self._found_inf
+        if grad_factor is not None and self.chunks:
+            self._grad_factor.send(grad_factor)
+            factor = self._grad_factor
+        early, self._early, self._early_grads = self._early, {}, {}
         jobs: list[ChunkJob] = []
         for chunk in self._chunk_order(need_order):
             active = [(r, p) for r, p in chunk.pieces if r.index in grads]
@@ -346,11 +375,22 @@ class HostPart:
                 continue
             slot = len(jobs) % self.num_slots if self.ring else chunk.index
             job = ChunkJob(chunk, active, slot, self.staging(slot, chunk.spec))
-            job.grads = [grads[record.index] for record, _ in active]
+            copied = early.get(chunk.index)
+            if copied is not None and copied.serves([r.index for r, _ in active], grads):
+                job.d2h_done = copied.done  # in its buffer already ([Note: early grad copies])
+                job.d2h_queued.set()
+            else:
+                job.grads = [grads[record.index] for record, _ in active]
             jobs.append(job)
-        step = HostStep(self, jobs, start_event, on_done=self._step_done, verdict=verdict)
+        if not self.ring:  # (a ring's chunks take its buffers in turn: their order is fixed)
+            _lead_with_a_landed_copy(jobs)
+        step = HostStep(
+            self, jobs, start_event, on_done=self._step_done, verdict=verdict, factor=factor
+        )
         lead = self.num_slots if self.ring else len(jobs)  # the rest: queued by the worker
         for job in jobs[:lead]:
+            if job.d2h_queued.is_set():
+                continue
             # Into staging once the last step's H2D out of it is done ([Note: staging ring]).
             h2d_before = None if previous is None else previous.h2d_event_of(job.slot)
             step.queue_d2h(job, after=[start_event, h2d_before])
@@ -369,6 +409,45 @@ class HostPart:
             self.pending = step
         self._last_step = step
         return step
+
+    @torch.no_grad()
+    def grads_ready(self, grads: dict[int, torch.Tensor]) -> None:
+        """Notes that ``grads`` (1-D, by record index) are final on the current stream, and
+        copies every chunk whose records' grads have all been given since the last step into its
+        staging buffer now; see [Note: early grad copies]. Does nothing without early copies, or
+        while a step is in flight (its worker owns the buffers)."""
+        if not self.early_copies or self.pending is not None or not grads:
+            return
+        self._early_grads.update(grads)
+        chunks = {c.index: c for index in grads for c in self._chunks_of.get(index, ())}
+        if not chunks:
+            return
+        after = record_event(current_stream(self.engine.device))
+        previous = self._last_step
+        for index in sorted(chunks):  # in the order the step needs them
+            chunk = chunks[index]
+            if not all(record.index in self._early_grads for record, _ in chunk.pieces):
+                continue
+            staging = self.staging(chunk.index, chunk.spec)
+            given = {record.index: self._early_grads[record.index] for record, _ in chunk.pieces}
+            pairs = [
+                CopyPair(
+                    _slice(staging, piece.offset, piece.spec.numel),
+                    _slice(given[record.index], piece.spec.start, piece.spec.numel),
+                )
+                for record, piece in chunk.pieces
+            ]
+            # Once the last step's H2D out of the buffer is done: its weights have left.
+            h2d_before = None if previous is None else previous.h2d_event_of(chunk.index)
+            with phase("zero_shard::d2h"):
+                done = self.engine.d2h(pairs, after=[after, h2d_before])
+            identities = {i: GradIdentity.of(grad) for i, grad in given.items()}
+            self._early[chunk.index] = EarlyCopy(identities, done)
+
+    def forget_early_copies(self) -> None:
+        """Drops the grads given to ``grads_ready`` since the last step and their copies (the
+        grads were cleared): nothing of them is held any more."""
+        self._early, self._early_grads = {}, {}
 
     def _chunk_order(self, need_order: Sequence[int] | None) -> list[HostChunk]:
         if need_order is None:
@@ -419,6 +498,25 @@ class HostPart:
             )
 
 
+def _lead_with_a_landed_copy(jobs: list[ChunkJob]) -> None:
+    """Early copies land in the order backward reduced the grads, so the chunk the step needs
+    first (the first params', reduced last) may still be on its way when the step starts while
+    others are on the host: the first of those goes first then, and the worker starts at once
+    instead of waiting (the next forward waits one chunk longer for its first params, which it
+    does not need before the CPU step is well under way)."""
+    if not jobs or _landed(jobs[0]):
+        return
+    for position, job in enumerate(jobs):
+        if _landed(job):
+            jobs.insert(0, jobs.pop(position))
+            return
+
+
+def _landed(job: ChunkJob) -> bool:
+    """Whether the job's grads were copied early and are on the host now (no wait)."""
+    return job.d2h_queued.is_set() and (job.d2h_done is None or job.d2h_done.query())
+
+
 def _run_job(
     step: HostStep,
     job: ChunkJob,
@@ -437,7 +535,7 @@ def _run_job(
             raise RuntimeError("the copy of this chunk's grads failed") from job.d2h_error
         wait_event(job.d2h_done)  # the chunk's grads have landed in staging
         if not step.skips():
-            _step_chunk(job, grad_scale)
+            _step_chunk(job, grad_scale, step.grad_factor(job.chunk.spec.dtype))
             stepped = True
     finally:
         if copier is not None:
@@ -481,14 +579,18 @@ def _copy_out(step: HostStep, job: ChunkJob, successor: ChunkJob | None, stepped
                 step.queue_d2h(successor, after=[step.start_event, job.h2d_done])
 
 
-def _step_chunk(job: ChunkJob, grad_scale: float | None) -> None:
-    """Grads in the job's staging -> fp32 -> CPU step -> weights back into staging."""
+def _step_chunk(job: ChunkJob, grad_scale: float | None, grad_factor: float | None) -> None:
+    """Grads in the job's staging (multiplied there by ``grad_factor``, a value of their dtype)
+    -> fp32 -> CPU step -> weights back into staging."""
     chunk, active = job.chunk, job.active
     with phase("zero_shard::cpu_step"):
         if chunk.kernel is not None:
-            _kernel_table(job).run(chunk.optimizer.param_groups[0], grad_scale)
+            _kernel_table(job).run(chunk.optimizer.param_groups[0], grad_scale, grad_factor)
             return
         whole = len(active) == len(chunk.pieces)
+        if grad_factor is not None:  # in the grads' dtype, as on the accelerator
+            factor = torch.tensor(grad_factor, dtype=chunk.spec.dtype)
+            torch._foreach_mul_([job.staging_of(piece) for _, piece in active], factor)
         if chunk.grad is None:  # fp32 params: the grads are stepped where they landed
             for _, piece in active:
                 piece.main.grad = job.staging_of(piece)

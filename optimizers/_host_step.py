@@ -97,6 +97,8 @@ class HostStep:
     #                 the optimizer that launched it; see OffloadPolicy.delayed_update)
     _verdict: HostFlag | None  # the step's found_inf on its way to the host; None: no check
     _skips: bool | None  # its value once the worker read it (the first chunk); None: not yet
+    _factor: HostFlag | None  # the grads' factor on its way to the host; None: no factor
+    _factor_of: dict[torch.dtype, float | None]  # its value in each grad dtype, once read
 
     def __init__(
         self,
@@ -106,8 +108,11 @@ class HostStep:
         *,
         on_done: Callable[[HostStep], None],
         verdict: HostFlag | None = None,
+        factor: HostFlag | None = None,
     ) -> None:
         self._part = part
+        self._factor = factor
+        self._factor_of = {}
         self.delayed = False
         self._verdict = verdict
         self._skips = None
@@ -205,6 +210,16 @@ class HostStep:
             self._skips = self._verdict is not None and self._verdict.read() != 0
         return self._skips
 
+    def grad_factor(self, dtype: torch.dtype) -> float | None:
+        """The factor the worker multiplies the grads by, as a value of their ``dtype`` (``None``
+        where there is none, or it is 1); read once by the worker (a host wait for its copy)."""
+        if self._factor is None:
+            return None
+        if dtype not in self._factor_of:
+            value = torch.tensor(self._factor.read(), dtype=torch.float32).to(dtype).item()
+            self._factor_of[dtype] = None if value == 1.0 else value
+        return self._factor_of[dtype]
+
     def wait_worker(self) -> None:
         """Waits until the worker is done with every chunk (main weights and state are final),
         without completing any: nothing is copied into the params (a delayed update keeps its
@@ -220,9 +235,10 @@ class HostStep:
                 "expected per-chunk staging: with bounded staging the grads are read until the "
                 "step is complete"
             )
-        # Every copy was queued as the step started, and the D2H stream runs in order.
-        last = self._jobs[-1].d2h_done if self._jobs else None
-        wait_for_event(current_stream(self.device), last)
+        # Every copy was queued by the time the step started, some before it (early copies).
+        stream = current_stream(self.device)
+        for event in {id(job.d2h_done): job.d2h_done for job in self._jobs}.values():
+            wait_for_event(stream, event)
 
     def wait(self) -> None:
         """Completes every chunk: the current stream then sees all the new weights."""

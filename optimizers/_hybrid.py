@@ -6,7 +6,7 @@ import math
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -348,6 +348,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             # A delayed update's weights wait in staging until the next backward is done.
             ring=self.policy.host_staging == "bounded" and not self.policy.delayed_update,
             switch_interval=self.policy.gil_switch_interval,
+            # A delayed update's weights wait in its buffers until the next backward is done.
+            early_copies=self.policy.host_staging == "per_chunk" and not self.policy.delayed_update,
         )
         self._device = DevicePart(
             trainable,
@@ -441,6 +443,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         *,
         grad_scale: float | None = None,
         found_inf: torch.Tensor | None = None,
+        grad_factor: torch.Tensor | None = None,
     ) -> float | None:
         """Steps every param that has a grad; returns the closure's loss if one is given.
 
@@ -460,13 +463,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 will hold it: where it is nonzero the step is skipped, params and state left
                 bit-identical. Read on the device by torch's fused kernels and by the CPU worker
                 (``skips_on_device``); otherwise the host waits for it. Default: none.
+            grad_factor: a one-element fp32 tensor on the params' device, as the current stream
+                will hold it (a clip's coefficient): the grads are multiplied by it first, in
+                their dtype (the factor rounded to it, the products too: the bits of
+                ``torch._foreach_mul_`` by a factor of the grads' dtype). The accelerator's share
+                of the grads is multiplied in place; the CPU's share on the host as it is stepped,
+                so those grads are left as they were, and a grad copied by :meth:`grads_ready`
+                need not be copied again. Default: none.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         # Last params first: backward made their grads first.
-        pending = self._launch(grad_scale, found_inf, need_order=None)
+        pending = self._launch(grad_scale, found_inf, grad_factor, need_order=None)
         if pending.delayed:
             pending.wait_grads_copied()  # completed by the next step, or a state dict's settle
         else:
@@ -489,6 +499,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         *,
         grad_scale: float | None = None,
         found_inf: torch.Tensor | None = None,
+        grad_factor: torch.Tensor | None = None,
         need_order: Sequence[int] | None = None,
     ) -> HostStep:
         """Starts a step and returns before the CPU's share of it is done.
@@ -496,7 +507,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         The accelerator's share is stepped on the current stream; the CPU's share runs on the
         worker thread, chunk by chunk in ``need_order`` (every param index over all param groups,
         as in ``state_dict()``, in the order the new weights will be needed; default: index
-        order). The returned :class:`HostStep` completes it: ``wait_for(indices)`` once the params
+        order; a chunk whose grads :meth:`grads_ready` copied may go first while the first is
+        still on its way). The returned :class:`HostStep` completes it: ``wait_for(indices)`` once the params
         with those indices are needed, ``wait()`` for all; each makes the current stream see the
         new weights (a stream wait; the host goes on). Anything else that reads or writes the
         optimizer's state (``step``, ``state_dict``, ``load_state_dict``, ``reload_model_params``,
@@ -504,7 +516,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         read (no forward) before their chunks are completed, and the grads not written (no
         backward) before the whole step is. The chunks may be completed from another thread than
         the one that launched the step (each caller's current stream is made to wait).
-        ``grad_scale`` and ``found_inf`` are as for :meth:`step`. With
+        ``grad_scale``, ``found_inf`` and ``grad_factor`` are as for :meth:`step`. With
         ``OffloadPolicy(delayed_update=True)`` past its warm-up the returned step's ``delayed`` is
         True: its weights are for the next step, which completes it (as :meth:`step` does).
         """
@@ -515,19 +527,22 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 f"need_order must hold every param index 0..{len(self._records) - 1} once, got "
                 f"{list(need_order)[:10]}{' ...' if len(need_order) > 10 else ''}"
             )
-        return self._launch(grad_scale, found_inf, need_order=need_order)
+        return self._launch(grad_scale, found_inf, grad_factor, need_order=need_order)
 
     def _launch(
         self,
         grad_scale: float | None,
         found_inf: torch.Tensor | None,
+        grad_factor: torch.Tensor | None,
         *,
         need_order: Sequence[int] | None,
     ) -> HostStep:
         if grad_scale is not None and not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale}")
         if found_inf is not None:
-            self._check_found_inf(found_inf)
+            self._check_device_scalar(found_inf, "found_inf", "as GradScaler makes it")
+        if grad_factor is not None:
+            self._check_device_scalar(grad_factor, "grad_factor", "a clip's coefficient")
         self._host.settle()
         # A delayed update past its warm-up: the updates applied so far are final here.
         delayed = (
@@ -540,11 +555,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # A non-contiguous grad is copied to a temporary here, which the D2H stream reads: the
         # copy records that stream on it, so dropping it is safe (copy_async).
         grads = self._collect_grads()
-        pending = self._host.start(grads, grad_scale, need_order=need_order, found_inf=found_inf)
+        pending = self._host.start(
+            grads, grad_scale, need_order=need_order, found_inf=found_inf, grad_factor=grad_factor
+        )
         pending.delayed = delayed
         try:
+            # The host's copies read the CPU's share of each grad; the factor writes the rest.
             with intra_op_threads(self.host_num_threads):
-                self._device.step(grads, grad_scale, found_inf)
+                self._device.step(grads, grad_scale, found_inf, grad_factor)
         except BaseException:
             # The worker must not outlive a failed step, and the chunks it stepped must still
             # reach the model.
@@ -563,23 +581,47 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 wrapped._opt_called = True  # type: ignore[attr-defined]
             self._wrapped = None
 
-    def _check_found_inf(self, found_inf: torch.Tensor) -> None:
+    def _check_device_scalar(self, value: torch.Tensor, name: str, example: str) -> None:
         device = self._records[0].param.device
         if (
-            not isinstance(found_inf, torch.Tensor)
-            or found_inf.numel() != 1
-            or found_inf.dtype != torch.float32
-            or found_inf.device != device
+            not isinstance(value, torch.Tensor)
+            or value.numel() != 1
+            or value.dtype != torch.float32
+            or value.device != device
         ):
             described = (
-                f"a {found_inf.dtype} tensor of shape {tuple(found_inf.shape)} on {found_inf.device}"
-                if isinstance(found_inf, torch.Tensor)
-                else type(found_inf).__name__
+                f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
             )
             raise TypeError(
-                f"found_inf must be a one-element float32 tensor on {device} (as GradScaler "
-                f"makes it), got {described}"
+                f"{name} must be a one-element float32 tensor on {device} ({example}), got "
+                f"{described}"
             )
+
+    def grads_ready(self, grads: Mapping[int, torch.Tensor]) -> None:
+        """Says that these grads (by param index over all param groups, as in ``state_dict()``;
+        each the param's grad or its memory, contiguous) are final for the next step as the
+        current stream holds them. With ``OffloadPolicy(host_staging="per_chunk")`` (and no
+        delayed update), the CPU's chunks whose params' grads have all been given since the last
+        step are copied to the host now, while backward runs on, instead of when the step
+        starts. The step uses a chunk's copy only if each of its grads is the same memory and
+        its version counter did not move since (no in-place torch op on it: accumulation, a
+        clip, an unscale); otherwise it copies the chunk again. Writes that bypass the version
+        counter (through ``.data``, or raw pointers) are not seen: give only grads nothing
+        writes that way. Does nothing with bounded staging or while a step is in flight.
+        ``zero_shard.wrap`` calls it for a plain model's reduced grads."""
+        flat = {}
+        for index, grad in grads.items():
+            param = self._records[index].param
+            if grad.numel() != param.numel() or not grad.is_contiguous():
+                raise ValueError(
+                    f"the grad given for param {index} (shape {tuple(param.shape)}) has shape "
+                    f"{tuple(grad.shape)}{'' if grad.is_contiguous() else ', not contiguous'}; "
+                    "give the param's grad, contiguous"
+                )
+            flat[index] = grad.view(-1)
+        self._host.grads_ready(flat)
 
     @torch.no_grad()
     def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:

@@ -68,11 +68,16 @@ class OffloadPolicy:
             chunk's step has freed a buffer, so the grads a step was given are read until the
             step is complete (``step()`` completes it before it returns; after ``launch_step()``
             they must not be written in place before it is). ``"per_chunk"``: a buffer per chunk
-            (2 bytes a param of bf16): every grad is copied as the step starts, and the grads may
-            be written again once ``HostStep.wait_grads_copied()`` (a stream wait) is passed. A
-            delayed update always uses ``"per_chunk"``; so does ``zero_shard.wrap`` for a DDP
-            model, whose grads are the model's own and may be zeroed in place right after
-            ``step()``.
+            (2 bytes a param of bf16): every grad is copied by the time the step starts, and the
+            grads may be written again once ``HostStep.wait_grads_copied()`` (a stream wait) is
+            passed; grads said to be final before the step (``grads_ready``: ``zero_shard.wrap``
+            of a plain model says so as backward reduces each bucket) are copied then, while
+            backward runs on, so the CPU step starts as soon as backward ends and its kernels do
+            not share the host's memory with those copies (on one H100, 1B GPT, full offload:
+            docs/benchmarks/e2e.md). A delayed update always uses ``"per_chunk"`` (without early
+            copies: its weights wait in the buffers through the next backward); so does
+            ``zero_shard.wrap`` for a DDP model, whose grads are the model's own and may be
+            zeroed in place right after ``step()``.
         gil_switch_interval: seconds. While the CPU's share of a step is in flight, the
             interpreter's GIL switch interval (``sys.setswitchinterval``) is shortened to this if
             it is longer, and put back once the step is complete (unless changed meanwhile). The

@@ -282,7 +282,7 @@ def test_failed_accelerator_step_still_finishes_the_host_share(
     params = make_params(torch.bfloat16, "cpu")
     opt = hybrid(params, "adamw", 0.5)
 
-    def fail(grads, grad_scale=None, found_inf=None):  # type: ignore[no-untyped-def]
+    def fail(grads, grad_scale=None, found_inf=None, grad_factor=None):  # type: ignore[no-untyped-def]
         raise RuntimeError("out of memory (simulated)")
 
     monkeypatch.setattr(opt._device, "step", fail)
