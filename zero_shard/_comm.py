@@ -446,6 +446,15 @@ class ReplicatedComm(_GatheredComm):
     def finalize_grads(self, *, reduce: bool = True) -> None:
         self.reducer.finish(reduce=reduce)
 
+    def reduced_grads(self, bucket: Bucket) -> dict[int, torch.Tensor]:
+        """The bucket's reduced grads by the hybrid optimizer's param index (1-D views of its
+        grad buffer; a param no rank had a grad for has zeros there)."""
+        indices = self._bucket_indices[bucket.params[0].bucket]
+        return {
+            index: sharded.grad_slot.view(-1)
+            for index, sharded in zip(indices, bucket.params, strict=True)
+        }
+
     def checked_grads(self) -> list[torch.Tensor]:
         # Each bucket's reduced grads in one piece: its gaps and padding hold zeros.
         return [b.grad_buffer[: b.layout.shard_numel] for b in self.buckets if b.has_grads]

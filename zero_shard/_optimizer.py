@@ -24,7 +24,7 @@ from optimizers import (
     constructor_defaults,
 )
 
-from ._buckets import ShardedParam, norm_grads, shard_grads
+from ._buckets import Bucket, ShardedParam, norm_grads, shard_grads
 from ._collectives import AllGather, broadcast_tensors
 from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._norms import clip_coefficient, global_norm, nonfinite_flag, scale_grads_
@@ -117,6 +117,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _clipped_marker: Any  # the comm's grads_marker() right after that clip
     _grad_scale: float | None  # fp16: the loss scale's inverse, applied in fp32 at the step
     _checked_by_scaler: bool  # GradScaler checked these grads for infs already
+    _grad_factor: torch.Tensor | None  # a clip's coefficient the step applies, not yet applied
+    #                                    to the grads (see [Note: clip at the step])
 
     def __init__(
         self,
@@ -175,6 +177,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._comm = self._make_comm(model, checked, stage, bucket_mb, all_gather)
         self._sharded = self._comm.sharded
         self._hybrid = self._make_hybrid(optimizer, checked.policy)
+        self._clips_at_step = False
+        if (
+            isinstance(self._comm, ReplicatedComm)
+            and self._hybrid.memory_report().num_host_elements
+        ):
+            self._clip_at_step(self._comm)
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
@@ -245,6 +253,44 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             device=self._reduce_device,
         )
 
+    def _clip_at_step(self, comm: ReplicatedComm) -> None:
+        """[Note: clip at the step]
+        The grads of a plain model are zero-shard's own (the params hold placeholders, see
+        [Note: released grads]), so nobody sees them between the clip and the step. There the
+        clip does not multiply them: the step multiplies the accelerator's share on the device
+        and the CPU's share on the host as it steps each chunk, with the same bits (the factor
+        and the products rounded to the grads' dtype, as ``scale_grads_`` does on CUDA). The
+        grads the host needs then are those backward reduced, so each bucket's go to the host as
+        soon as they are reduced (``grads_ready``; with ``host_staging="per_chunk"``), and the
+        first chunks' CPU step starts as backward ends. Anything that changes or reads the
+        grads otherwise first applies a factor still pending: a reduction (another backward),
+        a second clip, GradScaler's unscale, and a step that does not take it."""
+        self._clips_at_step = True
+        apply = weakref.WeakMethod(self._apply_grad_factor)
+        hybrid = weakref.ref(self._hybrid)
+        reduced = weakref.WeakMethod(comm.reduced_grads)
+
+        def before_reduce() -> None:
+            alive = apply()
+            if alive is not None:
+                alive()
+
+        def after_reduce(bucket: Bucket) -> None:
+            alive, grads_of = hybrid(), reduced()
+            if alive is not None and grads_of is not None:
+                alive.grads_ready(grads_of(bucket))
+
+        comm.reducer.before_reduce = before_reduce
+        comm.reducer.after_reduce = after_reduce
+
+    def _apply_grad_factor(self) -> None:
+        """Multiplies the grads in place by a clip's factor still pending ([Note: clip at the
+        step])."""
+        factor, self._grad_factor = self._grad_factor, None
+        grads = shard_grads(self._sharded) if factor is not None else []
+        if grads:
+            scale_grads_(grads, factor)
+
     def _hyperparams(self, group_index: int) -> dict[str, Any]:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
 
@@ -289,6 +335,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
         self._finalize_grads()
+        self._apply_grad_factor()  # a clip before: these grads are the clipped ones
         grads = shard_grads(self._sharded)
         with self._host_threads():
             norm = global_norm(
@@ -298,7 +345,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             norm = norm * self._grad_scale
         coefficient = clip_coefficient(norm, float(max_norm))
         coefficient = torch.where(torch.isfinite(norm), coefficient, torch.ones_like(coefficient))
-        if grads:
+        if grads and self._clips_at_step:
+            self._grad_factor = coefficient  # see [Note: clip at the step]
+        elif grads:
             with self._host_threads():
                 scale_grads_(grads, coefficient)
         self._window_norm = norm
@@ -337,11 +386,16 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             skip, found_inf = self._check_nonfinite()
             if skip:
                 return loss
+            grad_factor, self._grad_factor = self._grad_factor, None
             host_step = self._hybrid.launch_step(
-                grad_scale=self._grad_scale, found_inf=found_inf, need_order=self._comm.need_order
+                grad_scale=self._grad_scale,
+                found_inf=found_inf,
+                grad_factor=grad_factor,
+                need_order=self._comm.need_order,
             )
             self._comm.after_step(host_step, delayed=host_step.delayed)
         finally:
+            self._apply_grad_factor()  # a step that did not take it (skipped, or failed)
             self._end_window()
             self._comm.end_window()
         self._read_skips(block=False)  # at once where the device is the CPU
@@ -527,6 +581,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     # -- internals --------------------------------------------------------------------------
 
     def _end_window(self) -> None:
+        self._grad_factor = None  # applied, or the grads are gone
         self._window_norm = None
         self._clipped_marker = None
         self._grad_scale = None
@@ -610,6 +665,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         values would underflow if unscaled in fp16, and one factor must apply to all grads.
         """
         self._finalize_grads()
+        self._apply_grad_factor()  # a clip before: the unscale multiplies the clipped grads
         grads = shard_grads(self._sharded)
         with self._host_threads():
             flag = nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device)

@@ -77,6 +77,10 @@ class GradReducer:
     _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
     _warned_late_grads: bool
     before_first: Callable[[], None] | None  # runs before a backward's first reduction
+    before_reduce: Callable[[], None] | None  # runs before each reduction (which may add to the
+    #                                           grads held)
+    after_reduce: Callable[[Bucket], None] | None  # runs after each, on the side stream, where
+    #                                                the bucket's reduced grads are final
     _accumulators: list[Any]  # the params' grad accumulators (autograd nodes) the hooks are on
     num_changes: int  # reductions, and clears seen after one, so far: the grads changed if it did
 
@@ -103,6 +107,8 @@ class GradReducer:
         self._unreduced_backward = False
         self._warned_late_grads = False
         self.before_first = None
+        self.before_reduce = None
+        self.after_reduce = None
         self._accumulators = []
         self.num_changes = 0
 
@@ -179,6 +185,8 @@ class GradReducer:
 
     @torch.no_grad()
     def _reduce(self, bucket: Bucket) -> None:
+        if self.before_reduce is not None:
+            self.before_reduce()
         taken = [sharded.watch.take() for sharded in bucket.params]
         grads = [
             _local_grad(each, sharded) for each, sharded in zip(taken, bucket.params, strict=True)
@@ -235,6 +243,8 @@ class GradReducer:
             elif not into_buffer:
                 bucket.grad_buffer.copy_(packed)
             self._event = record_event(self._stream)
+            if self.after_reduce is not None:
+                self.after_reduce(bucket)
         # A rewritten bucket forgets what was missing before: its flags are this reduction's.
         missing_now = any(g is None for g in grads) or any(zeroed)
         bucket.missing = (bucket.missing and adds) or missing_now
