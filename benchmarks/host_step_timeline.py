@@ -117,10 +117,10 @@ class Recorder:
             finally:
                 del recorder._timing_of[id(job)]
 
-        def timed_step_chunk(job: Any, grad_scale: float | None) -> None:
+        def timed_step_chunk(job: Any, *args: Any) -> None:
             timing = recorder._timing_of[id(job)]
             timing.kernel_start = now()
-            step_chunk(job, grad_scale)
+            step_chunk(job, *args)
             timing.kernel_end = now()
 
         def timed_start(part: host_part.HostPart, *args: Any, **kwargs: Any) -> Any:

@@ -257,6 +257,7 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             num_threads=args.threads,
             delayed_update=args.delayed_update,
             delayed_update_warmup=args.delayed_update_warmup,
+            host_staging=args.host_staging,
             **interval,
         )
         optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
@@ -706,6 +707,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--gil-switch-interval", type=float, metavar="SECONDS", help="the GIL switch interval "
         "while zero-shard's CPU step is in flight (0: leave the interpreter's alone); default: "
         "OffloadPolicy's")  # fmt: skip
+    add("--host-staging", choices=["bounded", "per_chunk"], default="bounded", help="zero-shard's "
+        "host buffers for grads and weights: bounded (default) or per_chunk (2 bytes a param "
+        "more; each chunk's grads go to the host as backward reduces them)")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
     add("--delayed-update-warmup", type=int, default=0, metavar="STEPS", help="with "
