@@ -159,7 +159,10 @@ class HostPart:
     early_copies: bool  # grads_ready may copy chunks' grads before the step ([Note: early grad
     #                     copies]): a buffer per chunk, whose weights leave it within the step
     _early: dict[int, EarlyCopy]  # chunk index -> its grads copied since the last step
-    _early_grads: dict[int, torch.Tensor]  # record index -> its grad given since the last step
+    _early_grads: dict[int, torch.Tensor]  # record index -> its grad given since the last step,
+    #     held until every chunk with a piece of it was copied (a backward's grads are then held
+    #     by nothing here: zero_grad frees them, as without early copies)
+    _uncopied: dict[int, set[int]]  # record index -> its chunks not copied since it was given
     _chunks_of: dict[int, list[HostChunk]]  # record index -> the chunks with a piece of it
     switch_interval: float | None  # the GIL switch interval while a step is in flight (see
     #                                [Note: GIL switch interval]); None: left alone
@@ -209,7 +212,7 @@ class HostPart:
         if early_copies and ring:
             raise AssertionError("expected a staging buffer per chunk for early copies")
         self.early_copies = early_copies
-        self._early, self._early_grads = {}, {}
+        self.forget_early_copies()
         self.buffers = HostBuffers(
             [HostBufferRequest(size, torch.uint8) for size in staging_bytes(specs, ring=ring)],
             pin=pin_memory and device.type != "cpu",
@@ -365,7 +368,8 @@ class HostPart:
         if grad_factor is not None and self.chunks:
             self._grad_factor.send(grad_factor)
             factor = self._grad_factor
-        early, self._early, self._early_grads = self._early, {}, {}
+        early = self._early
+        self.forget_early_copies()  # used below or not at all: the next step's come afresh
         jobs: list[ChunkJob] = []
         for chunk in self._chunk_order(need_order):
             active = [(r, p) for r, p in chunk.pieces if r.index in grads]
@@ -416,10 +420,14 @@ class HostPart:
         copies every chunk whose records' grads have all been given since the last step into its
         staging buffer now; see [Note: early grad copies]. Does nothing without early copies, or
         while a step is in flight (its worker owns the buffers)."""
-        if not self.early_copies or self.pending is not None or not grads:
+        if not self.early_copies or self.pending is not None:
             return
-        self._early_grads.update(grads)
-        chunks = {c.index: c for index in grads for c in self._chunks_of.get(index, ())}
+        chunks: dict[int, HostChunk] = {}
+        for index, grad in grads.items():
+            if index in self._chunks_of:  # (the accelerator's share is read at the step)
+                self._early_grads[index] = grad
+                self._uncopied[index] = {c.index for c in self._chunks_of[index]}
+                chunks.update((c.index, c) for c in self._chunks_of[index])
         if not chunks:
             return
         after = record_event(current_stream(self.engine.device))
@@ -443,11 +451,15 @@ class HostPart:
                 done = self.engine.d2h(pairs, after=[after, h2d_before])
             identities = {i: GradIdentity.of(grad) for i, grad in given.items()}
             self._early[chunk.index] = EarlyCopy(identities, done)
+            for record_index in given:  # the copy recorded its stream on the grads: they may go
+                self._uncopied[record_index].discard(chunk.index)
+                if not self._uncopied[record_index]:
+                    del self._uncopied[record_index], self._early_grads[record_index]
 
     def forget_early_copies(self) -> None:
         """Drops the grads given to ``grads_ready`` since the last step and their copies (the
         grads were cleared): nothing of them is held any more."""
-        self._early, self._early_grads = {}, {}
+        self._early, self._early_grads, self._uncopied = {}, {}, {}
 
     def _chunk_order(self, need_order: Sequence[int] | None) -> list[HostChunk]:
         if need_order is None:

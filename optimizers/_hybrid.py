@@ -623,6 +623,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             flat[index] = grad.view(-1)
         self._host.grads_ready(flat)
 
+    def drop_grads_ready(self) -> None:
+        """Forgets the grads given to :meth:`grads_ready` since the last step, and their copies:
+        for when they are cleared before any step (``zero_grad``), so that nothing holds them."""
+        self._host.forget_early_copies()
+
     @torch.no_grad()
     def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Refreshes fp32 main weights, on the accelerator and the CPU, from the model: of every

@@ -417,6 +417,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Clears the model's grads and this rank's reduced grads."""
         super().zero_grad(set_to_none)
         self._comm.reset()
+        self._hybrid.drop_grads_ready()
         for sharded in self._sharded:
             sharded.shard.grad = None
         self._end_window()

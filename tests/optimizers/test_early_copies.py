@@ -4,6 +4,8 @@ at the step, whatever happens to the grads in between; see [Note: early grad cop
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -158,6 +160,30 @@ def test_a_reload_between_copy_and_step_copies_again(
 
     counts = run_pair(torch.bfloat16, device, 1.0, None, reload, monkeypatch)
     assert all(count > 0 for count in counts), counts
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_nothing_holds_the_grads_once_copied_or_dropped(fraction: float) -> None:
+    """Grads given to grads_ready are held only until every chunk with a piece of them is
+    copied, or until drop_grads_ready (zero_grad before any step)."""
+    params = make_params(torch.bfloat16, "cpu")
+    opt = build(params, fraction, host_staging="per_chunk")
+
+    def give(indices: Any) -> list[weakref.ref]:
+        grads = {i: torch.ones_like(params[i]) for i in indices}
+        opt.grads_ready(grads)
+        return [weakref.ref(grad) for grad in grads.values()]
+
+    every = give(range(len(params)))
+    gc.collect()
+    assert all(ref() is None for ref in every)  # every chunk copied: none held
+    if fraction == 1.0:
+        first = give([0])
+        gc.collect()
+        assert first[0]() is not None  # its second chunk waits for param 1's grad
+        opt.drop_grads_ready()
+        gc.collect()
+        assert first[0]() is None
 
 
 def test_bounded_staging_and_a_delayed_update_copy_nothing_early(
