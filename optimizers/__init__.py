@@ -1,6 +1,7 @@
 """One rank's hybrid GPU/CPU optimizer (knows no process group)."""
 
 from ._elementwise import check_elementwise, constructor_defaults
+from ._grad_factor import scale_grads_
 from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport, check_param_kind
 from ._policy import OffloadPolicy
@@ -13,4 +14,5 @@ __all__ = [
     "check_elementwise",
     "check_param_kind",
     "constructor_defaults",
+    "scale_grads_",
 ]

@@ -216,9 +216,9 @@ class CpuAdamKernel:
         grad_factor: float | None = None,
     ) -> None:
         """One Adam step of every piece (of one param group and model dtype), with the grads in
-        their staging (first multiplied by ``grad_factor`` in the model dtype, if given: the
-        factor a value of that dtype, the product rounded to it; then by ``grad_scale`` in fp32,
-        if given); the new weights go there too.
+        their staging (first multiplied by ``grad_factor``, if given, the fp32 product rounded to
+        the model dtype; then by ``grad_scale`` in fp32, if given); the new weights go there
+        too.
 
         One call steps them all (a chunk of many small params costs one call, one GIL release,
         not one each). The state is torch's per-param state, updated in place, so ``state_dict``

@@ -11,6 +11,7 @@ from offload import phase
 
 from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
+from ._grad_factor import scale_grads_
 from ._layout import PieceSpec
 from ._records import ParamRecord, Piece, flat_param
 
@@ -148,8 +149,8 @@ class DevicePart:
         grad_factor: torch.Tensor | None = None,
     ) -> None:
         """Steps every piece whose param has a grad in ``grads`` (1-D, by record index), the
-        grads multiplied by ``grad_factor`` (one element, on the device) in their dtype, in
-        place, and then by ``grad_scale`` in fp32, where given; nothing changes where
+        grads multiplied in place by ``grad_factor`` (one element, on the device; as
+        ``scale_grads_`` multiplies) and then by ``grad_scale`` in fp32, where given; nothing changes where
         ``found_inf`` (one element, on the device) is nonzero.
 
         Runs on the current stream, so it is ordered after backward and before the next forward
@@ -200,7 +201,7 @@ class DevicePart:
         if not cast_dst and not in_place:
             return
         if grad_factor is not None:
-            scale_in_dtype_(cast_src + in_place, grad_factor)
+            scale_grads_(cast_src + in_place, grad_factor)
         if cast_dst:
             torch._foreach_copy_(cast_dst, cast_src)
         if grad_scale is not None:
@@ -246,14 +247,3 @@ def _split_rounds(
         rounds[-1].append(spec)
         numel += size
     return rounds
-
-
-def scale_in_dtype_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiplies ``tensors`` in place by ``factor`` (one element) rounded to each one's dtype,
-    the products rounded to it: ``torch._foreach_mul_`` by a factor of the tensors' dtype (on
-    CUDA its fused path), as the CPU's share of a step multiplies its grads on the host."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for dtype, group in by_dtype.items():
-        torch._foreach_mul_(group, factor.reshape(()).to(device=group[0].device, dtype=dtype))

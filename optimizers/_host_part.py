@@ -592,16 +592,16 @@ def _copy_out(step: HostStep, job: ChunkJob, successor: ChunkJob | None, stepped
 
 
 def _step_chunk(job: ChunkJob, grad_scale: float | None, grad_factor: float | None) -> None:
-    """Grads in the job's staging (multiplied there by ``grad_factor``, a value of their dtype)
-    -> fp32 -> CPU step -> weights back into staging."""
+    """Grads in the job's staging (multiplied there by ``grad_factor``, see
+    ``HostStep.grad_factor``) -> fp32 -> CPU step -> weights back into staging."""
     chunk, active = job.chunk, job.active
     with phase("zero_shard::cpu_step"):
         if chunk.kernel is not None:
             _kernel_table(job).run(chunk.optimizer.param_groups[0], grad_scale, grad_factor)
             return
         whole = len(active) == len(chunk.pieces)
-        if grad_factor is not None:  # in the grads' dtype, as on the accelerator
-            factor = torch.tensor(grad_factor, dtype=chunk.spec.dtype)
+        if grad_factor is not None:  # the fp32 product rounded to the grads' dtype
+            factor = torch.tensor(grad_factor, dtype=torch.float32)
             torch._foreach_mul_([job.staging_of(piece) for _, piece in active], factor)
         if chunk.grad is None:  # fp32 params: the grads are stepped where they landed
             for _, piece in active:

@@ -42,6 +42,7 @@ import torch
 
 from offload import CopyPair, HostFlag, current_stream, phase, record_event, wait_for_event
 
+from ._grad_factor import factor_as_multiplied
 from ._records import ParamRecord, Piece, flat_param
 
 if TYPE_CHECKING:
@@ -211,12 +212,12 @@ class HostStep:
         return self._skips
 
     def grad_factor(self, dtype: torch.dtype) -> float | None:
-        """The factor the worker multiplies the grads by, as a value of their ``dtype`` (``None``
+        """The factor the worker multiplies grads of ``dtype`` by, as the device would (``None``
         where there is none, or it is 1); read once by the worker (a host wait for its copy)."""
         if self._factor is None:
             return None
         if dtype not in self._factor_of:
-            value = torch.tensor(self._factor.read(), dtype=torch.float32).to(dtype).item()
+            value = factor_as_multiplied(self._factor.read(), self.device, dtype)
             self._factor_of[dtype] = None if value == 1.0 else value
         return self._factor_of[dtype]
 

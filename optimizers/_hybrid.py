@@ -464,9 +464,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 bit-identical. Read on the device by torch's fused kernels and by the CPU worker
                 (``skips_on_device``); otherwise the host waits for it. Default: none.
             grad_factor: a one-element fp32 tensor on the params' device, as the current stream
-                will hold it (a clip's coefficient): the grads are multiplied by it first, in
-                their dtype (the factor rounded to it, the products too: the bits of
-                ``torch._foreach_mul_`` by a factor of the grads' dtype). The accelerator's share
+                will hold it (a clip's coefficient): the grads are multiplied by it first, with
+                the bits of ``optimizers.scale_grads_`` (``torch._foreach_mul_`` by it; on CUDA
+                the factor rounded to bf16 or fp16 grads' dtype, as its fused path takes it).
+                The accelerator's share
                 of the grads is multiplied in place; the CPU's share on the host as it is stepped,
                 so those grads are left as they were, and a grad copied by :meth:`grads_ready`
                 need not be copied again. Default: none.

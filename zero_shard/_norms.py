@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from offload import phase
+from optimizers import scale_grads_  # (re-exported: the clip's and the unscale's multiply)
 
 __all__ = ["clip_coefficient", "global_norm", "nonfinite_flag", "scale_grads_"]
 
@@ -113,26 +114,6 @@ def global_norm(
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``'s factor: max_norm / (norm + 1e-6), at most 1."""
     return (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-
-
-def scale_grads_(grads: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiplies ``grads`` in place by ``factor`` (one element), with the bits of
-    ``torch._foreach_mul_(grads, factor)`` (as ``torch.nn.utils.clip_grad_norm_`` scales): the
-    clip's coefficient, and a loss scale's inverse where the grads are unscaled in place.
-
-    On CUDA, ``_foreach_mul_`` takes its fused path only for a factor of the grads' dtype; for
-    bf16 or fp16 grads and an fp32 factor it multiplies one grad at a time, each factor rounded
-    to the grads' dtype as it is loaded, at about a third of the memory bandwidth (5 ms for the
-    244 grads of a 1B GPT on one H100: most of the time between backward and the first grad's
-    copy to the host). Handing it the factor rounded to the grads' dtype takes the fused path
-    and gives the same bits (tests/zero_shard/test_norms.py, on CUDA). Elsewhere (the CPU
-    multiplies by the fp32 factor itself) the factor goes as it is."""
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for grad in grads:
-        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-    for (device, dtype), group in by_kind.items():
-        rounded = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-        torch._foreach_mul_(group, factor.to(device=device, dtype=dtype if rounded else None))
 
 
 def _all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -258,8 +258,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         The grads of a plain model are zero-shard's own (the params hold placeholders, see
         [Note: released grads]), so nobody sees them between the clip and the step. There the
         clip does not multiply them: the step multiplies the accelerator's share on the device
-        and the CPU's share on the host as it steps each chunk, with the same bits (the factor
-        and the products rounded to the grads' dtype, as ``scale_grads_`` does on CUDA). The
+        and the CPU's share on the host as it steps each chunk, with the same bits as
+        ``scale_grads_`` (the host rounds the factor where the device would, and each fp32
+        product to the grads' dtype). The
         grads the host needs then are those backward reduced, so each bucket's go to the host as
         soon as they are reduced (``grads_ready``; with ``host_staging="per_chunk"``), and the
         first chunks' CPU step starts as backward ends. Anything that changes or reads the

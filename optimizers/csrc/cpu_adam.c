@@ -1,8 +1,8 @@
 /* One pass of Adam / AdamW over a chunk on the CPU, for zero-shard's host share.
  *
  * Reads the model-dtype grad straight from the pinned staging buffer (first multiplied by an
- * optional grad factor in the model dtype, as a clip's `_foreach_mul_` by a factor of the grads'
- * dtype multiplies it on the accelerator: in fp32, rounded back to the model dtype; then
+ * optional grad factor as a clip's `_foreach_mul_` multiplies it, on the CPU or on CUDA by a
+ * factor of the grads' dtype: the fp32 product rounded back to the model dtype; then
  * multiplied in fp32 by an optional grad scale, as torch's path multiplies the fp32 main grad),
  * updates the fp32 main
  * weight and both moments, and writes the model-dtype weight back into the same staging slot,
@@ -46,8 +46,8 @@ struct adam_args {
     float decay;   /* 1 - lr * weight_decay for AdamW, 1 for Adam */
     float step_size;             /* lr / bias_correction1 */
     float bias_correction2_sqrt;
-    float grad_factor;  /* each grad is first multiplied by it, rounded to the model dtype (1:
-                         * none); a value of that dtype, so the product is exact in fp32 */
+    float grad_factor;  /* each grad is first multiplied by it, the fp32 product rounded to the
+                         * model dtype (1: none) */
     float grad_scale;   /* then multiplied by it in fp32 (1: none) */
 };
 

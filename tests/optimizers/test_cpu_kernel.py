@@ -59,6 +59,8 @@ def kernel_for(cls: type) -> CpuAdamKernel:
         ),
         (torch.optim.Adam, torch.bfloat16, 0.1, 2.0**-7, 0.0517),
         (torch.optim.AdamW, torch.float32, 0.1, 0.3, 1e-3),
+        # A factor the CPU multiplies by as it is (fp32, not a value of the grads' dtype).
+        (torch.optim.AdamW, torch.bfloat16, 0.1, None, "fp32 0.3713"),
     ],
 )
 def test_same_bits_as_torch_fused_on_the_vector_body(
@@ -66,7 +68,7 @@ def test_same_bits_as_torch_fused_on_the_vector_body(
     dtype: torch.dtype,
     weight_decay: float,
     grad_scale: float | None,
-    grad_factor: float | None,
+    grad_factor: float | str | None,
 ) -> None:
     kernel = kernel_for(cls)
     gen = torch.Generator().manual_seed(0)
@@ -80,7 +82,10 @@ def test_same_bits_as_torch_fused_on_the_vector_body(
         "exp_avg_sq": torch.zeros(NUMEL),
     }
     body = NUMEL - NUMEL % 16
-    factor = None if grad_factor is None else torch.tensor(grad_factor).to(dtype)
+    if isinstance(grad_factor, str):  # "fp32 <value>": the factor not rounded to the dtype
+        factor = torch.tensor(float(grad_factor.split()[1]))
+    else:
+        factor = None if grad_factor is None else torch.tensor(grad_factor).to(dtype)
     for step in range(4):
         grad = torch.randn(NUMEL, generator=gen).to(dtype)
         grad[:7] = torch.tensor([0.0, -0.0, 1e-30, 3e-38, -1e-39, 1e30, 65504.0]).to(dtype)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from _parity import groups_of, main_weights, make_params
 
-from optimizers import HybridDeviceOptimizer, OffloadPolicy
+from optimizers import HybridDeviceOptimizer, OffloadPolicy, scale_grads_
 from optimizers._host_part import _lead_with_a_landed_copy
 from optimizers._host_step import ChunkJob
 
@@ -60,7 +60,8 @@ def run_pair(
 ) -> list[int]:
     """Trains two optimizers on the same grads: one told of the grads early (in two calls, the
     last params first, as backward reduces them) and stepped with ``grad_factor``; the other with
-    bounded staging and the grads multiplied in place (as a clip does) before a plain step.
+    bounded staging and the grads multiplied in place by ``scale_grads_`` (as a clip does) before
+    a plain step.
     ``between(opt, params, step)`` runs on both after ``grads_ready`` and before the step.
     Returns the D2H copies each of the
     early side's steps queued."""
@@ -83,11 +84,7 @@ def run_pair(
         grad_factor = None
         if factor is not None:
             grad_factor = torch.tensor([factor], device=device)
-            grads = [r.grad for r in refs if r.grad is not None]
-            for kind in {g.dtype for g in grads}:
-                torch._foreach_mul_(
-                    [g for g in grads if g.dtype == kind], grad_factor.reshape(()).to(kind)
-                )
+            scale_grads_([r.grad for r in refs if r.grad is not None], grad_factor)
         before = copies.count
         opt.step(grad_factor=grad_factor)
         ref_opt.step()

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from _clip_at_step import check_clip_at_step
 from _harness import check_outcome, delayed, run_cases
 from _models import (
     LOSS_TOL,
@@ -495,6 +496,11 @@ def state_dict_round_trip_through_dcp_into_another_fraction(rank: int, world: in
     dist.barrier()
     if rank == 0:
         shutil.rmtree(paths[0])
+
+
+@case
+def clip_at_the_step_is_a_clip_before_it_bit_for_bit(rank: int, world: int) -> None:
+    check_clip_at_step(torch.device("cpu"), rank, world)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")

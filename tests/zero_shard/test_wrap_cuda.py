@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _clip_at_step import check_clip_at_step
 from _harness import check_outcome, delayed, run_cases
 from _models import (
     adamw,
@@ -332,68 +333,9 @@ def race_overlapped_collectives(rank: int, world: int) -> None:
     dist.barrier()
 
 
-def _clip_runs(fraction: float, staging: str, device: torch.device) -> list[Any]:
-    """Two bf16 models and wrapped optimizers alike, the second with the clip multiplying the
-    grads before the step and every grad copied at the step (white-box: the path DDP and FSDP2
-    models take), the first as a plain model is wrapped ([Note: clip at the step])."""
-    runs = []
-    for clip_at_step in (True, False):
-        model = make_model().to(device, torch.bfloat16)
-        offload = OffloadPolicy(fraction=fraction, chunk_numel=64, host_staging=staging)
-        opt = zero_shard.wrap(adamw(model), model, offload=offload, bucket_mb=0.0008)
-        assert opt._clips_at_step
-        if not clip_at_step:
-            opt._clips_at_step = False
-            opt._comm.reducer.before_reduce = opt._comm.reducer.after_reduce = None
-        scaler = zero_shard.GradScaler("cuda", init_scale=16.0)
-        runs.append((model, opt, scaler))
-    return runs
-
-
 @case
 def clip_at_the_step_is_a_clip_before_it_bit_for_bit(rank: int, world: int) -> None:
-    """Through accumulation, two clips, GradScaler's unscale and each way of clearing grads, the
-    params are the same bits as with the clip multiplying the grads first; with per-chunk
-    staging a plain step finds every chunk's grads copied to the host by backward."""
-    device = torch.device("cuda", rank)
-    for fraction, staging in ((1.0, "per_chunk"), (0.5, "per_chunk"), (1.0, "bounded")):
-        runs = _clip_runs(fraction, staging, device)
-        copies = [0]
-        engine = runs[0][1]._hybrid._host.engine
-        d2h = engine.d2h
-
-        def counted(pairs: Any, copies: list[int] = copies, d2h: Any = d2h, **kwargs: Any) -> Any:
-            copies[0] += 1
-            return d2h(pairs, **kwargs)
-
-        engine.d2h = counted
-        for step in range(8):
-            kind = step % 4
-            for model, opt, scaler in runs:
-                x, y = (t.to(device, torch.bfloat16) for t in global_batch(step))
-                for micro in range(2 if kind == 1 else 1):  # 1: accumulation over two
-                    half = local_slice(x, rank, world)[micro :: 2 if kind == 1 else 1]
-                    target = local_slice(y, rank, world)[micro :: 2 if kind == 1 else 1]
-                    loss = mse(model(half), target)
-                    (scaler.scale(loss) if kind == 3 else loss).backward()
-                if kind == 3:
-                    scaler.unscale_(opt)
-                opt.clip_grad_norm_(0.05)
-                if kind == 2:
-                    opt.clip_grad_norm_(0.02)
-                before = copies[0]
-                if kind == 3:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                if opt is runs[0][1] and staging == "per_chunk" and kind == 0:
-                    assert copies[0] == before, f"{fraction} step {step}: copied at the step"
-                (opt if step % 2 else model).zero_grad()
-                opt.finish_param_sync()
-            for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
-                assert torch.equal(a, b), f"{fraction}/{staging} step {step}"
-        assert copies[0] > 0
+    check_clip_at_step(torch.device("cuda", rank), rank, world)
 
 
 @pytest.fixture(scope="module")
