@@ -150,8 +150,8 @@ class DevicePart:
     ) -> None:
         """Steps every piece whose param has a grad in ``grads`` (1-D, by record index), the
         grads multiplied in place by ``grad_factor`` (one element, on the device; as
-        ``scale_grads_`` multiplies) and then by ``grad_scale`` in fp32, where given; nothing changes where
-        ``found_inf`` (one element, on the device) is nonzero.
+        ``scale_grads_`` multiplies) and then by ``grad_scale`` in fp32, where given; nothing
+        changes where ``found_inf`` (one element, on the device) is nonzero.
 
         Runs on the current stream, so it is ordered after backward and before the next forward
         with no synchronization (none for ``found_inf`` either where ``skips_on_device``).

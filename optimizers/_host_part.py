@@ -344,13 +344,15 @@ class HostPart:
         grad_factor: torch.Tensor | None = None,
     ) -> HostStep:
         """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied on
-        the host by ``grad_factor`` (one fp32 element, on the device) in their dtype and then by
-        ``grad_scale`` in fp32, where given; see [Note: host pipeline]. A chunk whose grads were
-        copied by ``grads_ready`` and are unchanged since is not copied again. The chunks go last params
-        first (their grads are ready first in backward), or, given ``need_order`` (every record
-        index, in the order the new weights will be needed), by the first param of each chunk
-        needed. Where ``found_inf`` (one element, on the device) is nonzero, the worker steps no
-        chunk and the params are left as they are; the host does not wait for it here."""
+        the host by ``grad_factor`` (one fp32 element, on the device; as the device would, see
+        ``HostStep.grad_factor``) and then by ``grad_scale`` in fp32, where given; see [Note: host
+        pipeline]. A chunk whose grads ``grads_ready`` copied, unchanged since, is not copied
+        again. The chunks go last params first (their grads are ready first in backward), or,
+        given ``need_order`` (every record index, in the order the new weights will be needed),
+        by the first param of each chunk needed (a chunk on the host already may go first, see
+        ``_lead_with_a_landed_copy``). Where ``found_inf`` (one element, on the device) is
+        nonzero, the worker steps no chunk and the params are left as they are; the host does
+        not wait for it here."""
         # The grads are final on the current stream here (recorded before settle() makes it
         # wait for every H2D: each chunk's D2H waits for its own below).
         start_event = record_event(current_stream(self.engine.device))

@@ -345,10 +345,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             threads=threads,
             num_state_tensors=max(len(layout.elementwise_keys) for layout in layouts),
             kernel=self._select_cpu_kernel(layout.host_chunks, threads),
-            # A delayed update's weights wait in staging until the next backward is done.
+            # A delayed update's weights wait in staging until the next backward is done: no ring,
+            # and no grads copied into the buffers before that.
             ring=self.policy.host_staging == "bounded" and not self.policy.delayed_update,
             switch_interval=self.policy.gil_switch_interval,
-            # A delayed update's weights wait in its buffers until the next backward is done.
             early_copies=self.policy.host_staging == "per_chunk" and not self.policy.delayed_update,
         )
         self._device = DevicePart(
@@ -467,10 +467,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 will hold it (a clip's coefficient): the grads are multiplied by it first, with
                 the bits of ``optimizers.scale_grads_`` (``torch._foreach_mul_`` by it; on CUDA
                 the factor rounded to bf16 or fp16 grads' dtype, as its fused path takes it).
-                The accelerator's share
-                of the grads is multiplied in place; the CPU's share on the host as it is stepped,
-                so those grads are left as they were, and a grad copied by :meth:`grads_ready`
-                need not be copied again. Default: none.
+                The accelerator's share of the grads is multiplied in place; the CPU's share on
+                the host as it is stepped, so those grads are left as they were, and a grad
+                copied by :meth:`grads_ready` need not be copied again. Default: none.
         """
         loss = None
         if closure is not None:
@@ -509,11 +508,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         worker thread, chunk by chunk in ``need_order`` (every param index over all param groups,
         as in ``state_dict()``, in the order the new weights will be needed; default: index
         order; a chunk whose grads :meth:`grads_ready` copied may go first while the first is
-        still on its way). The returned :class:`HostStep` completes it: ``wait_for(indices)`` once the params
-        with those indices are needed, ``wait()`` for all; each makes the current stream see the
-        new weights (a stream wait; the host goes on). Anything else that reads or writes the
-        optimizer's state (``step``, ``state_dict``, ``load_state_dict``, ``reload_model_params``,
-        ``param_state``) completes it first. The model's params of the CPU's share must not be
+        still on its way). The returned :class:`HostStep` completes it: ``wait_for(indices)``
+        once the params with those indices are needed, ``wait()`` for all; each makes the
+        current stream see the new weights (a stream wait; the host goes on). Anything else that
+        reads or writes the optimizer's state (``step``, ``state_dict``, ``load_state_dict``,
+        ``reload_model_params``, ``param_state``) completes it first. The model's params of the CPU's share must not be
         read (no forward) before their chunks are completed, and the grads not written (no
         backward) before the whole step is. The chunks may be completed from another thread than
         the one that launched the step (each caller's current stream is made to wait).

@@ -117,6 +117,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _clipped_marker: Any  # the comm's grads_marker() right after that clip
     _grad_scale: float | None  # fp16: the loss scale's inverse, applied in fp32 at the step
     _checked_by_scaler: bool  # GradScaler checked these grads for infs already
+    _clips_at_step: bool  # a plain model with a CPU share: see [Note: clip at the step]
     _grad_factor: torch.Tensor | None  # a clip's coefficient the step applies, not yet applied
     #                                    to the grads (see [Note: clip at the step])
 
@@ -260,12 +261,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         clip does not multiply them: the step multiplies the accelerator's share on the device
         and the CPU's share on the host as it steps each chunk, with the same bits as
         ``scale_grads_`` (the host rounds the factor where the device would, and each fp32
-        product to the grads' dtype). The
-        grads the host needs then are those backward reduced, so each bucket's go to the host as
-        soon as they are reduced (``grads_ready``; with ``host_staging="per_chunk"``), and the
-        first chunks' CPU step starts as backward ends. Anything that changes or reads the
-        grads otherwise first applies a factor still pending: a reduction (another backward),
-        a second clip, GradScaler's unscale, and a step that does not take it."""
+        product to the grads' dtype). The grads the host needs then are those backward reduced,
+        so each bucket's go to the host as soon as they are reduced (``grads_ready``; with
+        ``host_staging="per_chunk"``), and the first chunks' CPU step starts as backward ends.
+        Anything that changes or reads the grads otherwise first applies a factor still
+        pending: a reduction (another backward), a second clip, GradScaler's unscale, and a
+        step that does not take it. DDP's and FSDP2's grads are the model's own, which users
+        may read after the clip: there the clip multiplies them at once, as before."""
         self._clips_at_step = True
         apply = weakref.WeakMethod(self._apply_grad_factor)
         hybrid = weakref.ref(self._hybrid)

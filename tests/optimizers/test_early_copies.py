@@ -237,7 +237,7 @@ class FakeEvent:
 
 def test_a_chunk_on_the_host_goes_first_when_the_first_is_not() -> None:
     def job(name: str, early: bool, landed: bool = True) -> ChunkJob:
-        made = ChunkJob(chunk=name, active=[], slot=0, staging=torch.empty(0))  # type: ignore[arg-type]
+        made = ChunkJob(name, [], 0, torch.empty(0))  # type: ignore[arg-type]
         if early:
             made.d2h_done = FakeEvent(landed)
             made.d2h_queued.set()
