@@ -263,7 +263,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         ``scale_grads_`` (the host rounds the factor where the device would, and each fp32
         product to the grads' dtype). The grads the host needs then are those backward reduced,
         so each bucket's go to the host as soon as they are reduced (``grads_ready``; with
-        ``host_staging="per_chunk"``), and the first chunks' CPU step starts as backward ends.
+        ``host_staging="per_chunk"``; all but the one reduced last), and the CPU step starts
+        as backward ends.
         Anything that changes or reads the grads otherwise first applies a factor still
         pending: a reduction (another backward), a second clip, GradScaler's unscale, and a
         step that does not take it. DDP's and FSDP2's grads are the model's own, which users
@@ -272,6 +273,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         apply = weakref.WeakMethod(self._apply_grad_factor)
         hybrid = weakref.ref(self._hybrid)
         reduced = weakref.WeakMethod(comm.reduced_grads)
+        reduced_last = comm.buckets[0]
 
         def before_reduce() -> None:
             alive = apply()
@@ -279,8 +281,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 alive()
 
         def after_reduce(bucket: Bucket) -> None:
+            # The first bucket is reduced last, as backward ends: copied then, its grads would
+            # hold the copy engine as the step's flags go to the host (the worker waits for
+            # them); the step copies them after the flags instead.
             alive, grads_of = hybrid(), reduced()
-            if alive is not None and grads_of is not None:
+            if alive is not None and grads_of is not None and bucket is not reduced_last:
                 alive.grads_ready(grads_of(bucket))
 
         comm.reducer.before_reduce = before_reduce

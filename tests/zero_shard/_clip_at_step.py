@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from _models import adamw, global_batch, local_slice, make_model, mse
 
 import zero_shard
@@ -19,7 +20,7 @@ def _clip_runs(fraction: float, staging: str, device: torch.device) -> list[Any]
     runs = []
     for clip_at_step in (True, False):
         model = make_model().to(device, torch.bfloat16)
-        offload = OffloadPolicy(fraction=fraction, chunk_numel=64, host_staging=staging)
+        offload = OffloadPolicy(fraction=fraction, chunk_numel=16, host_staging=staging)
         opt = zero_shard.wrap(adamw(model), model, offload=offload, bucket_mb=0.0008)
         assert opt._clips_at_step
         if not clip_at_step:
@@ -44,11 +45,21 @@ def _count_copies(opt: Any) -> list[int]:
     return copies
 
 
+def _chunks_reduced_last(opt: Any) -> int:
+    """The CPU's chunks holding a piece of a param of the bucket reduced last: their grads are
+    copied at the step, the others' by backward."""
+    indices = {i for i, s in enumerate(opt._sharded) if s.bucket == 0}
+    host = opt._hybrid._host
+    return len({c.index for i in indices for c in host._chunks_of.get(i, ())})
+
+
 def check_clip_at_step(device: torch.device, rank: int, world: int) -> None:
     """Through accumulation (also after a clip), two clips, GradScaler's unscale and each way of
     clearing grads, the
     params are the same bits as with the clip multiplying the grads first; with per-chunk
-    staging a plain step finds every chunk's grads copied to the host by backward."""
+    staging a plain step finds every chunk's grads copied to the host by backward but those of
+    the bucket reduced last."""
+    by_backward = 0  # chunks a plain step found copied by backward
     for fraction, staging in ((1.0, "per_chunk"), (0.5, "per_chunk"), (1.0, "bounded")):
         runs = _clip_runs(fraction, staging, device)
         copies = _count_copies(runs[0][1])
@@ -77,9 +88,14 @@ def check_clip_at_step(device: torch.device, rank: int, world: int) -> None:
                 else:
                     opt.step()
                 if opt is runs[0][1] and staging == "per_chunk" and kind == 0:
-                    assert copies[0] == before, f"{fraction} step {step}: copied at the step"
+                    at_step, last = copies[0] - before, _chunks_reduced_last(opt)
+                    assert at_step == last, f"{fraction} step {step}: {at_step} copied, {last}"
+                    by_backward += len(opt._hybrid._host.chunks) - last
                 (opt if step % 2 else model).zero_grad()
                 opt.finish_param_sync()
             for a, b in zip(runs[0][0].parameters(), runs[1][0].parameters(), strict=True):
                 assert torch.equal(a, b), f"{fraction}/{staging} step {step}"
         assert copies[0] > 0
+    counted = torch.tensor([by_backward], device=device)
+    dist.all_reduce(counted)  # some rank's chunks hold no piece of the bucket reduced last
+    assert int(counted) > 0
