@@ -55,10 +55,9 @@ def _chunks_reduced_last(opt: Any) -> int:
 
 def check_clip_at_step(device: torch.device, rank: int, world: int) -> None:
     """Through accumulation (also after a clip), two clips, GradScaler's unscale and each way of
-    clearing grads, the
-    params are the same bits as with the clip multiplying the grads first; with per-chunk
-    staging a plain step finds every chunk's grads copied to the host by backward but those of
-    the bucket reduced last."""
+    clearing grads, the params are the same bits as with the clip multiplying the grads first;
+    with per-chunk staging a plain step finds every chunk's grads copied to the host by backward
+    but those of the bucket reduced last."""
     by_backward = 0  # chunks a plain step found copied by backward
     for fraction, staging in ((1.0, "per_chunk"), (0.5, "per_chunk"), (1.0, "bounded")):
         runs = _clip_runs(fraction, staging, device)
