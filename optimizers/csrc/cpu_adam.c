@@ -4,9 +4,9 @@
  * optional grad factor as a clip's `_foreach_mul_` multiplies it, on the CPU or on CUDA by a
  * factor of the grads' dtype: the fp32 product rounded back to the model dtype; then
  * multiplied in fp32 by an optional grad scale, as torch's path multiplies the fp32 main grad),
- * updates the fp32 main
- * weight and both moments, and writes the model-dtype weight back into the same staging slot,
- * so the grad cast and the weight cast cost no pass of their own over host memory. The math
+ * updates the fp32 main weight and both moments, and writes the model-dtype weight back into
+ * the same staging slot, so the grad cast and the weight cast cost no pass of their own over
+ * host memory. The math
  * is torch's fused CPU Adam/AdamW operation for operation, with its fused multiply-adds where
  * torch's build has them (the lerp of exp_avg, the grad term of exp_avg_sq, Adam's L2 term) and
  * none elsewhere (-ffp-contract=off): on whole vectors the results were the same bits as torch
