@@ -623,6 +623,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             flat[index] = grad.view(-1)
         self._host.grads_ready(flat)
 
+    @property
+    def copies_grads_early(self) -> bool:
+        """Whether :meth:`grads_ready` copies anything: a CPU share with a staging buffer per
+        chunk and no delayed update (otherwise it does nothing, and callers need not call it)."""
+        return self._host.early_copies and bool(self._host.chunks)
+
     def drop_grads_ready(self) -> None:
         """Forgets the grads given to :meth:`grads_ready` since the last step, and their copies:
         for when they are cleared before any step (``zero_grad``), so that nothing holds them."""

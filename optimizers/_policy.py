@@ -71,10 +71,10 @@ class OffloadPolicy:
             (2 bytes a param of bf16): every grad is copied by the time the step starts, and the
             grads may be written again once ``HostStep.wait_grads_copied()`` (a stream wait) is
             passed; grads said to be final before the step (``grads_ready``: ``zero_shard.wrap``
-            of a plain model says so as backward reduces each bucket) are copied then, while
-            backward runs on, so the CPU step starts as soon as backward ends and its kernels do
-            not share the host's memory with those copies (on one H100, 1B GPT, full offload:
-            docs/benchmarks/e2e.md). A delayed update always uses ``"per_chunk"`` (without early
+            of a plain model says so as backward reduces each bucket but the last) are copied
+            then, while backward runs on, so the CPU step starts as soon as backward ends and its
+            kernels do not share the host's memory with those copies (on one H100, 1B GPT, full
+            offload: docs/benchmarks/e2e.md). A delayed update always uses ``"per_chunk"`` (without early
             copies: its weights wait in the buffers through the next backward); so does
             ``zero_shard.wrap`` for a DDP model, whose grads are the model's own and may be
             zeroed in place right after ``step()``.

@@ -289,7 +289,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 alive.grads_ready(grads_of(bucket))
 
         comm.reducer.before_reduce = before_reduce
-        comm.reducer.after_reduce = after_reduce
+        if self._hybrid.copies_grads_early:  # else no per-bucket work in backward's hooks
+            comm.reducer.after_reduce = after_reduce
 
     def _apply_grad_factor(self) -> None:
         """Multiplies the grads in place by a clip's factor still pending ([Note: clip at the
