@@ -7,6 +7,7 @@ optimizer state dicts saved on one rank."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import tempfile
@@ -350,7 +351,13 @@ def placeholders_convert_with_the_model_and_go_with_the_optimizer(rank: int, wor
 def a_stock_transformer_trained_with_ddp_habits(rank: int, world: int) -> None:
     # nn.TransformerEncoder (its attention reads out_proj.weight itself), with the habits of a
     # DDP + torch.optim loop: a scheduler built before wrapping, torch's clip tried first (it
-    # raises), model.zero_grad() to clear. Dropout 0: the reference runs other batch rows.
+    # raises), model.zero_grad() to clear. Dropout 0: the reference runs other batch rows. Both
+    # stagings: per-chunk copies grads to the host in backward ([Note: early grad copies]).
+    for staging in ("bounded", "per_chunk"):
+        _train_a_stock_transformer(rank, world, staging)
+
+
+def _train_a_stock_transformer(rank: int, world: int, staging: str) -> None:
     def encoder() -> nn.Module:
         torch.manual_seed(0)
         layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
@@ -362,7 +369,8 @@ def a_stock_transformer_trained_with_ddp_habits(rank: int, world: int) -> None:
     )
     sched = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.7)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.7)
-    opt = zero_shard.wrap(torch_opt, model, offload=offload(0.5))
+    policy = dataclasses.replace(offload(0.5), host_staging=staging)
+    opt = zero_shard.wrap(torch_opt, model, offload=policy)
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(12, 5, 8, generator=gen), torch.randn(12, 5, 8, generator=gen)
@@ -380,7 +388,7 @@ def a_stock_transformer_trained_with_ddp_habits(rank: int, world: int) -> None:
         ref_sched.step()
         torch.testing.assert_close(norm, ref_norm, **LOSS_TOL)
     opt.finish_param_sync()
-    assert_params_close(model, ref, "nn.TransformerEncoder with DDP habits")
+    assert_params_close(model, ref, f"nn.TransformerEncoder with DDP habits, {staging} staging")
 
 
 # -- clipping ------------------------------------------------------------------------------------
