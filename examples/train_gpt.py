@@ -466,6 +466,9 @@ def measure_memory(trainer: Trainer, ranks: Ranks, rss_after_warmup: list[int]) 
             f"; rank {ranks.rank}'s optimizer state: {format_bytes(device_bytes)} on "
             f"{ranks.device}, {format_bytes(host_bytes)} on the host"
         )
+        if trainer.zero_shard:
+            memory["host_staging"] = trainer.optimizer.memory_report().host_staging
+            line += f" (host staging {memory['host_staging']})"
     memory["line"] = line
     return memory
 
@@ -707,9 +710,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--gil-switch-interval", type=float, metavar="SECONDS", help="the GIL switch interval "
         "while zero-shard's CPU step is in flight (0: leave the interpreter's alone); default: "
         "OffloadPolicy's")  # fmt: skip
-    add("--host-staging", choices=["bounded", "per_chunk"], default="bounded", help="zero-shard's "
-        "host buffers for grads and weights: bounded (default) or per_chunk (2 bytes a param "
-        "more; each chunk's grads go to the host as backward reduces them)")  # fmt: skip
+    add("--host-staging", choices=["auto", "bounded", "per_chunk"], default="auto", help="zero-"
+        "shard's host buffers for grads and weights: per_chunk (2 bytes a param more; each "
+        "chunk's grads go to the host as backward reduces them), bounded, or auto (default: "
+        "per_chunk where the host keeps a quarter of its memory available)")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
     add("--delayed-update-warmup", type=int, default=0, metavar="STEPS", help="with "

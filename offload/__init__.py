@@ -6,7 +6,7 @@ This layer knows no optimizer and no process group.
 from ._copy_engine import CopyEngine, CopyPair, copy_async
 from ._flag import HostFlag
 from ._gil import SwitchInterval, check_switch_interval, switch_interval
-from ._host_memory import check_host_memory, format_bytes, local_world_size
+from ._host_memory import available_after, check_host_memory, format_bytes, local_world_size
 from ._phases import phase
 from ._pinned import HostBufferRequest, HostBuffers
 from ._streams import (
@@ -29,6 +29,7 @@ __all__ = [
     "HostFlag",
     "SwitchInterval",
     "ThreadBudget",
+    "available_after",
     "check_host_memory",
     "check_switch_interval",
     "copy_async",

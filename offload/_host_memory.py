@@ -6,7 +6,7 @@ import os
 
 import psutil
 
-__all__ = ["check_host_memory", "format_bytes", "local_world_size"]
+__all__ = ["available_after", "check_host_memory", "format_bytes", "local_world_size"]
 
 # Kept free for the rest of the process (the model on CPU, the data loader, the page cache).
 _MARGIN_FRACTION = 0.05
@@ -62,3 +62,14 @@ def check_host_memory(num_bytes: int, *, what: str, setting: str) -> None:
             f"free. Lower {setting}, or run fewer ranks per host; set {_SKIP_ENV}=1 only if "
             f"this host reports less memory than it has."
         )
+
+
+def available_after(num_bytes: int) -> tuple[int, int] | None:
+    """The host's available memory once every local rank allocated ``num_bytes`` more, and its
+    total memory, in bytes: ``(available_after, total)``. ``None`` where the host's report is
+    not to be trusted (``ZERO_SHARD_SKIP_HOST_MEMORY_CHECK=1``: the report may be low). For
+    choices that trade host memory for speed, beyond what :func:`check_host_memory` refuses."""
+    if os.environ.get(_SKIP_ENV, "0") not in ("", "0"):
+        return None
+    memory = psutil.virtual_memory()
+    return memory.available - max(num_bytes, 0) * local_world_size(), memory.total

@@ -46,6 +46,7 @@ wait for the current one first.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,8 +62,10 @@ from offload import (
     HostBuffers,
     HostFlag,
     ThreadBudget,
+    available_after,
     check_host_memory,
     current_stream,
+    format_bytes,
     phase,
     record_event,
     switch_interval,
@@ -78,12 +81,18 @@ from ._host_step import ChunkJob, HostStep
 from ._layout import ChunkSpec
 from ._records import ParamRecord, Piece, flat_param
 
-__all__ = ["STAGING_SLOTS", "HostChunk", "HostPart"]
+__all__ = ["STAGING_SLOTS", "HostChunk", "HostPart", "choose_staging"]
+
+logger = logging.getLogger("zero_shard")
 
 # Staging buffers the chunks take in turn (see [Note: staging ring]): the worker steps one while
 # the H2D out of the one before and the D2H into the next run, with one to spare for their
 # spread (at the default 16M-element chunks, 128 MiB of bf16 staging).
 STAGING_SLOTS = 4
+
+# host_staging="auto" takes a buffer per chunk where the host keeps at least this share of its
+# memory available after it (see choose_staging).
+AUTO_STAGING_KEEPS_FREE = 0.25
 
 
 @dataclass
@@ -132,6 +141,25 @@ def host_bytes_needed(
     return total
 
 
+def choose_staging(per_chunk_bytes: int) -> tuple[str, str]:
+    """``host_staging="auto"``'s choice for a CPU share that needs ``per_chunk_bytes`` of host
+    memory with a staging buffer per chunk, and why: ``"per_chunk"`` (the fastest full offload,
+    2 bytes a bf16 param more) where the host keeps at least ``AUTO_STAGING_KEEPS_FREE`` of its
+    memory available once every local rank has taken that much, else ``"bounded"``. So a model
+    near what the host can hold gets bounded staging, and the same largest model fits. The rest
+    of the process (the data loader, a checkpoint's copies, other models of an RL stack) keeps
+    the quarter."""
+    after = available_after(per_chunk_bytes)
+    if after is None:
+        return "bounded", "the host-memory check is off: its report is not trusted"
+    available, total = after
+    reason = (
+        f"{format_bytes(max(available, 0))} of {format_bytes(total)} would be left available "
+        f"with a buffer per chunk (kept: {AUTO_STAGING_KEEPS_FREE:.0%})"
+    )
+    return ("per_chunk" if available >= AUTO_STAGING_KEEPS_FREE * total else "bounded"), reason
+
+
 def _slice(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     return tensor[start : start + numel]
 
@@ -142,7 +170,8 @@ class HostPart:
     chunks: list[HostChunk]  # in parameter order
     engine: CopyEngine
     buffers: HostBuffers  # the staging buffers (1-D uint8 views), see [Note: staging ring]
-    ring: bool  # whether the chunks take STAGING_SLOTS buffers in turn (else one each)
+    host_staging: str  # "bounded" or "per_chunk" (OffloadPolicy.host_staging, "auto" resolved)
+    ring: bool  # bounded staging: the chunks take STAGING_SLOTS buffers in turn (else one each)
     threads: ThreadBudget | None  # None when nothing is offloaded
     _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
@@ -182,7 +211,7 @@ class HostPart:
         threads: ThreadBudget | None,
         num_state_tensors: int,
         kernel: CpuAdamKernel | None,
-        ring: bool,
+        staging: str,
         switch_interval: float | None = None,
         early_copies: bool = False,
     ) -> None:
@@ -193,6 +222,21 @@ class HostPart:
             else None
             for s in specs
         ]
+        if staging == "auto":
+            if specs:
+                staging, reason = choose_staging(
+                    host_bytes_needed(specs, num_state_tensors, kernels, ring=False)
+                )
+                logger.info(
+                    "zero-shard: host staging %r (host_staging='auto': %s)", staging, reason
+                )
+            else:
+                staging = "bounded"  # nothing to stage
+        if staging not in ("bounded", "per_chunk"):
+            raise AssertionError(
+                f"expected a host staging of 'bounded' or 'per_chunk', got {staging!r}"
+            )
+        ring = staging == "bounded"
         check_host_memory(
             host_bytes_needed(specs, num_state_tensors, kernels, ring=ring),
             what="the fp32 main weights, grads and optimizer state offloaded to the CPU",
@@ -200,7 +244,7 @@ class HostPart:
         )
         self.engine = CopyEngine(device)
         self.threads = threads
-        self.ring = ring
+        self.host_staging, self.ring = staging, ring
         self.switch_interval = switch_interval
         self._release_interval = None
         self._cls = cls
@@ -209,9 +253,7 @@ class HostPart:
         self._last_step = None
         self._found_inf = HostFlag(device)
         self._grad_factor = HostFlag(device)
-        if early_copies and ring:
-            raise AssertionError("expected a staging buffer per chunk for early copies")
-        self.early_copies = early_copies
+        self.early_copies = early_copies and not ring
         self.forget_early_copies()
         self.buffers = HostBuffers(
             [HostBufferRequest(size, torch.uint8) for size in staging_bytes(specs, ring=ring)],

@@ -52,6 +52,7 @@ class MemoryReport:
     pinned: bool | None  # whether the staging buffers are pinned; None when nothing is offloaded
     num_device_elements: int
     num_host_elements: int
+    host_staging: str  # "bounded" or "per_chunk": OffloadPolicy.host_staging, "auto" resolved
 
 
 def check_param_kind(param: torch.Tensor, name: str) -> None:
@@ -345,11 +346,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             threads=threads,
             num_state_tensors=max(len(layout.elementwise_keys) for layout in layouts),
             kernel=self._select_cpu_kernel(layout.host_chunks, threads),
-            # A delayed update's weights wait in staging until the next backward is done: no ring,
-            # and no grads copied into the buffers before that.
-            ring=self.policy.host_staging == "bounded" and not self.policy.delayed_update,
+            # A delayed update's weights wait in staging until the next backward is done: a buffer
+            # per chunk, and no grads copied into the buffers before that.
+            staging="per_chunk" if self.policy.delayed_update else self.policy.host_staging,
             switch_interval=self.policy.gil_switch_interval,
-            early_copies=self.policy.host_staging == "per_chunk" and not self.policy.delayed_update,
+            early_copies=not self.policy.delayed_update,
         )
         self._device = DevicePart(
             trainable,
@@ -624,6 +625,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._host.grads_ready(flat)
 
     @property
+    def host_staging(self) -> str:
+        """The staging in use, ``"bounded"`` or ``"per_chunk"``: ``OffloadPolicy.host_staging``
+        with ``"auto"`` resolved for this host (``"bounded"`` where nothing is offloaded), or
+        ``"per_chunk"`` for a delayed update. It says when the grads given to
+        :meth:`launch_step` may be written again (see ``OffloadPolicy.host_staging``)."""
+        return self._host.host_staging
+
+    @property
     def copies_grads_early(self) -> bool:
         """Whether :meth:`grads_ready` copies anything: a CPU share with a staging buffer per
         chunk and no delayed update (otherwise it does nothing, and callers need not call it)."""
@@ -661,6 +670,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pinned=buffers.pinned if buffers.views else None,
             num_device_elements=self._num_elements[0],
             num_host_elements=self._num_elements[1],
+            host_staging=self.host_staging,
         )
 
     def state_dict(self) -> dict[str, Any]:

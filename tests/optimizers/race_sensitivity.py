@@ -47,6 +47,10 @@ def main() -> None:
          (_host_step, "wait_for_event", no_wait_for_h2d), exact_race),
         ("copies do not wait for backward",
          (_copy_engine, "copy_async", no_wait_before_d2h), exact_race),
+        ("current stream does not wait for H2D (a buffer per chunk)",
+         (_host_step, "wait_for_event", no_wait_for_h2d), exact_race_per_chunk),
+        ("copies do not wait for backward (a buffer per chunk)",
+         (_copy_engine, "copy_async", no_wait_before_d2h), exact_race_per_chunk),
         ("D2H into staging does not wait for the H2D out of it",
          (_host_step.HostStep, "queue_d2h", no_wait_for_staging_free), staging_race),
         ("delayed H2D does not wait for the next backward",
@@ -66,7 +70,13 @@ def main() -> None:
 
 def exact_race() -> None:
     test_hybrid_cuda.test_no_race_between_copies_and_compute(
-        1.0, modify_grads=True, micro_batches=1
+        1.0, modify_grads=True, micro_batches=1, staging="bounded"
+    )
+
+
+def exact_race_per_chunk() -> None:
+    test_hybrid_cuda.test_no_race_between_copies_and_compute(
+        1.0, modify_grads=True, micro_batches=1, staging="per_chunk"
     )
 
 

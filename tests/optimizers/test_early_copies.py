@@ -186,7 +186,7 @@ def test_nothing_holds_the_grads_once_copied_or_dropped(fraction: float) -> None
 def test_bounded_staging_and_a_delayed_update_copy_nothing_early(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for policy in ({}, {"delayed_update": True}):
+    for policy in ({"host_staging": "bounded"}, {"delayed_update": True}):
         params = make_params(torch.bfloat16, "cpu")
         opt = build(params, 1.0, **policy)
         copies = CountCopies(opt, monkeypatch)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import gc
 import io
 import itertools
+import logging
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from _parity import (
     train_side_by_side,
 )
 
+from offload import _host_memory as offload_host_memory
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
 from optimizers import _device_part as device_part
 from optimizers import _host_part as host_part
@@ -37,9 +40,13 @@ FRACTIONS = [0.0, 0.37, 1.0]
 DTYPES = [torch.bfloat16, torch.float32]
 
 
-def hybrid(params, name: str, fraction: float, chunk_numel: int = 40) -> HybridDeviceOptimizer:
+def hybrid(
+    params, name: str, fraction: float, chunk_numel: int = 40, staging: str = "auto"
+) -> HybridDeviceOptimizer:
     cls, kwargs = OPTIMIZERS[name]
-    policy = OffloadPolicy(fraction=fraction, chunk_numel=chunk_numel, num_threads=2)
+    policy = OffloadPolicy(
+        fraction=fraction, chunk_numel=chunk_numel, num_threads=2, host_staging=staging
+    )
     return HybridDeviceOptimizer(groups_of(params), cls, policy=policy, **kwargs)
 
 
@@ -53,6 +60,7 @@ def reference(refs, name: str, fused: bool) -> torch.optim.Optimizer:
 )
 def test_parity_every_step(name: str, fraction: float, dtype: torch.dtype) -> None:
     # Against torch's default (single-tensor) implementation: within RTOL/ATOL (see _parity).
+    # The default staging ("auto": a buffer per chunk on a host with room), then bounded.
     params = make_params(dtype, "cpu")
     refs = fp32_copies(params)
     opt, ref_opt = hybrid(params, name, fraction), reference(refs, name, fused=False)
@@ -61,7 +69,8 @@ def test_parity_every_step(name: str, fraction: float, dtype: torch.dtype) -> No
     # Against torch's fused CPU kernel, which both devices run here: bit for bit.
     params = make_params(dtype, "cpu")
     refs = fp32_copies(params)
-    opt, ref_opt = hybrid(params, name, fraction), reference(refs, name, fused=True)
+    opt = hybrid(params, name, fraction, staging="bounded")
+    ref_opt = reference(refs, name, fused=True)
     for step in train_side_by_side(opt, ref_opt, params, refs, steps=5):
         assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"fused, step {step}")
     state = opt.state_dict()["state"]
@@ -482,7 +491,7 @@ def test_a_hybrid_on_the_host_steps_its_params_with_the_budget(
 
 
 @pytest.mark.parametrize("kernel", ["torch", "auto"])
-def test_host_staging_is_bounded_whatever_the_model(kernel: str) -> None:
+def test_bounded_host_staging_is_the_same_whatever_the_model(kernel: str) -> None:
     # The chunks take STAGING_SLOTS buffers in turn (see [Note: staging ring]): ten times the
     # chunks hold the same staging, and the host holds the fp32 main weight and the two states
     # per param beside it (and the fp32 grads where torch steps bf16 chunks), and the step
@@ -498,7 +507,7 @@ def test_host_staging_is_bounded_whatever_the_model(kernel: str) -> None:
         ]
         policy = OffloadPolicy(
             fraction=1.0, chunk_numel=chunk_numel, num_threads=1, cpu_kernel=kernel,
-            delayed_update=delayed,
+            delayed_update=delayed, host_staging="bounded",
         )  # fmt: skip
         return HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=0.01), params
 
@@ -525,6 +534,75 @@ def test_host_staging_is_bounded_whatever_the_model(kernel: str) -> None:
             assert_matches(opt, params, refs, tol=OTHER_KERNEL, where=f"{num_params}: {step}")
 
 
+def test_auto_staging_takes_a_buffer_per_chunk_where_the_host_keeps_room(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # host_staging="auto" (the default): a buffer per chunk where the host keeps a quarter of
+    # its memory available after every local rank has taken its share with one, bounded
+    # staging otherwise; what the host reports is made up here, around that line.
+    chunk_numel, num_params, total = 4096, 80, 64 << 30
+    reported = {"available": total}
+    monkeypatch.setattr(
+        offload_host_memory.psutil,
+        "virtual_memory",
+        lambda: types.SimpleNamespace(total=total, available=reported["available"]),
+    )
+    monkeypatch.delenv("ZERO_SHARD_SKIP_HOST_MEMORY_CHECK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+    def build(**options: object) -> HybridDeviceOptimizer:
+        params = [
+            torch.nn.Parameter(torch.full((chunk_numel,), float(i)).bfloat16())
+            for i in range(num_params)
+        ]
+        policy = OffloadPolicy(fraction=1.0, chunk_numel=chunk_numel, num_threads=1, **options)
+        return HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=0.01)
+
+    with caplog.at_level(logging.INFO, logger="zero_shard"):
+        roomy = build()
+    assert roomy.host_staging == "per_chunk"
+    report = roomy.memory_report()
+    assert report.host_staging == "per_chunk"
+    assert report.host_staging_bytes >= num_params * chunk_numel * 2, report
+    assert "host staging 'per_chunk' (host_staging='auto'" in caplog.text
+    need = report.host_bytes  # the CPU share's bytes with a buffer per chunk
+    assert build(host_staging="bounded").memory_report().host_bytes < need
+
+    keep = total // 4
+    reported["available"] = keep + need + need // 10
+    assert build().host_staging == "per_chunk"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # another rank on the host takes as much
+    assert build().host_staging == "bounded"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    reported["available"] = keep + need - need // 10
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="zero_shard"):
+        tight = build()
+    assert tight.host_staging == "bounded" and tight.memory_report().host_staging == "bounded"
+    assert tight.memory_report().host_staging_bytes < num_params * chunk_numel * 2 / 4
+    assert "host staging 'bounded'" in caplog.text
+    assert build(host_staging="per_chunk").host_staging == "per_chunk"  # asked for: as asked
+    assert build(delayed_update=True).host_staging == "per_chunk"  # its weights wait in them
+    reported["available"] = total
+    monkeypatch.setenv("ZERO_SHARD_SKIP_HOST_MEMORY_CHECK", "1")  # the report is not trusted
+    assert build().host_staging == "bounded"
+    monkeypatch.delenv("ZERO_SHARD_SKIP_HOST_MEMORY_CHECK")
+    nothing = HybridDeviceOptimizer(
+        [torch.nn.Parameter(torch.ones(8))], torch.optim.AdamW, offload_fraction=0.0
+    )
+    assert nothing.host_staging == "bounded" and nothing.memory_report().host_staging_bytes == 0
+    # Trained, each way, as torch trains.
+    for staging_of, available in (("per_chunk", total), ("bounded", keep)):
+        reported["available"] = available
+        params = make_params(torch.bfloat16, "cpu")
+        refs = fp32_copies(params)
+        opt = hybrid(params, "adamw", 1.0)
+        assert opt.host_staging == staging_of
+        ref_opt = reference(refs, "adamw", fused=True)
+        for step in train_side_by_side(opt, ref_opt, params, refs, steps=3):
+            assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"{staging_of}, {step}")
+
+
 def test_the_interpreter_exits_with_a_step_in_flight() -> None:
     # At exit concurrent.futures stops the copier before the worker is done: the chunks that
     # take a buffer after it must still be copied, or the worker waits forever and exit hangs.
@@ -533,7 +611,9 @@ def test_the_interpreter_exits_with_a_step_in_flight() -> None:
         import torch
         from optimizers import HybridDeviceOptimizer, OffloadPolicy
         params = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(24)]
-        policy = OffloadPolicy(fraction=1.0, chunk_numel=1 << 20, num_threads=1)
+        policy = OffloadPolicy(
+            fraction=1.0, chunk_numel=1 << 20, num_threads=1, host_staging="bounded"
+        )
         opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-3)
         for p in params:
             p.grad = torch.randn_like(p)

@@ -55,11 +55,18 @@ def _model(width: int, depth: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(
-    ("fraction", "modify_grads", "micro_batches"),
-    [(0.5, True, 1), (1.0, True, 1), (1.0, False, 1), (0.5, False, 2)],
+    ("fraction", "modify_grads", "micro_batches", "staging"),
+    [
+        (0.5, True, 1, "bounded"),
+        (1.0, True, 1, "bounded"),
+        (1.0, False, 1, "bounded"),
+        (0.5, False, 2, "bounded"),
+        (1.0, True, 1, "per_chunk"),
+        (0.5, False, 2, "per_chunk"),
+    ],
 )
 def test_no_race_between_copies_and_compute(
-    fraction: float, modify_grads: bool, micro_batches: int
+    fraction: float, modify_grads: bool, micro_batches: int, staging: str
 ) -> None:
     """Wide layers and a tiny batch: the copies take far longer than the compute around them.
 
@@ -75,7 +82,7 @@ def test_no_race_between_copies_and_compute(
     width, depth = 4096, 4  # 67M params: 34 MB of bf16 per layer and direction
     model = _model(width, depth)
     params = list(model.parameters())
-    policy = OffloadPolicy(fraction=fraction, chunk_numel=width * width)
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=width * width, host_staging=staging)
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
     shadow = [p.detach().float().cpu().clone() for p in params]
     for tensor in shadow:
@@ -133,7 +140,7 @@ def test_no_race_on_a_staging_buffer_taken_again() -> None:
     width, depth = 2048, 2 * STAGING_SLOTS  # a chunk per layer: 8 MB of bf16 each way
     model = _model(width, depth)
     params = list(model.parameters())
-    policy = OffloadPolicy(fraction=1.0, chunk_numel=width * width)
+    policy = OffloadPolicy(fraction=1.0, chunk_numel=width * width, host_staging="bounded")
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
     shadow = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
     shadow_opt = torch.optim.AdamW(shadow, lr=1e-2, fused=True)
