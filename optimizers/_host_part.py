@@ -384,6 +384,7 @@ class HostPart:
         need_order: Sequence[int] | None = None,
         found_inf: torch.Tensor | None = None,
         grad_factor: torch.Tensor | None = None,
+        grads_final: Any = None,
     ) -> HostStep:
         """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied on
         the host by ``grad_factor`` (one fp32 element, on the device; as the device would, see
@@ -394,23 +395,26 @@ class HostPart:
         by the first param of each chunk needed (a chunk on the host already may go first, see
         ``_lead_with_a_landed_copy``). Where ``found_inf`` (one element, on the device) is
         nonzero, the worker steps no chunk and the params are left as they are; the host does
-        not wait for it here."""
+        not wait for it here. ``grads_final``: an event after which the grads and flags are
+        final, recorded before the step in flight was completed (default: now)."""
         # The grads are final on the current stream here (recorded before settle() makes it
         # wait for every H2D: each chunk's D2H waits for its own below).
-        start_event = record_event(current_stream(self.engine.device))
+        start_event = grads_final or record_event(current_stream(self.engine.device))
         self.settle()
         previous = self._last_step
         for chunk in self.chunks:  # refuse before any chunk is handed to the worker
             if chunk.kernel is not None:
                 self._check_kernel_still_applies(chunk)
         verdict = factor = None
-        # On the current stream, where the values are final: not behind the grads' copies on
-        # the D2H stream (early copies may still be draining). The worker reads them first.
+        # The worker reads the flags first: on the D2H stream behind start_event, ahead of this
+        # step's grads. A copy queued on another stream may wait behind those on the copy
+        # engine (measured: a delayed update's worker waited for every chunk's grads).
+        d2h_stream = self.engine.d2h_stream
         if found_inf is not None and self.chunks:
-            self._found_inf.send(found_inf)
+            self._found_inf.send(found_inf, stream=d2h_stream, after=[start_event])
             verdict = self._found_inf
         if grad_factor is not None and self.chunks:
-            self._grad_factor.send(grad_factor)
+            self._grad_factor.send(grad_factor, stream=d2h_stream, after=[start_event])
             factor = self._grad_factor
         early = self._early
         self.forget_early_copies()  # used below or not at all: the next step's come afresh

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from offload import ThreadBudget, intra_op_threads, resolve_thread_budget
+from offload import (
+    ThreadBudget,
+    current_stream,
+    intra_op_threads,
+    record_event,
+    resolve_thread_budget,
+)
 
 from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies, load_cpu_adam
 from ._device_part import DevicePart
@@ -544,6 +550,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._check_device_scalar(found_inf, "found_inf", "as GradScaler makes it")
         if grad_factor is not None:
             self._check_device_scalar(grad_factor, "grad_factor", "a clip's coefficient")
+        # A non-contiguous grad is copied to a temporary here, which the D2H stream reads: the
+        # copy records that stream on it, so dropping it is safe (copy_async).
+        grads = self._collect_grads()
+        # The grads (and the flags) are final here, before settle() makes the current stream
+        # wait for the last step's H2D copies: their D2H copies wait for this, and each for the
+        # H2D out of its own staging buffer only, so a delayed update's grads go to the host
+        # while its last weights come back.
+        grads_final = record_event(current_stream(self._host.engine.device))
         self._host.settle()
         # A delayed update past its warm-up: the updates applied so far are final here.
         delayed = (
@@ -553,11 +567,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._mark_stepped()
         self._sync_hyperparams()
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
-        # A non-contiguous grad is copied to a temporary here, which the D2H stream reads: the
-        # copy records that stream on it, so dropping it is safe (copy_async).
-        grads = self._collect_grads()
         pending = self._host.start(
-            grads, grad_scale, need_order=need_order, found_inf=found_inf, grad_factor=grad_factor
+            grads,
+            grad_scale,
+            need_order=need_order,
+            found_inf=found_inf,
+            grad_factor=grad_factor,
+            grads_final=grads_final,
         )
         pending.delayed = delayed
         try:
