@@ -37,7 +37,8 @@ def no_wait_for_next_backward(self: object) -> None:
 
 def no_wait_for_staging_free(self, job, *, after):  # type: ignore[no-untyped-def]
     """A D2H into a staging buffer no longer waits for the H2D out of it (see [Note: staging
-    ring]): only for the grads being final."""
+    ring]; a delayed update's last weights leave its buffers as its next grads come in): only
+    for the grads being final."""
     return original_queue_d2h(self, job, after=after[:1])
 
 
@@ -53,6 +54,8 @@ def main() -> None:
          (_copy_engine, "copy_async", no_wait_before_d2h), exact_race_per_chunk),
         ("D2H into staging does not wait for the H2D out of it",
          (_host_step.HostStep, "queue_d2h", no_wait_for_staging_free), staging_race),
+        ("D2H into staging does not wait for the H2D out of it (a delayed update)",
+         (_host_step.HostStep, "queue_d2h", no_wait_for_staging_free), delayed_race),
         ("delayed H2D does not wait for the next backward",
          (_host_step.HostStep, "hold_writes_for_current", no_wait_for_next_backward),
          delayed_race),
