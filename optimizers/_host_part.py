@@ -171,7 +171,6 @@ class HostPart:
     engine: CopyEngine
     buffers: HostBuffers  # the staging buffers (1-D uint8 views), see [Note: staging ring]
     host_staging: str  # "bounded" or "per_chunk" (OffloadPolicy.host_staging, "auto" resolved)
-    ring: bool  # bounded staging: the chunks take STAGING_SLOTS buffers in turn (else one each)
     threads: ThreadBudget | None  # None when nothing is offloaded
     _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
@@ -244,7 +243,7 @@ class HostPart:
         )
         self.engine = CopyEngine(device)
         self.threads = threads
-        self.host_staging, self.ring = staging, ring
+        self.host_staging = staging
         self.switch_interval = switch_interval
         self._release_interval = None
         self._cls = cls
@@ -282,6 +281,11 @@ class HostPart:
             )
             weakref.finalize(self, self._executor.shutdown, wait=False)
         self.reload_from_params()
+
+    @property
+    def ring(self) -> bool:
+        """Bounded staging: the chunks take ``STAGING_SLOTS`` buffers in turn (else one each)."""
+        return self.host_staging == "bounded"
 
     def _build_group(
         self,
@@ -384,7 +388,7 @@ class HostPart:
         need_order: Sequence[int] | None = None,
         found_inf: torch.Tensor | None = None,
         grad_factor: torch.Tensor | None = None,
-        grads_final: Any = None,
+        grads_final: Any,
     ) -> HostStep:
         """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied on
         the host by ``grad_factor`` (one fp32 element, on the device; as the device would, see
@@ -395,11 +399,11 @@ class HostPart:
         by the first param of each chunk needed (a chunk on the host already may go first, see
         ``_lead_with_a_landed_copy``). Where ``found_inf`` (one element, on the device) is
         nonzero, the worker steps no chunk and the params are left as they are; the host does
-        not wait for it here. ``grads_final``: an event after which the grads and flags are
-        final, recorded before the step in flight was completed (default: now)."""
-        # The grads are final on the current stream here (recorded before settle() makes it
-        # wait for every H2D: each chunk's D2H waits for its own below).
-        start_event = grads_final or record_event(current_stream(self.engine.device))
+        not wait for it here. ``grads_final``: an event on the current stream after which the
+        grads and flags are final, recorded before the step in flight was settled (settling
+        makes the current stream wait for every H2D: each chunk's D2H waits for its own below);
+        ``None`` where nothing is recorded (the CPU)."""
+        start_event = grads_final
         self.settle()
         previous = self._last_step
         for chunk in self.chunks:  # refuse before any chunk is handed to the worker

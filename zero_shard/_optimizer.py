@@ -262,9 +262,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         and the CPU's share on the host as it steps each chunk, with the same bits as
         ``scale_grads_`` (the host rounds the factor where the device would, and each fp32
         product to the grads' dtype). The grads the host needs then are those backward reduced,
-        so each bucket's go to the host as soon as they are reduced (``grads_ready``; with
-        ``host_staging="per_chunk"``; all but the one reduced last), and the CPU step starts
-        as backward ends.
+        so each bucket's go to the host as soon as they are reduced (``grads_ready``; with a
+        staging buffer per chunk: ``host_staging="per_chunk"``, or the default ``"auto"`` on a
+        host with room; all but the one reduced last), and the CPU step starts as backward
+        ends.
         Anything that changes or reads the grads otherwise first applies a factor still
         pending: a reduction (another backward), a second clip, GradScaler's unscale, and a
         step that does not take it. DDP's and FSDP2's grads are the model's own, which users
@@ -282,8 +283,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
         def after_reduce(bucket: Bucket) -> None:
             # The first bucket is reduced last, as backward ends: copied then, its grads would
-            # hold the copy engine as the step's flags go to the host (the worker waits for
-            # them); the step copies them after the flags instead.
+            # go to the host ahead of the step's flags on the D2H stream (the worker waits for
+            # the flags first); the step copies them after the flags instead.
             alive, grads_of = hybrid(), reduced()
             if alive is not None and grads_of is not None and bucket is not reduced_last:
                 alive.grads_ready(grads_of(bucket))
