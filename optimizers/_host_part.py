@@ -68,6 +68,7 @@ from offload import (
     format_bytes,
     phase,
     record_event,
+    side_stream,
     switch_interval,
     use_device,
     wait_event,
@@ -184,6 +185,7 @@ class HostPart:
     _found_inf: HostFlag  # the step's found_inf on its way to the worker (reused each step: the
     #                      step in flight is settled before the next start sends another)
     _grad_factor: HostFlag  # the step's grad factor on its way to the worker (reused as above)
+    _flags_stream: Any  # where both flags are sent, behind the grads' event only; None: CPU
     early_copies: bool  # grads_ready may copy chunks' grads before the step ([Note: early grad
     #                     copies]): a buffer per chunk, whose weights leave it within the step
     _early: dict[int, EarlyCopy]  # chunk index -> its grads copied since the last step
@@ -252,6 +254,7 @@ class HostPart:
         self._last_step = None
         self._found_inf = HostFlag(device)
         self._grad_factor = HostFlag(device)
+        self._flags_stream = side_stream(device)
         self.early_copies = early_copies and not ring
         self.forget_early_copies()
         self.buffers = HostBuffers(
@@ -410,15 +413,15 @@ class HostPart:
             if chunk.kernel is not None:
                 self._check_kernel_still_applies(chunk)
         verdict = factor = None
-        # The worker reads the flags first: on the D2H stream behind start_event, ahead of this
-        # step's grads. A copy queued on another stream may wait behind those on the copy
-        # engine (measured: a delayed update's worker waited for every chunk's grads).
-        d2h_stream = self.engine.d2h_stream
+        # The worker reads the flags first: on their own stream, behind start_event only (the
+        # current stream now waits for the last step's H2D copies, the D2H stream for the early
+        # copies of grads), written by the device, not copied behind those copies on the copy
+        # engine ([Note: flags written by the device] in offload/_flag.py).
         if found_inf is not None and self.chunks:
-            self._found_inf.send(found_inf, stream=d2h_stream, after=[start_event])
+            self._found_inf.send(found_inf, stream=self._flags_stream, after=[start_event])
             verdict = self._found_inf
         if grad_factor is not None and self.chunks:
-            self._grad_factor.send(grad_factor, stream=d2h_stream, after=[start_event])
+            self._grad_factor.send(grad_factor, stream=self._flags_stream, after=[start_event])
             factor = self._grad_factor
         early = self._early
         self.forget_early_copies()  # used below or not at all: the next step's come afresh

@@ -282,9 +282,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 alive()
 
         def after_reduce(bucket: Bucket) -> None:
-            # The first bucket is reduced last, as backward ends: copied then, its grads would
-            # go to the host ahead of the step's flags on the D2H stream (the worker waits for
-            # the flags first); the step copies them after the flags instead.
+            # The first bucket is reduced last, as backward ends: the step copies it, behind the
+            # step's flags where those are copied too (not on CUDA, where the device writes
+            # them: [Note: flags written by the device] in offload/_flag.py); the worker reads
+            # the flags before any chunk.
             alive, grads_of = hybrid(), reduced()
             if alive is not None and grads_of is not None and bucket is not reduced_last:
                 alive.grads_ready(grads_of(bucket))

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "offload"))
 
+import test_flag
 import test_hybrid_cuda
 
-from offload import _copy_engine
+from offload import _copy_engine, _flag
 from optimizers import _host_step
 
 original_copy = _copy_engine.copy_async
@@ -42,6 +44,11 @@ def no_wait_for_staging_free(self, job, *, after):  # type: ignore[no-untyped-de
     return original_queue_d2h(self, job, after=after[:1])
 
 
+def no_wait_before_flag(stream: object, event: object) -> None:
+    """A flag is written (or copied) to the host without waiting for the events it is sent
+    after (the step's flags: for backward and the clip's norm)."""
+
+
 def main() -> None:
     runs = [
         ("current stream does not wait for H2D",
@@ -59,6 +66,8 @@ def main() -> None:
         ("delayed H2D does not wait for the next backward",
          (_host_step.HostStep, "hold_writes_for_current", no_wait_for_next_backward),
          delayed_race),
+        ("a flag does not wait for its events",
+         (_flag, "wait_for_event", no_wait_before_flag), flag_race),
     ]  # fmt: skip
     for name, (owner, attr, replacement), race in runs:
         with pytest.MonkeyPatch.context() as patch:
@@ -89,6 +98,10 @@ def staging_race() -> None:
 
 def delayed_race() -> None:
     test_hybrid_cuda.test_no_race_in_the_delayed_update()
+
+
+def flag_race() -> None:
+    test_flag.test_on_cuda_the_device_writes_the_value_behind_the_events_it_waits_for()
 
 
 if __name__ == "__main__":
