@@ -30,8 +30,10 @@ the step they bound are the fair measure.
 After the run, interleaved, the kernel steps the same chunks again alone (``isolated_kernel_ms``:
 the kernel's own floor in this process; more steps of the live optimizer, whose state is
 then of no further use), torch's fused CPU AdamW steps the same main weights and state
-(``torch_on_run_memory_ms``) and as many fresh fp32 elements (``torch_floor_ms``). The
-report also names the host's CPU model, usable cores and NUMA nodes (``host``). The wrapped functions are private (``optimizers._host_part``): this is a
+(``torch_on_run_memory_ms``), copies of them (``torch_on_copies_ms``) and as many fresh fp32
+elements (``torch_floor_ms``); then ``memory_map`` times the host's memory over the run's pages
+against fresh ones, region by region. The report also names the host's CPU model, usable cores
+and NUMA nodes (``host``). The wrapped functions are private (``optimizers._host_part``): this is a
 diagnosis tool for the host pipeline, not an API. Results go to ``--out``/timeline.json and are
 printed; flags after ``--`` go to the example (``-- --delayed-update``)::
 
@@ -350,11 +352,14 @@ def isolated_ms(
 ) -> dict[str, list[float]]:
     """After the run, interleaved: the kernel over the run's chunks (``isolated_kernel_ms``: its
     own floor in this process), torch's fused AdamW over the same main weights and state
-    (``torch_on_run_memory_ms``) and over fresh tensors of as many elements (``torch_floor_ms``).
+    (``torch_on_run_memory_ms``), over copies of them made now (``torch_on_copies_ms``: the same
+    tensors, fresh pages) and over fresh tensors of as many elements (``torch_floor_ms``: one
+    tensor). torch over the run's tensors has been 5-80% slower than over one fresh tensor; the
+    copies tell the pages (the run's memory) from the layout (many tensors, some small).
     Measured interleaved because the host's memory speed moves: on one H100 host the same kernel
     over the same chunks took 343.7 and then 201.0 ms seconds apart. Each repeat steps the live
     optimizer's state twice more (kernel and torch): it is of no further use. The fresh tensors
-    sit beside the run's, so this needs about twice the run's host memory (fine at 1B); with
+    sit beside the run's, with the copies about three times the run's host memory (fine at 1B); with
     ``floor`` (a sampler that ran during the run) its tensors are the fresh ones."""
     pieces = [p for part in parts for chunk in part.chunks if chunk.kernel is not None
               for _, p in chunk.pieces]  # fmt: skip
@@ -362,9 +367,11 @@ def isolated_ms(
         fresh_floor = _torch_over([torch.randn(piece.main.numel()) for piece in pieces], None)
     else:
         fresh_floor = floor.run_once
+    copies = [(p.main.clone(), {k: v.clone() for k, v in p.state.items()}) for p in pieces]
     runs = {
         "isolated_kernel_ms": _kernel_over_chunks(parts),
         "torch_on_run_memory_ms": _torch_over([p.main for p in pieces], [p.state for p in pieces]),
+        "torch_on_copies_ms": _torch_over([m for m, _ in copies], [s for _, s in copies]),
         "torch_floor_ms": fresh_floor,
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -379,6 +386,45 @@ def isolated_ms(
     finally:
         torch.set_num_threads(before)
     return times
+
+
+@torch.no_grad()
+def memory_map(
+    parts: list[host_part.HostPart],
+    num_threads: int,
+    region_bytes: int = 256 << 20,
+    passes: int = 3,
+) -> dict[str, Any]:
+    """The host's memory speed over the run's own pages against fresh pages: an in-place
+    ``mul_(1.0)`` (each element read and written, values unchanged) timed over each
+    ``region_bytes`` of the run's main weights and of its largest moments, then over as many
+    fresh bytes, ``passes`` times in turn, all the host's cores. GB/s per region and pass (read
+    + write bytes / time): slow regions that stay slow would mean the run's pages themselves are
+    slower (where the host placed them), a spread that moves from pass to pass the host's
+    moment."""
+    numel = region_bytes // 4
+    run_tensors = [flat for part in parts for flat in part._main_flats]
+    run_tensors += [p.state[name] for part in parts for chunk in part.chunks
+                    if chunk.kernel is not None for _, p in chunk.pieces
+                    if p.main.numel() >= numel for name in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+    run = [t.view(-1)[i : i + numel] for t in run_tensors
+           for i in range(0, t.numel() - numel + 1, numel)]  # fmt: skip
+    fresh = [torch.ones(numel) for _ in run]
+    gbps: dict[str, list[list[float]]] = {"run": [], "fresh": []}
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for _ in range(passes):
+            for name, regions in (("run", run), ("fresh", fresh)):
+                speeds = []
+                for region in regions:
+                    start = now()
+                    region.mul_(1.0)
+                    speeds.append(2 * region_bytes / (now() - start) / 1e9)
+                gbps[name].append(speeds)
+    finally:
+        torch.set_num_threads(before)
+    return {"region_bytes": region_bytes, "gbps": gbps}
 
 
 def describe_host() -> dict[str, Any]:
@@ -408,6 +454,8 @@ def main() -> None:
     parser.add_argument("--floor-every", type=int, default=0, metavar="K",
                         help="sample the CPU AdamW floor before every K-th step (K >= 2; 0: not "
                         "during the run)")  # fmt: skip
+    parser.add_argument("--map-region-mib", type=int, default=256, metavar="MIB",
+                        help="the memory map's region size (default 256)")  # fmt: skip
     args = parser.parse_args(argv[:split])
     if args.floor_every == 1 or args.floor_every < 0:
         parser.error(f"--floor-every must be 0 or at least 2, got {args.floor_every}: a row "
@@ -436,6 +484,7 @@ def main() -> None:
         )
     threads_after = max(threads, default=os.cpu_count() or 1)
     report.update(isolated_ms(recorder.parts, threads_after, floor=recorder.floor))
+    report["memory_map"] = memory_map(recorder.parts, threads_after, args.map_region_mib << 20)
     report["host"] = describe_host()
     recorder.parts.clear()
     gc.collect()
@@ -443,8 +492,12 @@ def main() -> None:
     for row in report["steps"]:
         print(" | ".join(f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}"
                          for key, value in row.items()))  # fmt: skip
-    for key in ("isolated_kernel_ms", "torch_on_run_memory_ms", "torch_floor_ms"):
+    for key in ("isolated_kernel_ms", "torch_on_run_memory_ms", "torch_on_copies_ms",
+                "torch_floor_ms"):  # fmt: skip
         print(f"{key}: {', '.join(f'{ms:.1f}' for ms in report[key])}")
+    for name, passes in report["memory_map"]["gbps"].items():
+        spans = [f"{statistics.median(p):.0f} ({min(p):.0f}-{max(p):.0f})" for p in passes if p]
+        print(f"memory map, {name} pages, GB/s per pass, median (min-max): {', '.join(spans)}")
     if "interleaved" in report:
         interleaved = report["interleaved"]
         samples = ", ".join(f"{ms:.1f} (step {j})" for j, ms in report["interleaved_floor_ms"])

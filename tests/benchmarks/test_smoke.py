@@ -56,15 +56,18 @@ def test_offload_step_quick(tmp_path: Path) -> None:
 
 
 def test_host_step_timeline_smoke(tmp_path: Path) -> None:
-    run_script("host_step_timeline.py", "--out", str(tmp_path), "--", "--device", "cpu",
-               "--preset", "tiny", "--steps", "4", "--offload-fraction", "1")  # fmt: skip
+    run_script("host_step_timeline.py", "--out", str(tmp_path), "--map-region-mib", "1", "--",
+               "--device", "cpu", "--preset", "tiny", "--steps", "4", "--offload-fraction", "1")  # fmt: skip
     report = json.loads((tmp_path / "timeline.json").read_text())
     assert report["steps"], report  # steps 1 and 2 of 4: each between two others
     for row in report["steps"]:
         assert row["num_chunks"] >= 1 and row["kernels_ms"] > 0, row
         assert row["cpu_wall_ms"] >= row["kernels_ms"] > 0, row
     assert len(report["isolated_kernel_ms"]) == 3 and min(report["torch_floor_ms"]) > 0
-    assert min(report["torch_on_run_memory_ms"]) > 0
+    assert min(report["torch_on_run_memory_ms"]) > 0 and min(report["torch_on_copies_ms"]) > 0
+    gbps = report["memory_map"]["gbps"]  # 3 passes over the run's 1 MiB regions, then as many fresh
+    assert len(gbps["run"]) == len(gbps["fresh"]) == 3 and gbps["run"][0], gbps
+    assert all(len(p) == len(gbps["run"][0]) and min(p) > 0 for p in gbps["run"] + gbps["fresh"])
 
 
 def test_host_step_timeline_samples_the_floor_between_steps(tmp_path: Path) -> None:
