@@ -8,7 +8,9 @@ the last step's synchronize). Then, per step, the iteration (end of backward to 
 backward) split into:
 
 - ``lag``: end of backward -> the first chunk's kernel (clip, ``step()``'s host code, the first
-  chunk's D2H);
+  chunk's D2H); ``lag_host`` until the host began the host step (negative where it began before
+  the device finished backward) and ``lag_worker`` from then (or from the end of backward, if
+  later) to the first kernel;
 - ``kernels`` and ``gaps``: the CPU step's wall time, as kernel time and the worker's waits
   between kernels (for a chunk's grads to land, for the GIL);
 - ``tail``: the last kernel -> the end of the next step's first forward (its last H2D, the
@@ -191,6 +193,10 @@ def split_steps(recorder: Recorder) -> list[dict[str, float]]:
             "forward_ms": 1e3 * _phase_seconds(after, "forward"),  # the next step's: in the row
             "backward_ms": 1e3 * _phase_seconds(after, "backward"),
             "lag_ms": 1e3 * (first - backward_end),
+            # of which until the host began the step (HostPart.start; negative: before the
+            # device finished backward), then until the first chunk's kernel (the worker)
+            "lag_host_ms": 1e3 * (began[-1] - backward_end),
+            "lag_worker_ms": 1e3 * (first - max(began[-1], backward_end)),
             "cpu_wall_ms": 1e3 * (last - first),
             "kernels_ms": 1e3 * kernels,
             "gaps_ms": 1e3 * (last - first - kernels),
