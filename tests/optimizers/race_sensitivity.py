@@ -75,7 +75,7 @@ def main() -> None:
             try:
                 race()
             except AssertionError as err:
-                print(f"{name}: FAILED as it must ({str(err).splitlines()[0][:120]})")
+                print(f"{name}: FAILED as it must ({(str(err).splitlines() or [repr(err)])[0][:120]})")
             else:
                 print(f"{name}: PASSED (the race test did not see it)")
 
