@@ -75,7 +75,8 @@ def main() -> None:
             try:
                 race()
             except AssertionError as err:
-                print(f"{name}: FAILED as it must ({(str(err).splitlines() or [repr(err)])[0][:120]})")
+                first_line = (str(err).splitlines() or [repr(err)])[0]  # a bare assert: empty
+                print(f"{name}: FAILED as it must ({first_line[:120]})")
             else:
                 print(f"{name}: PASSED (the race test did not see it)")
 
