@@ -249,16 +249,18 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             model = parallelize(model, mesh["tp"])
             groups = weight_decay_groups(model, weight_decay=0.1)
         adamw = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
-        interval = {}  # unset: the policy's default; 0: leave the interpreter's alone
+        options = {}  # unset: the policy's defaults; a switch interval of 0: the interpreter's
         if args.gil_switch_interval is not None:
-            interval["gil_switch_interval"] = args.gil_switch_interval or None
+            options["gil_switch_interval"] = args.gil_switch_interval or None
+        if args.chunk_numel is not None:  # unset: the policy's default
+            options["chunk_numel"] = args.chunk_numel
         policy = zero_shard.OffloadPolicy(
             fraction=args.offload_fraction,
             num_threads=args.threads,
             delayed_update=args.delayed_update,
             delayed_update_warmup=args.delayed_update_warmup,
             host_staging=args.host_staging,
-            **interval,
+            **options,
         )
         optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
         scaler_type = zero_shard.GradScaler
@@ -710,6 +712,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--gil-switch-interval", type=float, metavar="SECONDS", help="the GIL switch interval "
         "while zero-shard's CPU step is in flight (0: leave the interpreter's alone); default: "
         "OffloadPolicy's")  # fmt: skip
+    add("--chunk-numel", type=int, metavar="N", help="elements per chunk of zero-shard's host "
+        "pipeline (a kernel call, a copy each way); default: OffloadPolicy's (16M)")  # fmt: skip
     add("--host-staging", choices=["auto", "bounded", "per_chunk"], default="auto", help="zero-"
         "shard's host buffers for grads and weights: per_chunk (2 bytes a param more; each "
         "chunk's grads go to the host as backward reduces them), bounded, or auto (default: "
