@@ -713,7 +713,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "while zero-shard's CPU step is in flight (0: leave the interpreter's alone); default: "
         "OffloadPolicy's")  # fmt: skip
     add("--chunk-numel", type=int, metavar="N", help="elements per chunk of zero-shard's host "
-        "pipeline (a kernel call, a copy each way); default: OffloadPolicy's (16M)")  # fmt: skip
+        "pipeline (a kernel call, a copy each way); default: OffloadPolicy's (64M)")  # fmt: skip
     add("--host-staging", choices=["auto", "bounded", "per_chunk"], default="auto", help="zero-"
         "shard's host buffers for grads and weights: per_chunk (2 bytes a param more; each "
         "chunk's grads go to the host as backward reduces them), bounded, or auto (default: "

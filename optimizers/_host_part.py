@@ -88,7 +88,7 @@ logger = logging.getLogger("zero_shard")
 
 # Staging buffers the chunks take in turn (see [Note: staging ring]): the worker steps one while
 # the H2D out of the one before and the D2H into the next run, with one to spare for their
-# spread (at the default 16M-element chunks, 128 MiB of bf16 staging).
+# spread (at the default 64M-element chunks, 512 MiB of bf16 staging).
 STAGING_SLOTS = 4
 
 # host_staging="auto" takes a buffer per chunk where the host keeps at least this share of its

@@ -28,7 +28,11 @@ class OffloadPolicy:
         num_threads: CPU threads for the CPU optimizer on this rank; ``None`` picks usable
             cores / ranks on this host (torchrun's ``OMP_NUM_THREADS=1`` is overridden).
         chunk_numel: elements per pipelined chunk: the copy of chunk k+1, the CPU step of chunk k
-            and the copy back of chunk k-1 overlap. Default 16M (64 MiB of fp32).
+            and the copy back of chunk k-1 overlap. Each chunk is one call of the CPU kernel,
+            whose threads may have gone to sleep since the last one: fewer, larger chunks pay
+            fewer wake-ups (on one H100 host the 1B full offload went from 1.50x and 1.32x of
+            its bound at 16M to 1.16x and 1.12x at 64M, alternating; docs/benchmarks/e2e.md).
+            Default 64M (256 MiB of fp32).
         device_impl: the accelerator's Adam/AdamW kernel: ``"torch"`` (fused, default),
             ``"apex"`` or ``"te"`` (FusedAdam from apex or TransformerEngine, if installed).
         cpu_kernel: the CPU's Adam/AdamW kernel. ``"fused"``: zero-shard's single-pass kernel,
@@ -71,7 +75,7 @@ class OffloadPolicy:
             so the CPU step starts as soon as backward ends and its kernels do not share the
             host's memory with those copies (the fastest full offload: on one H100, 1B GPT,
             docs/benchmarks/e2e.md). ``"bounded"``: 4 buffers of the largest chunk's size, taken
-            in turn (128 MiB of bf16 at the default chunks), so the host holds little more than
+            in turn (512 MiB of bf16 at the default chunks), so the host holds little more than
             the fp32 weight and the states of each param; a chunk's grads are copied once an
             earlier chunk's step has freed a buffer, so the grads a step was given are read until
             the step is complete (``step()`` completes it before it returns; after
@@ -101,7 +105,7 @@ class OffloadPolicy:
     fraction: float = 1.0
     pin_memory: bool = True
     num_threads: int | None = None
-    chunk_numel: int = 1 << 24
+    chunk_numel: int = 1 << 26
     device_impl: str = "torch"
     cpu_kernel: str = "auto"
     delayed_update: bool = False
