@@ -335,19 +335,25 @@ class KernelTable:
 
     def run(
         self,
-        group: dict[str, Any],
+        group: dict[str, Any] | Sequence[dict[str, Any]],
         grad_scale: float | None = None,
         grad_factor: float | None = None,
     ) -> None:
-        """One Adam step of every piece; see :meth:`CpuAdamKernel.step`."""
+        """One Adam step of every piece; see :meth:`CpuAdamKernel.step`. ``group``: the param
+        group of every piece, or a list of each piece's (a table over chunks of several
+        groups)."""
+        groups = [group] * len(self._held) if isinstance(group, dict) else group
+        if len(groups) != len(self._held):
+            raise AssertionError(f"expected {len(self._held)} param groups, got {len(groups)}")
         # The counts this step takes, read before anything changes: a failure leaves them.
         steps = [count.value + 1.0 for count in self._counts]
-        args_of: dict[float, _AdamArgs] = {}
-        for entry, step in zip(self._entries, steps, strict=True):
-            args = args_of.get(step)
+        args_of: dict[tuple[int, float], _AdamArgs] = {}
+        for entry, step, piece_group in zip(self._entries, steps, groups, strict=True):
+            key = (id(piece_group), step)
+            args = args_of.get(key)
             if args is None:
-                args = args_of[step] = self._kernel.coefficients(
-                    step, group, grad_scale, grad_factor
+                args = args_of[key] = self._kernel.coefficients(
+                    step, piece_group, grad_scale, grad_factor
                 )
             entry.args = args
         if self._function(self._entries, len(self._entries), self._kernel.num_threads) != 0:

@@ -38,6 +38,20 @@ the GIL back after each chunk's kernel (see [Note: GIL switch interval] in offlo
 With a buffer per chunk, the grads of a chunk may instead be copied while backward runs, before
 the step (see [Note: early grad copies] in _early.py).
 
+[Note: merged kernel calls]
+Each call of the single-pass kernel is one OpenMP parallel region, and its threads may have to be
+woken for it: a training process has two OpenMP teams (torch's on the main thread, the kernel's
+on the worker), so libgomp lets idle threads spin only briefly before they sleep, and on some
+hosts each wake-up cost 1-2.5 ms a call (docs/benchmarks/e2e.md, eleventh session). So where the
+grads of the chunks after the one the worker takes are on the host already (early copies, a ring's
+first buffers, the CPU), the worker steps them in the same call: up to ``MERGE_CHUNKS`` chunks,
+and at most half of those still to step. They are then completed as if stepped one by one (the
+later ones' turns only report the call's outcome). A call's weights go to the params only once
+it is done; the half keeps the calls after it at least as long as it, so its H2D copies and the
+next forward over its layers run under them, and the step ends as without merging: its last two
+chunks are stepped alone, and the next forward's last layers wait for the last one's H2D only.
+Only whole chunks on the kernel merge, of one staging dtype.
+
 The worker touches a buffer only after the D2H into it completed, and until it queued the H2D
 out of it. This assumes that forward and backward run on the stream that was current when
 ``step()`` ran (as in ordinary training); a model run on another stream must make that stream
@@ -82,7 +96,7 @@ from ._host_step import ChunkJob, HostStep
 from ._layout import ChunkSpec
 from ._records import ParamRecord, Piece, flat_param
 
-__all__ = ["STAGING_SLOTS", "HostChunk", "HostPart", "choose_staging"]
+__all__ = ["MERGE_CHUNKS", "STAGING_SLOTS", "HostChunk", "HostPart", "choose_staging"]
 
 logger = logging.getLogger("zero_shard")
 
@@ -90,6 +104,14 @@ logger = logging.getLogger("zero_shard")
 # the H2D out of the one before and the D2H into the next run, with one to spare for their
 # spread (at the default 64M-element chunks, 512 MiB of bf16 staging).
 STAGING_SLOTS = 4
+
+# Chunks whose grads are on the host the worker steps in one kernel call, at most (see [Note: merged
+# kernel calls]): at the default 64M-element chunks, a call of up to 256M elements.
+MERGE_CHUNKS = 4
+
+# Kernel tables a chunk keeps at most: one per staging slot it takes (a ring's four) for each
+# number of chunks merged after it, with room to spare.
+_TABLES_KEPT = 4 * STAGING_SLOTS * MERGE_CHUNKS
 
 # host_staging="auto" takes a buffer per chunk where the host keeps at least this share of its
 # memory available after it (see choose_staging).
@@ -108,8 +130,9 @@ class HostChunk:
     #                            the grads are read from staging (the kernel, or fp32 params)
     optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
     kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step()
-    tables: dict[int, KernelTable] = field(default_factory=dict)  # the kernel's call for the
-    #       whole chunk in each staging slot it took; built and used by the worker only
+    tables: dict[tuple[tuple[int, int], ...], KernelTable] = field(default_factory=dict)  # the
+    #       kernel's call for the whole chunk, alone or with the chunks merged after it, keyed by
+    #       (chunk index, staging slot) of each; built and used by the worker only
 
 
 def _needs_grad_buffer(spec: ChunkSpec, kernel: CpuAdamKernel | None) -> bool:
@@ -460,7 +483,7 @@ class HostPart:
             later = position + self.num_slots
             successor = jobs[later] if self.ring and later < len(jobs) else None
             job.future = self._executor.submit(
-                _run_job, step, job, successor, grad_scale, self._copier
+                _run_job, step, position, job, successor, grad_scale, self._copier
             )
         if step.done:  # no chunk had a grad
             step.wait()
@@ -580,12 +603,38 @@ def _lead_with_a_landed_copy(jobs: list[ChunkJob]) -> None:
 
 
 def _landed(job: ChunkJob) -> bool:
-    """Whether the job's grads were copied early and are on the host now (no wait)."""
+    """Whether the job's grads were copied and are on the host now (no wait)."""
     return job.d2h_queued.is_set() and (job.d2h_done is None or job.d2h_done.query())
+
+
+def _whole_on_kernel(job: ChunkJob) -> bool:
+    return job.chunk.kernel is not None and len(job.active) == len(job.chunk.pieces)
+
+
+def _landed_followers(step: HostStep, position: int, job: ChunkJob) -> list[ChunkJob]:
+    """Worker thread: the jobs right after ``job`` that its kernel call may step too (see [Note:
+    merged kernel calls]): whole chunks on the kernel in the same staging dtype whose grads have
+    landed, at most ``MERGE_CHUNKS`` with it and half of those left."""
+    followers: list[ChunkJob] = []
+    if not _whole_on_kernel(job):
+        return followers
+    size = min(MERGE_CHUNKS, (step.num_chunks - position) // 2)
+    for later in range(position + 1, position + size):
+        other = step.job_at(later)
+        if not (
+            _whole_on_kernel(other)
+            and other.staging.dtype == job.staging.dtype
+            and _landed(other)
+            and other.d2h_error is None  # (read after d2h_queued: set before it)
+        ):
+            break
+        followers.append(other)
+    return followers
 
 
 def _run_job(
     step: HostStep,
+    position: int,
     job: ChunkJob,
     successor: ChunkJob | None,
     grad_scale: float | None,
@@ -597,12 +646,24 @@ def _run_job(
     still holds the grads)."""
     stepped = False
     try:
+        if job.stepped_with is not None:  # in an earlier job's call ([Note: merged kernel calls])
+            try:
+                stepped = job.stepped_with.future.result()  # done: the worker ran it before
+            except BaseException as err:
+                raise RuntimeError(
+                    "this chunk was stepped in one kernel call with an earlier chunk, and that "
+                    "call failed"
+                ) from err
+            return stepped
         job.d2h_queued.wait()  # queued by start, or by the copier after the buffer's last chunk
         if job.d2h_error is not None:
             raise RuntimeError("the copy of this chunk's grads failed") from job.d2h_error
         wait_event(job.d2h_done)  # the chunk's grads have landed in staging
         if not step.skips():
-            _step_chunk(job, grad_scale, step.grad_factor(job.chunk.spec.dtype))
+            followers = _landed_followers(step, position, job)
+            for follower in followers:  # before the call: they report its outcome, also a failure
+                follower.stepped_with = job
+            _step_chunk(job, grad_scale, step.grad_factor(job.chunk.spec.dtype), followers)
             stepped = True
     finally:
         if copier is not None:
@@ -646,14 +707,24 @@ def _copy_out(step: HostStep, job: ChunkJob, successor: ChunkJob | None, stepped
                 step.queue_d2h(successor, after=[step.start_event, job.h2d_done])
 
 
-def _step_chunk(job: ChunkJob, grad_scale: float | None, grad_factor: float | None) -> None:
+def _step_chunk(
+    job: ChunkJob,
+    grad_scale: float | None,
+    grad_factor: float | None,
+    followers: Sequence[ChunkJob] = (),
+) -> None:
     """Grads in the job's staging (multiplied there by ``grad_factor``, see
-    ``HostStep.grad_factor``) -> fp32 -> CPU step -> weights back into staging."""
+    ``HostStep.grad_factor``) -> fp32 -> CPU step -> weights back into staging; with the kernel,
+    the ``followers``' chunks too, in the same call (see [Note: merged kernel calls])."""
     chunk, active = job.chunk, job.active
     with phase("zero_shard::cpu_step"):
         if chunk.kernel is not None:
-            _kernel_table(job).run(chunk.optimizer.param_groups[0], grad_scale, grad_factor)
+            jobs = [job, *followers]
+            groups = [j.chunk.optimizer.param_groups[0] for j in jobs for _ in j.active]
+            _kernel_table(jobs).run(groups, grad_scale, grad_factor)
             return
+        if followers:
+            raise AssertionError("expected no chunks merged into a step without the kernel")
         whole = len(active) == len(chunk.pieces)
         if grad_factor is not None:  # the fp32 product rounded to the grads' dtype
             factor = torch.tensor(grad_factor, dtype=torch.float32)
@@ -677,16 +748,21 @@ def _step_chunk(job: ChunkJob, grad_scale: float | None, grad_factor: float | No
                 job.staging_of(piece).copy_(piece.main)
 
 
-def _kernel_table(job: ChunkJob) -> KernelTable:
-    """The kernel's call for the job: built once per staging slot for the whole chunk, and again
-    where a loaded state dict replaced the state it points into (or only some pieces have grads:
-    built for those, not kept)."""
-    chunk, active = job.chunk, job.active
-    whole = len(active) == len(chunk.pieces)
-    table = chunk.tables.get(job.slot) if whole else None
-    if table is None or not table.backs([piece.state for _, piece in active]):
-        pieces = [KernelPiece(p.main, job.staging_of(p), p.state) for _, p in active]
-        table = KernelTable(chunk.kernel, pieces)
+def _kernel_table(jobs: Sequence[ChunkJob]) -> KernelTable:
+    """The kernel's call for the jobs (one, or one with those merged after it): built once per
+    (chunk, staging slot) of each and kept by the first chunk, and again where a loaded state
+    dict replaced the state it points into (or only some pieces have grads: built for those, not
+    kept)."""
+    first = jobs[0]
+    whole = all(len(j.active) == len(j.chunk.pieces) for j in jobs)
+    key = tuple((j.chunk.index, j.slot) for j in jobs)
+    tables = first.chunk.tables
+    table = tables.get(key) if whole else None
+    if table is None or not table.backs([p.state for j in jobs for _, p in j.active]):
+        pieces = [KernelPiece(p.main, j.staging_of(p), p.state) for j in jobs for _, p in j.active]
+        table = KernelTable(first.chunk.kernel, pieces)
         if whole:
-            chunk.tables[job.slot] = table
+            if len(tables) >= _TABLES_KEPT:  # merges that vary from step to step: start afresh
+                tables.clear()
+            tables[key] = table
     return table

@@ -70,6 +70,8 @@ class ChunkJob:
     d2h_done: Any = None  # after its D2H into staging; None: not queued, or ran synchronously
     h2d_done: Any = None  # after its H2D out of staging; None: none queued, or synchronous
     future: Future | None = field(default=None, repr=False)  # the worker's CPU step: stepped?
+    stepped_with: ChunkJob | None = field(default=None, repr=False)  # the earlier job whose
+    #     kernel call stepped this one too (see [Note: merged kernel calls]); None: its own
     copied: Future | None = field(default=None, repr=False)  # ring: the copier's H2D of it and
     #                                                         the next D2H into its buffer
 
@@ -145,6 +147,10 @@ class HostStep:
     def num_chunks(self) -> int:
         """Chunks this step steps (those with a grad)."""
         return len(self._jobs)
+
+    def job_at(self, position: int) -> ChunkJob:
+        """The job the worker runs ``position``-th."""
+        return self._jobs[position]
 
     @property
     def done(self) -> bool:

@@ -22,6 +22,7 @@ from _parity import (
 )
 
 from optimizers import HybridDeviceOptimizer, OffloadPolicy, _cpu_kernel
+from optimizers import _host_part as host_part
 from optimizers._cpu_kernel import CpuAdamKernel, KernelPiece, KernelTable, load_cpu_adam
 
 NUMEL = 16 * 4099 + 13  # a vector body, and a tail that torch steps one element at a time
@@ -308,6 +309,114 @@ def test_hybrid_parity_with_each_cpu_kernel(cpu_kernel: str, dtype: torch.dtype)
     assert uses_kernel == {cpu_kernel == "fused"}
     for step in train_side_by_side(opt, ref_opt, params, refs, steps=5):
         assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+
+
+def merged_sizes(num_jobs: int) -> list[int]:
+    """The chunks of each kernel call when every chunk's grads are on the host at once (the
+    CPU): up to MERGE_CHUNKS a call and half of those left, so the last two alone."""
+    sizes, left = [], num_jobs
+    while left > 0:
+        sizes.append(max(1, min(host_part.MERGE_CHUNKS, left // 2)))
+        left -= sizes[-1]
+    return sizes
+
+
+def test_chunks_on_the_host_step_in_merged_calls_as_one_by_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every chunk's grads on the host (the CPU copies at once), the worker steps several
+    chunks a call (4, 3, 2, 1, 1 here), one call spanning both param groups (lr and weight decay
+    of its own pieces each), the last chunks alone: the same bits as one call a chunk, every
+    step, and torch's AdamW. A chunk partly without grads (a param with none) is stepped
+    alone."""
+    kernel_for(torch.optim.AdamW)
+    calls: list[list[tuple[int, int]]] = []
+    original = host_part._kernel_table
+
+    def recorded(jobs):  # type: ignore[no-untyped-def]
+        calls.append([(job.chunk.index, job.chunk.spec.group_index) for job in jobs])
+        return original(jobs)
+
+    monkeypatch.setattr(host_part, "_kernel_table", recorded)
+    params, single = make_params(torch.bfloat16, "cpu"), make_params(torch.bfloat16, "cpu")
+    refs = fp32_copies(params)
+
+    def build(group_params: list[torch.Tensor]) -> HybridDeviceOptimizer:
+        policy = OffloadPolicy(fraction=1.0, chunk_numel=40, num_threads=2)
+        return HybridDeviceOptimizer(
+            groups_of(group_params), policy=policy, lr=1e-2, weight_decay=0.1
+        )
+
+    opt, one_by_one = build(params), build(single)
+    ref_opt = torch.optim.AdamW(groups_of(refs), lr=1e-2, weight_decay=0.1, fused=True)
+    num_chunks = len(opt._host.chunks)
+    assert num_chunks == 11, num_chunks  # 3 chunks of group 0, then 8 of group 1
+    assert merged_sizes(num_chunks) == [4, 3, 2, 1, 1]
+    (partial,) = [c.index for c in opt._host.chunks if any(r.index == 4 for r, _ in c.pieces)]
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=4, skip={2: {4}}):
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+        merged, calls[:] = list(calls), []
+        for param, other in zip(params, single, strict=True):
+            other.grad = None if param.grad is None else param.grad.clone()
+        with monkeypatch.context() as inner:
+            inner.setattr(host_part, "MERGE_CHUNKS", 1)
+            one_by_one.step()
+        assert len(calls) == num_chunks, calls  # one call a chunk
+        calls.clear()
+        for index, (param, other) in enumerate(zip(params, single, strict=True)):
+            assert torch.equal(param, other), f"step {step}, param {index}"
+        for mine, theirs in zip(
+            opt.state_dict()["state"].values(), one_by_one.state_dict()["state"].values(),
+            strict=True,
+        ):  # fmt: skip
+            for name, value in mine.items():
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(theirs[name])), name
+        if step == 2:  # param 4 has no grad: its chunk is stepped alone, the rest merge
+            assert all(len(call) == 1 for call in merged if partial in {i for i, _ in call})
+            assert any(len(call) > 1 for call in merged), merged
+            assert len(merged) > len(merged_sizes(num_chunks)), merged
+            continue
+        assert [len(call) for call in merged] == merged_sizes(num_chunks), merged
+        assert any(len({group for _, group in call}) == 2 for call in merged), merged
+        assert merged[-1] == [(0, 0)]  # the params needed first, stepped last: alone
+
+
+def test_a_failed_merged_call_fails_each_of_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel call that fails steps none of the chunks merged into it: each raises (the later
+    ones naming the call), their params and state stay as they were, the other chunks step, and
+    the next step is whole again."""
+    kernel_for(torch.optim.AdamW)
+    params = make_params(torch.bfloat16, "cpu")
+    policy = OffloadPolicy(fraction=1.0, chunk_numel=60, num_threads=2)
+    opt = HybridDeviceOptimizer(groups_of(params), policy=policy, lr=1e-2, weight_decay=0.1)
+    original = host_part._kernel_table
+    failed: list[list[int]] = []
+
+    def failing(jobs):  # type: ignore[no-untyped-def]
+        if len(jobs) > 1 and not failed:
+            failed.append([job.chunk.index for job in jobs])
+            raise MemoryError("the kernel's table could not be allocated (injected)")
+        return original(jobs)
+
+    monkeypatch.setattr(host_part, "_kernel_table", failing)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    before = [p.detach().clone() for p in params]
+    chunks = opt._host.chunks
+    with pytest.raises(MemoryError, match="injected"):
+        opt.step()
+    (indices,) = failed
+    assert len(indices) == merged_sizes(len(chunks))[0]
+    for chunk in chunks:
+        stepped = chunk.index not in indices
+        for record, piece in chunk.pieces:
+            flat, was = record.param.detach().view(-1), before[record.index].view(-1)
+            start, numel = piece.spec.start, piece.spec.numel
+            moved = flat[start : start + numel] != was[start : start + numel]
+            assert bool(moved.any()) == (stepped and numel > 0), (chunk.index, record.index)
+            assert float(piece.state["step"]) == float(stepped), (chunk.index, record.index)
+    opt.step()  # the next step merges and steps every chunk
+    assert all(float(p.state["step"]) >= 1 for c in chunks for _, p in c.pieces)
 
 
 def test_kernel_needs_no_fp32_grad_buffer() -> None:
