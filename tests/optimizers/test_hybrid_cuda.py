@@ -21,6 +21,7 @@ from _parity import (
 
 from offload import _copy_engine, wait_for_event
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
+from optimizers import _host_part as host_part
 from optimizers._host_part import STAGING_SLOTS  # how many buffers the chunks take in turn
 
 pytestmark = pytest.mark.cuda
@@ -111,13 +112,13 @@ def test_no_race_between_copies_and_compute(
 
 
 @contextlib.contextmanager
-def late_h2d(cycles: int = 20_000_000) -> Iterator[None]:
-    """Every copy to the GPU starts behind ~10 ms of sleep on its stream. Fault injection: no
-    public input slows one copy engine's queue."""
+def late_copies(to: str = "cuda", cycles: int = 20_000_000) -> Iterator[None]:
+    """Every copy to device type ``to`` (``"cuda"``: H2D, ``"cpu"``: D2H) starts behind ~10 ms
+    of sleep on its stream. Fault injection: no public input slows one copy engine's queue."""
     original = _copy_engine.copy_async
 
     def late(pairs, stream, *, after=()):  # type: ignore[no-untyped-def]
-        if stream is not None and pairs and pairs[0].dst.device.type == "cuda":
+        if stream is not None and pairs and pairs[0].dst.device.type == to:
             for event in after:
                 wait_for_event(stream, event)
             with torch.cuda.stream(stream):
@@ -145,7 +146,7 @@ def test_no_race_on_a_staging_buffer_taken_again() -> None:
     shadow = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
     shadow_opt = torch.optim.AdamW(shadow, lr=1e-2, fused=True)
     x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
-    with late_h2d():
+    with late_copies("cuda"):
         for step in range(6):
             model(x).float().square().mean().backward()
             grads = [p.grad.detach().clone() for p in params]
@@ -156,6 +157,49 @@ def test_no_race_on_a_staging_buffer_taken_again() -> None:
                 tensor.grad = grad.float().cpu()
             shadow_opt.step()
             assert_matches(opt, params, shadow, tol=OTHER_KERNEL, where=f"step {step}")
+
+
+def test_no_race_where_landed_chunks_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six layers, a chunk each, a buffer per chunk. Before each step the grads of every layer but
+    layer 3 are given to ``grads_ready`` and their copies land; at the step, layer 3's are copied
+    behind ~10 ms of sleep. The worker must step the landed chunks around it together (see
+    [Note: merged kernel calls]), but not layer 3's, whose staging holds the last step's weights
+    until its copy lands: the main weights must follow a CPU AdamW fed the same grads.
+    tests/optimizers/race_sensitivity.py shows that merging it anyway makes this test fail.
+    """
+    width, depth = 2048, 6
+    model = _model(width, depth)
+    params = list(model.parameters())
+    policy = OffloadPolicy(fraction=1.0, chunk_numel=width * width, host_staging="per_chunk")
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
+    shadow = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
+    shadow_opt = torch.optim.AdamW(shadow, lr=1e-2, fused=True)
+    calls: list[list[int]] = []
+    original = host_part._kernel_table
+
+    def recorded(jobs):  # type: ignore[no-untyped-def]
+        calls.append(sorted(job.chunk.index for job in jobs))
+        return original(jobs)
+
+    monkeypatch.setattr(host_part, "_kernel_table", recorded)
+    x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
+    for step in range(6):
+        model(x).float().square().mean().backward()
+        opt.grads_ready({i: p.grad for i, p in enumerate(params) if i != 3})
+        torch.cuda.synchronize()  # the early copies have landed
+        grads = [p.grad.detach().clone() for p in params]
+        calls.clear()
+        with late_copies("cpu"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        for tensor, grad in zip(shadow, grads, strict=True):
+            tensor.grad = grad.float().cpu()
+        shadow_opt.step()
+        assert_matches(opt, params, shadow, tol=OTHER_KERNEL, where=f"step {step}")
+        # Last layers first, at most half of the chunks left a call: 5 and 4 (3's copy has not
+        # landed), then 3 with 2 once it has, then 1 and 0 alone.
+        assert calls == [[4, 5], [2, 3], [1], [0]], f"step {step}: {calls}"
 
 
 def test_no_race_in_the_delayed_update() -> None:
