@@ -81,6 +81,7 @@ class ChunkTiming:
 
     pieces: int  # the pieces it stepped (params with a grad)
     taken: float  # the worker took the chunk
+    chunks: int = 1  # the chunks its kernel call stepped: itself and those merged after it
     kernel_start: float | None = None  # None: the chunk was not stepped (skipped or failed)
     kernel_end: float | None = None
 
@@ -112,17 +113,20 @@ class Recorder:
         )
         recorder = self
 
-        def timed_run_job(step: Any, job: Any, *args: Any) -> bool:
+        def timed_run_job(step: Any, position: int, job: Any, *args: Any) -> bool:
             timing = ChunkTiming(pieces=len(job.active), taken=now())
             recorder.chunks.append(timing)
             recorder._timing_of[id(job)] = timing
             try:
-                return run_job(step, job, *args)
+                return run_job(step, position, job, *args)
             finally:
                 del recorder._timing_of[id(job)]
 
         def timed_step_chunk(job: Any, *args: Any) -> None:
             timing = recorder._timing_of[id(job)]
+            followers = args[2] if len(args) > 2 else ()  # merged into its kernel call
+            timing.chunks += len(followers)
+            timing.pieces += sum(len(follower.active) for follower in followers)
             timing.kernel_start = now()
             step_chunk(job, *args)
             timing.kernel_end = now()
@@ -201,7 +205,8 @@ def split_steps(recorder: Recorder) -> list[dict[str, float]]:
             "kernels_ms": 1e3 * kernels,
             "gaps_ms": 1e3 * (last - first - kernels),
             "tail_ms": 1e3 * (next_forward_end - last),
-            "num_chunks": len(mine),
+            "num_chunks": sum(c.chunks for c in mine),
+            "num_calls": len(mine),  # kernel calls (chunks merged into one: one call)
             "most_pieces": most.pieces,
             "most_pieces_kernel_ms": 1e3 * (most.kernel_end - most.kernel_start),
         })  # fmt: skip
