@@ -28,11 +28,12 @@ class OffloadPolicy:
         num_threads: CPU threads for the CPU optimizer on this rank; ``None`` picks usable
             cores / ranks on this host (torchrun's ``OMP_NUM_THREADS=1`` is overridden).
         chunk_numel: elements per pipelined chunk: the copy of chunk k+1, the CPU step of chunk k
-            and the copy back of chunk k-1 overlap. Each chunk is one call of the CPU kernel,
-            whose threads may have gone to sleep since the last one: fewer, larger chunks pay
-            fewer wake-ups (on one H100 host the 1B full offload went from 1.50x and 1.32x of
+            and the copy back of chunk k-1 overlap. Each chunk is at most one call of the CPU
+            kernel, whose threads may have gone to sleep since the last one: fewer, larger chunks
+            pay fewer wake-ups (on one H100 host the 1B full offload went from 1.50x and 1.32x of
             its bound at 16M to 1.16x and 1.12x at 64M, alternating; docs/benchmarks/e2e.md).
-            Default 64M (256 MiB of fp32).
+            Chunks whose grads are on the host already share a call (up to 4). Default 64M
+            (256 MiB of fp32).
         device_impl: the accelerator's Adam/AdamW kernel: ``"torch"`` (fused, default),
             ``"apex"`` or ``"te"`` (FusedAdam from apex or TransformerEngine, if installed).
         cpu_kernel: the CPU's Adam/AdamW kernel. ``"fused"``: zero-shard's single-pass kernel,
