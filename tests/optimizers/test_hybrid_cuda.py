@@ -131,6 +131,20 @@ def late_copies(to: str = "cuda", cycles: int = 20_000_000) -> Iterator[None]:
         yield
 
 
+class ShadowAdamW:
+    """torch's fused CPU AdamW (lr 1e-2) over fp32 copies of the params, stepped with the grads
+    the tested optimizer was given: the main weights it must follow."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
+        self._opt = torch.optim.AdamW(self.params, lr=1e-2, fused=True)
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        for param, grad in zip(self.params, grads, strict=True):
+            param.grad = grad.float().cpu()
+        self._opt.step()
+
+
 def test_no_race_on_a_staging_buffer_taken_again() -> None:
     """Twice as many chunks as staging buffers (see [Note: staging ring]), and each H2D out of a
     buffer lands late: a D2H that refilled the buffer before that H2D was done would send the next
@@ -143,8 +157,7 @@ def test_no_race_on_a_staging_buffer_taken_again() -> None:
     params = list(model.parameters())
     policy = OffloadPolicy(fraction=1.0, chunk_numel=width * width, host_staging="bounded")
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
-    shadow = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
-    shadow_opt = torch.optim.AdamW(shadow, lr=1e-2, fused=True)
+    shadow = ShadowAdamW(params)
     x = torch.randn(4, width, device="cuda", dtype=torch.bfloat16)
     with late_copies("cuda"):
         for step in range(6):
@@ -153,10 +166,8 @@ def test_no_race_on_a_staging_buffer_taken_again() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
-            for tensor, grad in zip(shadow, grads, strict=True):
-                tensor.grad = grad.float().cpu()
-            shadow_opt.step()
-            assert_matches(opt, params, shadow, tol=OTHER_KERNEL, where=f"step {step}")
+            shadow.step(grads)
+            assert_matches(opt, params, shadow.params, tol=OTHER_KERNEL, where=f"step {step}")
 
 
 def test_no_race_where_landed_chunks_merge(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,8 +183,7 @@ def test_no_race_where_landed_chunks_merge(monkeypatch: pytest.MonkeyPatch) -> N
     params = list(model.parameters())
     policy = OffloadPolicy(fraction=1.0, chunk_numel=width * width, host_staging="per_chunk")
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
-    shadow = [p.detach().float().cpu().clone().requires_grad_(True) for p in params]
-    shadow_opt = torch.optim.AdamW(shadow, lr=1e-2, fused=True)
+    shadow = ShadowAdamW(params)
     calls: list[list[int]] = []
     original = host_part._kernel_table
 
@@ -193,10 +203,8 @@ def test_no_race_where_landed_chunks_merge(monkeypatch: pytest.MonkeyPatch) -> N
             opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        for tensor, grad in zip(shadow, grads, strict=True):
-            tensor.grad = grad.float().cpu()
-        shadow_opt.step()
-        assert_matches(opt, params, shadow, tol=OTHER_KERNEL, where=f"step {step}")
+        shadow.step(grads)
+        assert_matches(opt, params, shadow.params, tol=OTHER_KERNEL, where=f"step {step}")
         # Last layers first, at most half of the chunks left a call: 5 and 4 (3's copy has not
         # landed), then 3 with 2 once it has, then 1 and 0 alone.
         assert calls == [[4, 5], [2, 3], [1], [0]], f"step {step}: {calls}"
