@@ -382,9 +382,9 @@ def test_chunks_on_the_host_step_in_merged_calls_as_one_by_one(
 
 
 def test_a_failed_merged_call_fails_each_of_its_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kernel call that fails steps none of the chunks merged into it: each raises (the later
-    ones naming the call), their params and state stay as they were, the other chunks step, and
-    the next step is whole again."""
+    """A kernel call that fails steps none of the chunks merged into it: the step raises its
+    error, their params and state stay as they were, the other chunks step, and the next step is
+    whole again."""
     kernel_for(torch.optim.AdamW)
     params = make_params(torch.bfloat16, "cpu")
     policy = OffloadPolicy(fraction=1.0, chunk_numel=60, num_threads=2)
