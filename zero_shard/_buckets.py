@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -15,6 +16,7 @@ from ._tp import StateLayout, dtensor_layout, local_tensor, rows_layout
 
 __all__ = [
     "Bucket",
+    "FlagsBefore",
     "ShardedParam",
     "build_buckets",
     "fsdp_sharded_param",
@@ -131,6 +133,13 @@ def norm_grads(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
     return [s.shard.grad for s in records if s.counted and s.shard.grad is not None]
 
 
+class FlagsBefore(Enum):
+    """A dropped grad buffer's presence flags where no copy of them was kept."""
+
+    NO_GRADS = "no grads were held yet"
+    ALL_PRESENT = "every param had a grad"
+
+
 @dataclass
 class Bucket:
     """Parameters whose grads are reduced and whose shards are gathered together."""
@@ -142,7 +151,9 @@ class Bucket:
     grad_buffer: torch.Tensor | None = None  # 1-D, layout.segment_numel: this rank's reduced
     #   grads, then one flag per param; held from the first reduction after zero_grad until the
     #   grads are cleared ([Note: reduced grads held]); always None when grads arrive reduced (DDP)
-    flags_before: torch.Tensor | None = None  # the flags of the last grads held, once dropped
+    # The presence flags of the last grads held, once dropped: a copy (on the accelerator) where
+    # some param lacked a grad, else ALL_PRESENT (every flag set), or NO_GRADS before any grads.
+    flags_before: torch.Tensor | FlagsBefore = FlagsBefore.NO_GRADS
     ready: set[int] = field(default_factory=set)  # positions whose grad hook fired this backward
     aliased: bool = False  # its params are their own shards (one rank): nothing to gather
     missing: bool = False  # since the grads were last written whole, some param lacked one here
@@ -174,7 +185,12 @@ class Bucket:
         stream that waited for the buffer's last writes: the flags are copied there."""
         if self.grad_buffer is None:
             return
-        self.flags_before = self.grad_buffer[self.layout.shard_numel :].clone()
+        # Where every param had a grad here (not ``missing``), every reduced flag is set (the step
+        # skips reading them on the same grounds) and nothing is copied: a copy is a 512-byte
+        # block a bucket, held beside the next backward's activations at the peak.
+        self.flags_before = FlagsBefore.ALL_PRESENT
+        if self.missing:
+            self.flags_before = self.grad_buffer[self.layout.shard_numel :].clone()
         self.grad_buffer = None
         for sharded in self.params:
             sharded.grad_slot = None

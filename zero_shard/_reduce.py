@@ -36,7 +36,8 @@ stream, where the step reads it, and records the side stream, which writes it: t
 reuses its memory only after the side stream's work queued before the drop, and after any
 copy that recorded its own stream (the D2H of grads to the CPU). The current stream waits for
 the reductions in flight before a drop, since the presence flags are copied out there (a
-zeroed ``.grad`` reads them: ``_flag_zeroed_as_before``).
+zeroed ``.grad`` reads them: ``_flag_zeroed_as_before``) where some param lacked a grad; where
+none did, every flag is set, and no copy is kept.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from offload import current_stream, phase, record_event, side_stream, use_stream, wait_stream
 
-from ._buckets import Bucket, ShardedParam
+from ._buckets import Bucket, FlagsBefore, ShardedParam
 from ._collectives import choose_reduce_scaling, launch_reduction, pack_grads
 from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad, Taken
 
@@ -386,9 +387,9 @@ def _clear_slots(bucket: Bucket, cleared: list[bool]) -> None:
             flags[position].zero_()
 
 
-def _flags_before(bucket: Bucket) -> torch.Tensor | None:
-    """The presence flags of the bucket's last reduction (in the grad buffer, or kept when it
-    was dropped); None before any."""
+def _flags_before(bucket: Bucket) -> torch.Tensor | FlagsBefore:
+    """The presence flags of the bucket's last reduction: in the grad buffer, or as kept when it
+    was dropped."""
     if bucket.has_grads:
         return bucket.grad_buffer[bucket.layout.shard_numel :]
     return bucket.flags_before
@@ -398,7 +399,7 @@ def _flag_zeroed_as_before(
     packed: torch.Tensor,
     bucket: Bucket,
     zeroed: list[bool],
-    before: torch.Tensor | None,
+    before: torch.Tensor | FlagsBefore,
     world_size: int,
 ) -> None:
     """A zeroed placeholder is a zero grad where the param had a grad (its flag ``before``, after
@@ -407,8 +408,12 @@ def _flag_zeroed_as_before(
     layout = bucket.layout
     flags = packed.view(world_size, layout.segment_numel)[:, layout.shard_numel :]
     for position, is_zeroed in enumerate(zeroed):
-        if is_zeroed:
-            flags[:, position] = 0 if before is None else (before[position] > 0).to(flags.dtype)
+        if not is_zeroed:
+            continue
+        if isinstance(before, torch.Tensor):
+            flags[:, position] = (before[position] > 0).to(flags.dtype)
+        else:
+            flags[:, position] = 1 if before is FlagsBefore.ALL_PRESENT else 0
 
 
 def _clear_after_reduction(bucket: Bucket) -> tuple[list[bool], bool]:

@@ -33,6 +33,7 @@ from torch import nn
 
 import zero_shard
 from zero_shard import OffloadPolicy
+from zero_shard._buckets import FlagsBefore
 
 CASES = {}
 STEPS = 4
@@ -230,6 +231,27 @@ def zeroed_grads_are_stepped_as_zeros_and_unused_params_have_none(rank: int, wor
         assert model.never.weight.grad is None and ref.never.weight.grad is None
         opt.zero_grad(set_to_none=False)
         ref_opt.zero_grad(set_to_none=False)
+        if step == 0:
+            check_flags_kept_where_a_grad_lacked(
+                opt, lacked=("never.", *(("side.",) if rank else ()))
+            )
+
+
+def check_flags_kept_where_a_grad_lacked(
+    opt: zero_shard.ZeroShardOptimizer, lacked: tuple[str, ...]
+) -> None:
+    """After the grads were dropped, a bucket keeps a copy of its presence flags only where a
+    param lacked a grad on this rank (params whose names start with one of ``lacked``); a param
+    no rank had a grad for is flagged absent there."""
+    for bucket in opt._comm.buckets:
+        fqns = [sharded.fqn for sharded in bucket.params]
+        kept = bucket.flags_before
+        if not any(fqn.startswith(lacked) for fqn in fqns):
+            assert kept is FlagsBefore.ALL_PRESENT, (fqns, kept)
+            continue
+        assert isinstance(kept, torch.Tensor), (fqns, kept)
+        for position, fqn in enumerate(fqns):
+            assert bool(kept[position] > 0) != fqn.startswith("never."), (fqn, kept)
 
 
 @case
