@@ -164,3 +164,26 @@ def test_torchao_skip_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
         assert "does not import" in e2e_gpt.torchao_unavailable("cuda", 1)
     finally:
         offload_peers.import_torchao_offload.cache_clear()
+
+
+def test_speed_targets_are_issue_17s_for_the_rows_run() -> None:
+    def run(name: str, iteration_ms: float, backward_ms: float, peak: int) -> dict:
+        summary = {"iteration_ms": iteration_ms, "backward_ms": backward_ms}
+        return {"name": f"{name}_x1", "summary": {**summary, "memory": {"peak_bytes": peak}}}
+
+    report = {
+        "cpu_adamw_floor_ms": 200.0,
+        "runs": [
+            run("zero_shard_f0", 110.0, 60.0, 23 << 30),
+            run("zero_shard_f1", 290.0, 70.0, (12 << 30) + 512),
+            run("megatron_hdo_f1", 950.0, 60.0, 12 << 30),
+            {"name": "plain_adamw_x1", "error": "out of memory"},  # failed: its targets go
+        ],
+    }
+    targets = e2e_gpt.speed_targets(report)
+    assert set(targets) == {"fraction_1_exact", "fraction_1_peak"}
+    exact = targets["fraction_1_exact"]
+    assert exact["bound"] == 270.0 and exact["ratio"] == pytest.approx(290 / 270)
+    assert exact["met"] is True  # 1.074 <= 1.10
+    peak = targets["fraction_1_peak"]
+    assert peak["ratio"] > 1.0 and peak["met"] is False  # 512 bytes above HDO's: missed
