@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import e2e_gpt  # noqa: E402
 import offload_peers  # noqa: E402  (on the path through e2e_gpt)
+import peak_blocks  # noqa: E402
 from _common import Clock, median_ms  # noqa: E402
 
 
@@ -187,3 +188,34 @@ def test_speed_targets_are_issue_17s_for_the_rows_run() -> None:
     assert exact["met"] is True  # 1.074 <= 1.10
     peak = targets["fraction_1_peak"]
     assert peak["ratio"] > 1.0 and peak["met"] is False  # 512 bytes above HDO's: missed
+
+
+def test_peak_blocks_replays_from_the_mark_and_groups_what_is_alive_at_the_peak() -> None:
+    def frame(path: Path, line: int) -> dict:
+        return {"filename": str(path), "line": line, "name": "f"}
+
+    ours = [frame(Path("/usr/lib/torch/nn/module.py"), 1), frame(ROOT / "zero_shard" / "x.py", 7)]
+    theirs = [frame(Path("/site/torch/optim/adamw.py"), 3), frame(Path("/site/mcore/o.py"), 9)]
+
+    def alloc(addr: int, size: int, frames: list) -> dict:
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+    def free(addr: int) -> dict:
+        return {"action": "free_completed", "addr": addr}
+
+    trace = [
+        alloc(1, 10 << 20, []), free(1),  # the init's peak, before the mark: not counted
+        alloc(2, 48, ours), alloc(3, 48, ours), alloc(4, 2 << 20, theirs),
+        alloc(5, peak_blocks.MARK_BYTES, []), free(5),  # the example's reset
+        alloc(6, 3 << 20, theirs), free(6), free(3),
+        alloc(7, 1 << 20, theirs),  # 48 + 2 MiB + 1 MiB: below the peak
+        {"action": "free_requested", "addr": 7}, free(7),
+    ]  # fmt: skip
+    peak, alive = peak_blocks.replay_peak(trace)
+    assert peak == 48 + 48 + (2 << 20) + (3 << 20)  # at 6's alloc, before 3 and 6 were freed
+    assert sorted(block["addr"] for block in alive) == [2, 3, 4, 6]
+    rows = peak_blocks.group_blocks(alive)
+    assert rows == [
+        {"where": "mcore/o.py:9 f", "size": None, "count": 2, "bytes": 5 << 20},
+        {"where": "zero_shard/x.py:7 f", "size": 48, "count": 2, "bytes": 96},
+    ]
