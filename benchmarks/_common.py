@@ -30,6 +30,7 @@ __all__ = [
     "package_version",
     "peak_memory",
     "reset_peak_memory",
+    "split_at_dashes",
     "today",
     "write_json",
 ]
@@ -155,3 +156,10 @@ def write_json(path: Path, payload: Any) -> None:
     """Writes ``payload`` as indented JSON, making the folder first."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` split at its first lone ``--``: the script's own flags, and those after it (for
+    the example the script runs)."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    return argv[:split], argv[split + 1 :]

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import describe_run, median_ms, package_version, write_json
+from _common import describe_run, median_ms, package_version, split_at_dashes, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -416,10 +416,9 @@ def main() -> None:
         "Flags after a lone -- go to train_gpt.py as they are (e.g. -- --threads 12); in peers, "
         "to zero-shard's runs only."
     )
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:split])
-    args.extra = argv[split + 1 :]
+    own, extra = split_at_dashes(sys.argv[1:])
+    args = parser.parse_args(own)
+    args.extra = extra
     fractions = args.fractions or ("0,1" if args.part == "largest" else "0,0.5,1")
     args.fractions = [float(f) for f in fractions.split(",")]
     args.megatron_fractions = [float(f) for f in args.megatron_fractions.split(",") if f]

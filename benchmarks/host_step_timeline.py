@@ -68,6 +68,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 import reporting  # noqa: E402
 import torch  # noqa: E402
 import train_gpt  # noqa: E402
+from _common import split_at_dashes  # noqa: E402
 
 import optimizers._host_part as host_part  # noqa: E402
 from optimizers._cpu_kernel import KernelPiece  # noqa: E402
@@ -458,8 +459,7 @@ def describe_host() -> dict[str, Any]:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
+    own, example = split_at_dashes(sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/host_step_timeline"))
     parser.add_argument("--floor-every", type=int, default=0, metavar="K",
@@ -467,11 +467,10 @@ def main() -> None:
                         "during the run)")  # fmt: skip
     parser.add_argument("--map-region-mib", type=int, default=256, metavar="MIB",
                         help="the memory map's region size (default 256)")  # fmt: skip
-    args = parser.parse_args(argv[:split])
+    args = parser.parse_args(own)
     if args.floor_every == 1 or args.floor_every < 0:
         parser.error(f"--floor-every must be 0 or at least 2, got {args.floor_every}: a row "
                      "holding a sample is left out, so every step cannot have one")  # fmt: skip
-    example = argv[split + 1 :]
     args.out.mkdir(parents=True, exist_ok=True)
     recorder = Recorder()
     if args.floor_every:

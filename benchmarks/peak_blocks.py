@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import write_json
+from _common import split_at_dashes, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # zero_shard and the example
 
 MARK_BYTES = 12345 * 512  # a size nothing else in the example allocates
 SMALL_BYTES = 1 << 20  # blocks below this are grouped by their exact size; larger ones together
@@ -117,12 +117,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/peak_blocks"))
     parser.epilog = "Flags after a lone -- go to train_gpt.py (e.g. -- --device cuda --steps 6)."
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:split])
+    own, example = split_at_dashes(sys.argv[1:])
+    args = parser.parse_args(own)
     if not torch.cuda.is_available():
         parser.error("needs CUDA: the allocator history is the CUDA caching allocator's")
-    example_argv = [*argv[split + 1 :], "--quiet", "--out", str(args.out / "run")]
+    example_argv = [*example, "--quiet", "--out", str(args.out / "run")]
     trace, reported = record_example(example_argv)
     peak, alive = replay_peak(trace)
     rows = group_blocks(alive)
