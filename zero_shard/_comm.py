@@ -36,6 +36,7 @@ from optimizers import HostStep
 
 from ._buckets import Bucket, ShardedParam, build_buckets, fsdp_sharded_param, shard_grads
 from ._collectives import AllGather, launch_all_gather
+from ._copies import mark_hook
 from ._gather import HostWrites, ParamGatherer
 from ._hooks import register_param_waits
 from ._reduce import GradReducer
@@ -208,7 +209,7 @@ def watch_state_dict_entries(module: nn.Module, records: Sequence[ShardedParam])
             if param is not None and id(param) in record_of
         }
         if names:
-            hook = functools.partial(_share_local_counters, names=names)
+            hook = mark_hook(functools.partial(_share_local_counters, names=names))
             handles.append(child.register_state_dict_post_hook(hook))
     return handles
 
@@ -440,7 +441,7 @@ class ReplicatedComm(_GatheredComm):
                 alive.forget_aborted_backward()
                 alive.drop_cleared()
 
-        aborted = self._module.register_forward_pre_hook(before_forward)
+        aborted = self._module.register_forward_pre_hook(mark_hook(before_forward))
         return [*handles, aborted, *self.reducer.register_hooks()]
 
     def finalize_grads(self, *, reduce: bool = True) -> None:

@@ -1,17 +1,24 @@
 """The model hooks that wait for gathered params: they wait, and never issue a collective.
 
 - Each unit's forward pre-hook waits for every bucket holding a param its subtree may read
-  ([Note: units] in ``_units.py``). It runs before the module's own pre-hooks (``prepend``), so
-  a hook that computes a weight from params (``torch.nn.utils.weight_norm``) reads gathered ones.
-- Every other module that owns params waits for its own before its forward: the unit's wait has
-  covered them when the module runs inside its unit; this catches a submodule called on its own
-  (``model.head(h)`` outside ``model(...)``).
+  ([Note: units] in ``_units.py``), and notes that the unit runs. It runs before the module's
+  own pre-hooks (``prepend``), so a hook that computes a weight from params
+  (``torch.nn.utils.weight_norm``) reads gathered ones.
+- Every other module that runs waits, before its forward, for the params of its subtree that no
+  unit below it holds: the unit's wait has covered them when the module runs inside its unit;
+  this covers a module reading a child's weight itself inside a unit that never runs, and a
+  submodule called on its own (``model.head(h)`` outside ``model(...)``).
+- A module above units (the root, a model's stack of blocks) also waits for the params of each
+  unit below it that has not run yet: a unit that never runs (its parent calls its children,
+  or reads its weights) is waited for by the nearest module above it that does.
 - Every module's ``state_dict`` and ``load_state_dict`` wait for all buckets: a save reads the
   latest weights (on rank 0 alone, too), and a load lands on top of them. A delayed update still
   deferred is applied first (it runs on one process: that communicates nothing).
 - The root's forward hook waits for all buckets when its forward ends, also those of modules it
   did not run: the next backward writes grads that the last step's CPU share may still be
   copying to the host until its step is complete ([Note: deferred host step]).
+
+Every hook is marked as zero-shard's: copies of the model leave them out ([Note: plain copies]).
 """
 
 from __future__ import annotations
@@ -23,21 +30,44 @@ from typing import Any
 from torch import nn
 
 from ._buckets import Bucket
+from ._copies import PlainCopies, mark_hook
 from ._gather import ParamGatherer
-from ._units import UnitPlan, direct_params
+from ._units import UnitPlan, runs
 
 __all__ = ["register_param_waits"]
 
 
-def _wait_hook(gatherer: ParamGatherer, indices: list[int]) -> Any:
-    this = weakref.ref(gatherer)  # the hooks must not keep the optimizer alive
+class _WaitHook:
+    """A forward pre-hook: waits for the buckets ``own``, then for those of each unit below the
+    module that has not run yet; a unit's (``unit``: its place in the plan) notes that it ran."""
 
-    def before_forward(module: nn.Module, args: Any) -> None:
-        gatherer = this()
-        if gatherer is not None and gatherer.pending:
-            gatherer.wait_for(indices)
+    def __init__(
+        self,
+        gatherer: ParamGatherer,
+        own: list[int],
+        below: list[tuple[int, list[int]]],
+        not_run: set[int],
+        unit: int | None,
+    ) -> None:
+        self._gatherer = weakref.ref(gatherer)  # the hooks must not keep the optimizer alive
+        self._own = own
+        self._below = below  # (unit, its buckets) for each unit in the module's subtree
+        self._not_run = not_run  # shared by all hooks of the model: units yet to run
+        self._unit = unit
+        mark_hook(self)
 
-    return before_forward
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        not_run = self._not_run
+        if not_run and self._unit is not None:
+            not_run.discard(self._unit)
+        gatherer = self._gatherer()
+        if gatherer is None or not gatherer.pending:
+            return
+        gatherer.wait_for(self._own)
+        if not_run:
+            for unit, indices in self._below:
+                if unit in not_run:
+                    gatherer.wait_for(indices)
 
 
 def _while_pending(gatherer: ParamGatherer, action: Callable[[ParamGatherer], None]) -> Any:
@@ -49,7 +79,34 @@ def _while_pending(gatherer: ParamGatherer, action: Callable[[ParamGatherer], No
         if gatherer is not None and gatherer.pending:
             action(gatherer)
 
-    return hook
+    return mark_hook(hook)
+
+
+def _subtree_waits(
+    model: nn.Module, unit_of: dict[int, int]
+) -> dict[int, tuple[set[int], list[int]]]:
+    """Per module id: the ids of the params of its subtree outside the units below it, and
+    those units (places in the plan), in module order."""
+    found: dict[int, tuple[set[int], list[int]]] = {}
+
+    def visit(module: nn.Module) -> tuple[set[int], list[int]]:
+        if id(module) in found:
+            return found[id(module)]
+        params = {id(p) for p in module._parameters.values() if p is not None}
+        units: list[int] = []
+        for child in module.children():
+            if id(child) in unit_of:
+                units.append(unit_of[id(child)])
+                continue
+            child_params, child_units = visit(child)
+            params |= child_params
+            units += [u for u in child_units if u not in units]
+        found[id(module)] = (params, units)
+        return found[id(module)]
+
+    for module in model.modules():  # the modules inside units too
+        visit(module)
+    return found
 
 
 def register_param_waits(
@@ -61,23 +118,26 @@ def register_param_waits(
     def indices_of(param_ids: Any) -> list[int]:
         return sorted({bucket_of[pid] for pid in param_ids if pid in bucket_of})
 
+    unit_indices = [indices_of(unit.param_ids) for unit in plan.units]
+    unit_of = {id(unit.module): place for place, unit in enumerate(plan.units) if place}
+    not_run = set(range(1, len(plan.units)))
+    waits = _subtree_waits(model, unit_of)
     handles = []
-    units = {id(unit.module) for unit in plan.units}
-    for unit in plan.units:
-        indices = indices_of(unit.param_ids)
-        if indices:
-            hook = _wait_hook(gatherer, indices)
-            handles.append(unit.module.register_forward_pre_hook(hook, prepend=True))
     for module in model.modules():
-        if id(module) in units:
-            continue
-        indices = indices_of(id(p) for p in direct_params(module))
-        if indices:
-            hook = _wait_hook(gatherer, indices)
+        place = 0 if module is model else unit_of.get(id(module))
+        if place is not None and place > 0:
+            own, below = unit_indices[place], []
+        else:
+            param_ids, units = waits[id(module)]
+            own = unit_indices[0] if module is model else indices_of(param_ids)
+            below = [(u, unit_indices[u]) for u in units if unit_indices[u]]
+        if (own or below) and runs(module):
+            hook = _WaitHook(gatherer, own, below, not_run, place)
             handles.append(module.register_forward_pre_hook(hook, prepend=True))
     handles.append(model.register_forward_hook(_while_pending(gatherer, ParamGatherer.finish)))
     before_state_dict = _while_pending(gatherer, ParamGatherer.flush)
     for module in model.modules():
         handles.append(module.register_state_dict_pre_hook(before_state_dict))
         handles.append(module.register_load_state_dict_pre_hook(before_state_dict))
+    handles.append(PlainCopies(model.modules(), before=before_state_dict))
     return handles

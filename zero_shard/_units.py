@@ -9,10 +9,20 @@ made current. The root is the unit of every param that no other unit holds (embe
 norm, head), and waits for those before anything runs.
 
 Default units are the repeated blocks: children of an ``nn.ModuleList`` or ``nn.Sequential``
-that hold params and share their class with a sibling (the transformer layers; a parametrized
-module counts as its original class; a ``ParametrizationList`` is no such container), the
-outermost ones where such blocks nest. ``wrap(..., units=...)``
-takes module classes or modules instead, as one picks ``fully_shard`` targets.
+that hold params, share their class with a sibling (the transformer layers; a parametrized
+module counts as its original class; a ``ParametrizationList`` is no such container) and have a
+forward of their own, the outermost ones where such blocks nest. A module without a forward
+(``nn.ModuleList``, ``nn.ModuleDict``, a bare ``nn.Module`` holding a stage's blocks) is never
+called, so its pre-hook would never fire: the blocks inside it are chosen instead.
+``wrap(..., units=...)`` takes module classes or modules instead, as one picks ``fully_shard``
+targets; a module given there that has no forward is refused.
+
+A unit is trusted to run before anything outside it reads its params. Until a unit has run once
+(the forwards before the first step count), the modules above it wait for its params as well
+(see ``_hooks.py``): a unit that is never called, or not yet, costs overlap, never a stale read.
+Every other module waits for the params of its own subtree that no unit below it holds, so a
+module reading a child's weight itself (``nn.MultiheadAttention`` and ``out_proj.weight``)
+is covered whatever the units are.
 
 Each param is placed with the first unit that waits for it, in the order root, then units in
 module order (about forward order); buckets are filled in that order and never hold the tail of
@@ -39,6 +49,7 @@ __all__ = [
     "direct_params",
     "plan_units",
     "resolve_units",
+    "runs",
 ]
 
 # ``wrap``'s ``units``: module classes and modules of the model; None for the default.
@@ -71,6 +82,12 @@ def _block_class(module: nn.Module) -> type:
     return type(module).__bases__[0] if is_parametrized(module) else type(module)
 
 
+def runs(module: nn.Module) -> bool:
+    """Whether the module has a forward of its own (``nn.ModuleList`` and a bare ``nn.Module``
+    have none: they are never called)."""
+    return getattr(type(module), "forward", None) is not nn.Module.forward
+
+
 def _is_repeated_container(module: nn.Module) -> bool:
     return isinstance(module, (nn.ModuleList, nn.Sequential)) and not isinstance(
         module, ParametrizationList
@@ -100,7 +117,7 @@ def default_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for module in model.modules():
         if not _is_repeated_container(module):
             continue
-        children = [child for child in module.children() if _holds_params(child)]
+        children = [c for c in module.children() if _holds_params(c) and runs(c)]
         counts = Counter(_block_class(child) for child in children)
         chosen.update(id(child) for child in children if counts[_block_class(child)] > 1)
     return _outermost(model, chosen)
@@ -128,6 +145,7 @@ def resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]
                     f"units names the class {item.__name__}, but the model has no submodule of "
                     "that class; pass classes the model uses, or modules of the model"
                 )
+            _check_runs(item.__name__, matched[0])
             chosen.update(id(m) for m in matched)
         elif isinstance(item, nn.Module):
             if id(item) not in in_model:
@@ -135,6 +153,7 @@ def resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]
                     f"units holds a {type(item).__name__} that is not a submodule of the model; "
                     "pass modules of the wrapped model (e.g. list(model.layers))"
                 )
+            _check_runs(type(item).__name__, item)
             if item is not model:  # the root is always a unit
                 chosen.add(id(item))
         else:
@@ -143,6 +162,15 @@ def resolve_units(model: nn.Module, units: Units) -> list[tuple[str, nn.Module]]
                 "units=[TransformerBlock]"
             )
     return _outermost(model, chosen)
+
+
+def _check_runs(name: str, module: nn.Module) -> None:
+    if not runs(module):
+        raise ValueError(
+            f"units holds a {name}, which has no forward of its own: it is never called, so "
+            "a wait before its forward would never run. Pass the modules it holds that run "
+            "(units=list(model.layers) for an nn.ModuleList of blocks), or their class"
+        )
 
 
 def _root_param_ids(model: nn.Module, unit_ids: set[int]) -> set[int]:

@@ -505,6 +505,155 @@ def bad_units_are_refused_on_every_rank(rank: int, world: int) -> None:
         zero_shard.wrap(torch.optim.AdamW(model.parameters()), model, units=["blocks"])
 
 
+# -- module trees whose containers never run ----------------------------------------------------
+
+
+def sleepy_all_gather(seconds: float) -> Callable[..., Any]:
+    """``wrap(all_gather=...)`` that issues each bucket's gather ``seconds`` late on rank 0 (so on
+    every rank): a forward that did not wait for a bucket reads the weights of the step before."""
+
+    def gather(shard: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> Any:
+        if dist.get_rank() == 0:
+            time.sleep(seconds)
+        return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+
+    return gather
+
+
+class ReadsChildWeights(nn.Module):
+    """A block that reads its children's weights itself: nn.MultiheadAttention reads its
+    out_proj's, and the block its fc's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(DIM, 2, batch_first=True)
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(x, x, x, need_weights=False)[0]
+        return h + torch.tanh(F.linear(h, self.fc.weight, self.fc.bias))
+
+
+class Stages(nn.Module):
+    """Stages of blocks: an nn.ModuleList of nn.ModuleLists, neither of which is ever called."""
+
+    def __init__(self, block: Callable[[], nn.Module] = ReadsChildWeights) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(nn.ModuleList(block() for _ in range(2)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for block in stage:
+                x = block(x)
+        return x
+
+
+class Levels(nn.Module):
+    """Levels as bare nn.Modules (a namespace, never called) holding blocks and a projection,
+    as taming-transformers' encoder builds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.ModuleList()
+        for _ in range(2):
+            level = nn.Module()
+            level.block = nn.ModuleList(ReadsChildWeights() for _ in range(2))
+            level.proj = nn.Linear(DIM, DIM)
+            self.down.append(level)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for level in self.down:
+            for block in level.block:
+                x = block(x)
+            x = level.proj(x)
+        return x
+
+
+def stock_layer() -> nn.Module:
+    return nn.TransformerEncoderLayer(DIM, 2, 16, dropout=0.0, batch_first=True)
+
+
+class Bypassed(nn.Module):
+    """A block its parent never calls: the parent runs its child and reads its gate itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ReadsChildWeights()
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the parent calls the children of this block, never the block")
+
+
+class CallsAroundBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Bypassed() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block.inner(x) * block.gate
+        return x
+
+
+def eval_matches_torch(rank: int, world: int) -> Callable[[nn.Module, Any, int], None]:
+    """``after_step`` that runs the model in eval mode (``nn.TransformerEncoderLayer``'s fast
+    path) right after each step, zero-shard's first, and compares the outputs."""
+    outputs: list[torch.Tensor] = []
+
+    def evaluate(model: nn.Module, opt: Any, step: int) -> None:
+        x = local_slice(batch(50 + step)[0], rank, world)
+        model.eval()
+        with torch.no_grad():
+            outputs.append(model(x))
+        model.train()
+        if opt is None:
+            ours, ref = outputs[-2:]
+            torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5, msg=f"eval, step {step}")
+
+    return evaluate
+
+
+@case
+def containers_that_never_run_are_looked_through(rank: int, world: int) -> None:
+    # The default units are the blocks inside the lists and levels, which run; every read of a
+    # child's weight waits, with the gathers issued late on purpose.
+    late = sleepy_all_gather(0.01)
+    for build in (Stages, Levels):
+        for fraction in (0.0, 0.5):
+            train_against_torch(
+                rank, world, build, bucket_mb=ONE_PER_BUCKET, fraction=fraction, all_gather=late
+            )
+    stock = lambda: Stages(stock_layer)  # noqa: E731
+    train_against_torch(
+        rank, world, stock, bucket_mb=ONE_PER_BUCKET, all_gather=late,
+        after_step=eval_matches_torch(rank, world),
+    )  # fmt: skip
+
+
+@case
+def a_unit_that_never_runs_is_waited_for_by_the_module_above(rank: int, world: int) -> None:
+    late = sleepy_all_gather(0.01)
+    for units_of in (None, lambda model: list(model.blocks)):
+        train_against_torch(
+            rank, world, CallsAroundBlocks, bucket_mb=ONE_PER_BUCKET, all_gather=late,
+            units_of=units_of,
+        )  # fmt: skip
+
+
+@case
+def units_without_a_forward_are_refused_on_every_rank(rank: int, world: int) -> None:
+    model = Stages()
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="ModuleList, which has no forward of its own"):
+        zero_shard.wrap(adamw, model, units=[model.stages])
+    with pytest.raises(ValueError, match="ModuleList, which has no forward of its own"):
+        zero_shard.wrap(adamw, model, units=[nn.ModuleList])
+    levels = Levels()
+    with pytest.raises(ValueError, match="Module, which has no forward of its own"):
+        zero_shard.wrap(torch.optim.AdamW(levels.parameters()), levels, units=[levels.down[0]])
+
+
 # -- a race test for the waits ---------------------------------------------------------------
 
 

@@ -37,6 +37,22 @@ def test_default_units_are_the_repeated_blocks() -> None:
     assert default_units(nn.Sequential(shared, shared)) == []
 
 
+def test_default_units_look_through_modules_that_never_run() -> None:
+    # Stages (lists of lists) and levels (bare modules holding blocks) are never called: the
+    # blocks inside them are the units.
+    stages = nn.ModuleList(nn.ModuleList(nn.Linear(2, 2) for _ in range(2)) for _ in range(2))
+    assert names(default_units(nn.Sequential(stages))) == ["0.0.0", "0.0.1", "0.1.0", "0.1.1"]
+    levels = nn.ModuleList()
+    for _ in range(2):
+        level = nn.Module()
+        level.block = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+        level.proj = nn.Conv1d(2, 2, 1)
+        levels.append(level)
+    assert names(default_units(levels)) == ["0.block.0", "0.block.1", "1.block.0", "1.block.1"]
+    dicts = nn.ModuleList(nn.ModuleDict({"a": nn.Linear(2, 2)}) for _ in range(2))
+    assert names(default_units(dicts)) == []  # the root waits for their params
+
+
 def test_parametrization_lists_are_not_containers_of_blocks() -> None:
     layer = nn.Linear(4, 4)
     torch.nn.utils.parametrizations.weight_norm(layer)
@@ -87,6 +103,8 @@ def test_bad_units_name_the_value_and_the_fix() -> None:
     with pytest.raises(TypeError, match="got int"):
         resolve_units(gpt, 3)
     assert resolve_units(gpt, []) == [] and resolve_units(gpt, [gpt]) == []
+    with pytest.raises(ValueError, match=r"ModuleList, which has no forward.*list\(model.layers\)"):
+        resolve_units(gpt, [gpt.blocks])
 
 
 @pytest.mark.parametrize("bucket_bytes", [1, 3000, 9000, 40000, 1 << 30])
