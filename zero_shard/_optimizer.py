@@ -27,6 +27,7 @@ from optimizers import (
 from ._buckets import Bucket, ShardedParam, norm_grads, shard_grads
 from ._collectives import AllGather, broadcast_tensors
 from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
+from ._host_group import host_group
 from ._norms import clip_coefficient, global_norm, nonfinite_flag, scale_grads_
 from ._owners import claim, is_claimed
 from ._setup import (
@@ -54,7 +55,7 @@ from ._state_dict import (
 )
 from ._tp import local_tensor
 from ._units import Units, plan_units
-from ._verdict import on_any_rank, on_every_rank
+from ._verdict import on_any_rank, on_any_rank_each, on_every_rank
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
 
@@ -98,6 +99,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     mesh: DeviceMesh
     nonfinite: str  # "skip" or "raise": what a step with inf/NaN grads does
     stale_params: str  # "reload" or "error": what a step does when params changed under it
+    _host_group: dist.ProcessGroup | None  # every rank's, on the host: stale-write agreements
+    _unshared_writes: set[str]  # FQNs of params reloaded from writes seen outside a step, not
+    #                             yet told to the other ranks (see _check_stale)
     _skips: SkipCount  # steps skipped for non-finite grads (see [Note: skip on the device])
     _module: nn.Module  # the model, unwrapped from DDP
     _device: torch.device  # the params' (FSDP2's CPUOffloadPolicy: the host)
@@ -161,6 +165,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self.stale_params = stale_params
         self._skips = SkipCount(device)
         self._logged_stale = False
+        self._unshared_writes = set()
         self._end_window()
         self._building = True
         # The wrapped optimizer's own group dicts (add_param_group keeps the dict it is given):
@@ -175,6 +180,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._params_on_host = params_on_host(self.kind, self.mesh, self._device)
         if self.kind is ModelKind.REPLICATED:  # DDP did the same; FSDP2's shards differ by rank
             broadcast_tensors(_module_tensors(self._module, self._device), self.mesh.get_group())
+        replicas = self.kind is not ModelKind.FSDP and self.mesh.size() > 1
+        self._host_group = host_group(self._meshes.verdict_mesh) if replicas else None
         self._comm = self._make_comm(model, checked, stage, bucket_mb, all_gather)
         self._sharded = self._comm.sharded
         self._hybrid = self._make_hybrid(optimizer, checked.policy)
@@ -310,8 +317,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not self._building:
             raise NotImplementedError(
-                "ZeroShardOptimizer lays out its shards at construction; add the param group to "
-                "the torch optimizer and wrap it again"
+                "ZeroShardOptimizer lays out its shards at wrap: add the param group to the torch "
+                "optimizer before wrapping it, or drop this wrapper, add it and wrap again: del "
+                "opt; torch_opt.add_param_group(...); opt = zero_shard.wrap(torch_opt, model)"
             )
         super().add_param_group(param_group)
 
@@ -374,13 +382,25 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         pre-hooks wait for the params each unit reads. An error of the CPU step or of a gather
         then surfaces there. Until then the params may hold old or partly updated weights: code
         that reads or writes them in between (an EMA, a weight constraint) calls
-        :meth:`finish_param_sync` first.
+        :meth:`finish_param_sync` first. Raises if the wrapped torch optimizer's param groups
+        changed since wrap (``torch_opt.add_param_group``), before anything runs.
         """
+        wrapped = self._wrapped()
+        theirs = [] if wrapped is None else wrapped.param_groups
+        if wrapped is not None and [id(g) for g in theirs] != [id(g) for g in self.param_groups]:
+            raise RuntimeError(  # before anything runs; rank-local: each rank made the same calls
+                f"the wrapped {type(wrapped).__name__}'s param_groups changed after wrap "
+                f"({len(self.param_groups)} groups wrapped, {len(theirs)} now, or a group dict "
+                "replaced: torch_opt.add_param_group(...) or torch_opt.load_state_dict(...)?), "
+                "and this wrapper would never step them: it lays out its shards at wrap. Add "
+                "every param group before wrapping, or drop this wrapper and wrap again: del opt; "
+                "opt = zero_shard.wrap(torch_opt, model) (its optimizer state starts afresh). "
+                "Load state into the wrapper (opt.load_state_dict), not into torch_opt"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        wrapped = self._wrapped()
         if wrapped is not None:  # an LR scheduler built on it checks that it stepped
             wrapped._opt_called = True  # type: ignore[attr-defined]
         # Gathers of the last step read the shards this step writes: they must be done (a
@@ -454,22 +474,31 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Params written since zero-shard last did (a weight load, an init): their main weights
         are reloaded from them (``stale_params="reload"``) or the call raises (``"error"``).
 
-        With ``agree`` (at ``step()``, which every rank calls) an FSDP2 model's ranks raise
-        together: a load in place into the local shards (DCP) writes nothing on a rank whose
-        shard of a param is empty, so that rank alone may see no write."""
-        stale = [sharded for sharded in self._sharded if sharded.is_stale()]
+        With ``agree`` (at ``step()``, which every rank calls) the ranks agree first, in one
+        small all-reduce. Replicas (a plain or DDP model at more than one rank): a param written
+        on any rank is reloaded on every rank from its own copy, as a write may reach the others
+        through a collective, which bumps no version counter (rank 0 loads weights, then
+        broadcasts them); writes seen outside a step (``state_dict()``) are shared at the next.
+        An FSDP2 model's ranks raise together: a load in place into the local shards (DCP)
+        writes nothing on a rank whose shard of a param is empty, so that rank alone may see no
+        write (each rank reloads its own shards, which are the model's memory)."""
+        here = [s.is_stale() or s.fqn in self._unshared_writes for s in self._sharded]
         raises = self.stale_params == "error"
-        if raises and agree and self.kind is ModelKind.FSDP:
-            if (
-                on_any_rank(bool(stale), mesh=self._meshes.verdict_mesh, device=self._reduce_device)
-                and not stale
-            ):
+        mesh, device = self._meshes.verdict_mesh, self._reduce_device
+        if agree and self.kind is not ModelKind.FSDP and self.mesh.size() > 1:
+            here = on_any_rank_each(here, group=self._host_group, mesh=mesh, device=device)
+            self._unshared_writes.clear()
+        elif raises and agree and self.kind is ModelKind.FSDP:
+            if on_any_rank(any(here), mesh=mesh, device=device) and not any(here):
                 raise RuntimeError(
                     "model params were written since the optimizer last set them, on other "
                     "ranks (a weight load?; their error names the params). Call "
                     "opt.reload_model_params() after loading weights, or wrap with "
                     "stale_params='reload'"
                 )
+        stale = [sharded for sharded, flag in zip(self._sharded, here, strict=True) if flag]
+        if not agree and self.kind is not ModelKind.FSDP and not raises:
+            self._unshared_writes.update(sharded.fqn for sharded in stale)
         if not stale:
             return
         names = [sharded.fqn for sharded in stale]
@@ -770,19 +799,27 @@ def wrap(
             weights: ``"reload"`` (default) reloads those from the params at the next step or
             ``state_dict()`` and logs once; ``"error"`` raises there instead. Detected by the
             params' version counters, which in-place writes (``load_state_dict``, ``copy_``,
-            ``torch.nn.init``) bump; a write through ``.data`` is not seen. Under FSDP2 both the
-            DTensor's counter and its local tensor's are watched (a DCP load in place writes the
-            local tensors), and ``"error"`` costs one small all-reduce per step, read by the host,
-            so that every rank raises.
+            ``torch.nn.init``) bump; a write through ``.data`` is not seen. The ranks agree at
+            each step in one small all-reduce, read by the host: a plain or DDP model's param
+            written on any rank is reloaded on every rank from its own copy (rank 0 loads
+            weights, then broadcasts them: a collective bumps no counter), or every rank raises.
+            Under FSDP2 both the DTensor's counter and its local tensor's are watched (a DCP load
+            in place writes the local tensors); each rank reloads its own shards, and only
+            ``"error"`` costs the all-reduce, so that every rank raises.
         units: the modules whose forward waits for the gathered params of their whole subtree,
             as one picks ``fully_shard`` targets: module classes (``[TransformerBlock]``) or
-            modules of the model (``list(model.layers)``). The root waits for every param no unit
-            holds. Default ``None``: the repeated blocks, i.e. children of ``nn.ModuleList`` /
-            ``nn.Sequential`` containers that share their class with a sibling (transformer
-            layers), outermost where they nest. A forward that reads a unit's params outside
-            that unit's forward (before it runs) needs a coarser unit; ``units=[]`` makes the
-            root the only one (exact for any model; the gathers then no longer overlap the
-            forward). Ignored under FSDP2.
+            modules of the model (``list(model.layers)``), each with a forward of its own (an
+            ``nn.ModuleList`` is refused: it is never called). The root waits for every param no
+            unit holds. Default ``None``: the repeated blocks, i.e. children of
+            ``nn.ModuleList`` / ``nn.Sequential`` containers that share their class with a
+            sibling and have a forward (transformer layers; lists of lists and bare modules
+            holding blocks are looked through), outermost where they nest. Every other module
+            waits for the params of its own subtree, and until a unit has run once the modules
+            above it wait for its params too: a unit that is never called costs overlap, not
+            exactness. A forward that reads the params of a unit that ran before, outside that
+            unit's forward and before it runs, needs a coarser unit; ``units=[]`` makes the root
+            the only one (exact for any model; the gathers then no longer overlap the forward).
+            Ignored under FSDP2.
         all_gather: replaces the all-gather of the updated params (an experiment's own, e.g.
             one over symmetric memory): called as ``all_gather(shard, out, group)`` with each
             bucket's shard, its rank-major output and zero-shard's gather group, on the thread

@@ -12,7 +12,7 @@ compared.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from offload import use_device
 
-__all__ = ["Summary", "on_any_rank", "on_every_rank"]
+__all__ = ["Summary", "on_any_rank", "on_any_rank_each", "on_every_rank"]
 
 T = TypeVar("T")
 # What must be the same on every rank, one description per item: ["stage=2", "param 'w' ...", ...].
@@ -142,3 +142,26 @@ def on_any_rank(flag: bool, *, mesh: DeviceMesh, device: torch.device) -> bool:
     for group in _groups(mesh):
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item())
+
+
+def on_any_rank_each(
+    flags: Sequence[bool],
+    *,
+    group: dist.ProcessGroup | None,
+    mesh: DeviceMesh,
+    device: torch.device,
+) -> list[bool]:
+    """For each of ``flags`` (the same number on every rank), whether it holds on any rank of
+    ``mesh`` (all its dims): one small all-reduce over ``group`` on the host, where given (every
+    rank of the mesh, see ``_host_group``), else one per mesh dim on ``device``; read by the
+    host."""
+    if not flags or not dist.is_available() or not dist.is_initialized():
+        return list(flags)
+    if group is not None:
+        value = torch.tensor(flags, dtype=torch.uint8)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    else:
+        value = torch.tensor(flags, dtype=torch.uint8, device=device)
+        for dim_group in _groups(mesh):
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=dim_group)
+    return [bool(flag) for flag in value.tolist()]

@@ -7,8 +7,10 @@ optimizer state dicts saved on one rank."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
+import io
 import os
 import tempfile
 import warnings
@@ -663,6 +665,103 @@ def two_wrappers_over_disjoint_params_of_one_model(rank: int, world: int) -> Non
     for opt in opts:
         opt.finish_param_sync()
     assert_params_close(model, ref, "two wrappers")
+
+
+# -- weights loaded on one rank, models copied ---------------------------------------------------
+
+
+def load_on_rank_0_and_broadcast(model: nn.Module, rank: int, weights: dict) -> None:
+    """A DDP habit: rank 0 alone loads a checkpoint, then sends each param to the others (a
+    collective into a param bumps no version counter on the ranks it writes)."""
+    if rank == 0:
+        model.load_state_dict(weights)
+    for param in model.parameters():
+        dist.broadcast(param.detach(), 0)
+
+
+@case
+def weights_loaded_on_rank_0_and_broadcast_are_trained_on_every_rank(rank: int, world: int) -> None:
+    weights = make_model(seed=5).state_dict()
+    for fraction, stage, mid_run in ((0.0, 2, False), (1.0, 2, True), (0.5, 1, True)):
+        model, opt, ref, ref_opt = wrapped_and_torch(fraction=fraction, stage=stage)
+        for step in range(STEPS):
+            if step == (2 if mid_run else 0):
+                opt.finish_param_sync()  # writes to params after a step wait for it first
+                load_on_rank_0_and_broadcast(model, rank, weights)
+                ref.load_state_dict(weights)
+            x, y = global_batch(step)
+            loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+            ref_loss = mse(ref(x), y)
+            where = f"fraction {fraction}, stage {stage}, step {step}"
+            torch.testing.assert_close(
+                mean_over_ranks(loss), ref_loss.detach(), **LOSS_TOL, msg=where
+            )
+            loss.backward()
+            ref_loss.backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"fraction {fraction}, the end")
+    # stale_params="error": every rank raises at the step, naming the params, none hangs.
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS, stale_params="error")
+    load_on_rank_0_and_broadcast(model, rank, weights)
+    mse(model(global_batch(0)[0]), global_batch(0)[1]).backward()
+    with pytest.raises(RuntimeError, match=r"model params \['inp.weight', .*were written since"):
+        opt.step()
+
+
+def hooks_of(model: nn.Module) -> list[int]:
+    names = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks",
+             "_state_dict_hooks", "_load_state_dict_pre_hooks")  # fmt: skip
+    return [len(getattr(module, name)) for module in model.modules() for name in names]
+
+
+def users_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output * 1.0  # a hook of the user's own: copies keep it
+
+
+@case
+def pickles_and_deep_copies_of_a_wrapped_model_are_plain_models(rank: int, world: int) -> None:
+    # An EMA copy, AveragedModel, or torch.save(model) right after a step (its gathers in
+    # flight): the copy holds the step's weights and none of zero-shard's hooks.
+    model, opt, ref, ref_opt = wrapped_and_torch(fraction=0.5)
+    model.inp.register_forward_hook(users_hook)
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    mse(ref(x), y).backward()
+    opt.step()
+    ref_opt.step()
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    plain = copy.deepcopy(model)
+    for copied in (ema.module, plain):
+        assert sum(hooks_of(copied)) == 1, hooks_of(copied)  # the user's forward hook alone
+        assert_params_close(copied, ref, "a copy right after the step")
+    buffer = io.BytesIO()
+    torch.save(copy.deepcopy(model).half(), buffer)
+    assert b"zero_shard" not in buffer.getvalue()  # it loads where zero-shard is not installed
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert sum(hooks_of(loaded)) == 1, hooks_of(loaded)
+    for (name, value), expected in zip(loaded.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(value, expected.half(), rtol=0, atol=0, msg=name)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert sum(hooks_of(torch.load(buffer, weights_only=False))) == 1
+    assert sum(hooks_of(model)) > 1  # the wrapped model keeps its hooks and trains on
+    for step in range(1, STEPS):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        mse(ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "trained on after the copies")
 
 
 # -- optimizer state dicts -----------------------------------------------------------------------
