@@ -26,7 +26,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CpuAdamKernel", "KernelPiece", "KernelTable", "fused_kernel_applies", "load_cpu_adam"]
+__all__ = [
+    "CpuAdamKernel",
+    "KernelPiece",
+    "KernelTable",
+    "fused_kernel_applies",
+    "load_cpu_adam",
+    "unmet_option",
+]
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_adam.c"
 _FLAGS = (
@@ -161,13 +168,22 @@ def fused_kernel_applies(cls: type, group: dict[str, Any], dtype: torch.dtype) -
     base = torch.optim.AdamW if issubclass(cls, torch.optim.AdamW) else torch.optim.Adam
     if cls.step is not base.step:
         return False
-    if group.get("amsgrad") or group.get("maximize") or group.get("capturable"):
-        return False
+    return unmet_option(group) is None
+
+
+def unmet_option(group: dict[str, Any]) -> str | None:
+    """The first option of ``group`` the kernel does not implement, as ``key=value`` (amsgrad,
+    maximize, capturable, a hyperparameter that is not a plain number); ``None``: none."""
+    for key in ("amsgrad", "maximize", "capturable"):
+        if group.get(key):
+            return f"{key}={group[key]!r}"
+    for key in ("lr", "eps", "weight_decay"):
+        if not _is_number(group.get(key)):
+            return f"{key}={group.get(key)!r}"
     betas = group.get("betas", (None, None))
-    return all(
-        _is_number(v)
-        for v in (group.get("lr"), *betas, group.get("eps"), group.get("weight_decay"))
-    )
+    if not all(_is_number(beta) for beta in betas):
+        return f"betas={betas!r}"
+    return None
 
 
 def _check_buffers(main: torch.Tensor, staging: torch.Tensor, state: dict[str, Any]) -> None:

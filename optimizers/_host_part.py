@@ -92,6 +92,7 @@ from ._cpu_kernel import CpuAdamKernel, KernelPiece, KernelTable, fused_kernel_a
 from ._early import EarlyCopy, GradIdentity
 from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
+from ._group_options import leave_kernel_where_unmet, snapshot_hyperparams
 from ._host_step import ChunkJob, HostStep
 from ._layout import ChunkSpec
 from ._records import ParamRecord, Piece, flat_param
@@ -129,7 +130,9 @@ class HostChunk:
     grad: torch.Tensor | None  # 1-D fp32, host, for low-precision chunks that torch steps; None:
     #                            the grads are read from staging (the kernel, or fp32 params)
     optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
-    kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step()
+    kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step();
+    #                               None: optimizer.step() (for good once its group asks for an
+    #                               option the kernel lacks, see leave_kernel_where_unmet)
     tables: dict[tuple[tuple[int, int], ...], KernelTable] = field(default_factory=dict)  # the
     #       kernel's call for the whole chunk, alone or with the chunks merged after it, keyed by
     #       (chunk index, staging slot) of each; built and used by the worker only
@@ -198,7 +201,6 @@ class HostPart:
     threads: ThreadBudget | None  # None when nothing is offloaded
     _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
-    _cls: type[torch.optim.Optimizer]
     _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
     _copier: ThreadPoolExecutor | None  # a ring: queues each stepped chunk's H2D and the next
     #                                     D2H into its buffer, off the worker's path
@@ -271,7 +273,6 @@ class HostPart:
         self.host_staging = staging
         self.switch_interval = switch_interval
         self._release_interval = None
-        self._cls = cls
         self.pending = None
         self.num_updates = 0
         self._last_step = None
@@ -432,9 +433,9 @@ class HostPart:
         start_event = grads_final
         self.settle()
         previous = self._last_step
-        for chunk in self.chunks:  # refuse before any chunk is handed to the worker
-            if chunk.kernel is not None:
-                self._check_kernel_still_applies(chunk)
+        # Before any chunk is handed to the worker: see [Note: group options at launch].
+        self._grad_flats += leave_kernel_where_unmet(self.chunks)
+        snapshot_hyperparams(chunk.optimizer.param_groups[0] for chunk in self.chunks)
         verdict = factor = None
         # The worker reads the flags first: on their own stream, behind start_event only (the
         # current stream now waits for the last step's H2D copies, the D2H stream for the early
@@ -576,16 +577,6 @@ class HostPart:
             # delayed update is completed here, after the next backward that reads them).
             pending.hold_writes_for_current()
             pending.wait()
-
-    def _check_kernel_still_applies(self, chunk: HostChunk) -> None:
-        group = chunk.optimizer.param_groups[0]
-        if not fused_kernel_applies(self._cls, group, chunk.spec.dtype):
-            raise RuntimeError(
-                "a param group's options changed after construction in a way the single-pass CPU "
-                "Adam kernel does not implement (amsgrad, maximize, capturable, or a tensor "
-                "lr/betas/eps/weight_decay); build the optimizer with those options, or with "
-                "OffloadPolicy(cpu_kernel='torch')"
-            )
 
 
 def _lead_with_a_landed_copy(jobs: list[ChunkJob]) -> None:

@@ -30,6 +30,7 @@ from ._elementwise import (
     constructor_defaults,
     probe_state_layout,
 )
+from ._group_options import check_impl_flags, check_wrapped_groups, prepare_amsgrad_state
 from ._host_part import HostPart
 from ._host_step import HostStep
 from ._layout import ChunkSpec, ParamInfo, plan_layout
@@ -137,25 +138,6 @@ def _check_unique(
             )
 
 
-def _check_impl_flags(groups: Sequence[dict[str, Any]]) -> None:
-    """Refuses ``differentiable=True`` and warns that ``capturable=True`` is not honoured; the
-    other implementation flags (``foreach``, ``fused``) only choose a kernel, chosen per device."""
-    if any(group.get("differentiable") for group in groups):
-        raise NotImplementedError(
-            "differentiable=True is not supported: HybridDeviceOptimizer steps fp32 copies of the "
-            "params under torch.no_grad(), so autograd cannot follow the update; leave "
-            "differentiable=False, or differentiate through the plain torch optimizer"
-        )
-    if any(group.get("capturable") for group in groups):
-        warnings.warn(
-            "capturable=True is ignored: HybridDeviceOptimizer's step cannot be captured in a "
-            "CUDA graph (the CPU's share is stepped by the host); each device uses its fastest "
-            "kernel. Pass capturable=False to silence this",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     """An elementwise torch optimizer whose state is split between the accelerator and the CPU.
 
@@ -208,8 +190,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _layouts: list[StateLayout]  # per param group: the state the optimizer keeps per param
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
     _warned_ignored: bool
-    _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over, until
-    #                                                     the first step marks it stepped
+    _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over: its
+    #                                                     group dicts are ours; None: not wrapped
 
     def __init__(
         self,
@@ -239,7 +221,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # The class's own constructor checks the hyperparameters and supplies their defaults.
         defaults = optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults
         super().__init__(params, defaults)
-        _check_impl_flags(self.param_groups)
+        check_impl_flags(self.param_groups)
         self._build()
         self.state = StateView(self._records, self._host.wait_for_worker)
 
@@ -261,7 +243,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         optimizer.param_groups[i]``, so an LR scheduler built on ``optimizer`` before wrapping
         still sets the lr the hybrid steps with. The hybrid's steps count as ``optimizer``'s for
         such a scheduler (no "lr_scheduler.step() before optimizer.step()" warning). Step only
-        the hybrid from then on; hooks registered on ``optimizer`` do not run.
+        the hybrid from then on; hooks registered on ``optimizer`` do not run. A group added to
+        ``optimizer`` afterwards (or its groups replaced, by its ``load_state_dict``) makes the
+        next step raise: add every group before wrapping.
 
         Args:
             optimizer: a torch optimizer of an elementwise class (see ``check_elementwise``).
@@ -544,6 +528,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         *,
         need_order: Sequence[int] | None,
     ) -> HostStep:
+        check_wrapped_groups(None if self._wrapped is None else self._wrapped(), self.param_groups)
         if grad_scale is not None and not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale}")
         if found_inf is not None:
@@ -567,6 +552,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._mark_stepped()
         self._sync_hyperparams()
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
+        prepare_amsgrad_state(self._records[index] for index in grads)
         pending = self._host.start(
             grads,
             grad_scale,
@@ -592,11 +578,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # has `_opt_called` set, which only a call through its scheduler-patched `step` does:
         # launch_step() bypasses that on this optimizer, and wrap()'s original is never stepped.
         self._opt_called = True
-        if self._wrapped is not None:
-            wrapped = self._wrapped()
-            if wrapped is not None:
-                wrapped._opt_called = True  # type: ignore[attr-defined]
-            self._wrapped = None
+        wrapped = None if self._wrapped is None else self._wrapped()
+        if wrapped is not None:
+            wrapped._opt_called = True  # type: ignore[attr-defined]
 
     def _check_device_scalar(self, value: torch.Tensor, name: str, example: str) -> None:
         device = self._records[0].param.device

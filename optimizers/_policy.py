@@ -41,7 +41,9 @@ class OffloadPolicy:
             host's C compiler on first use; the same bits as torch's fused kernel). ``"torch"``:
             torch's fused CPU AdamW with separate casts. ``"auto"`` (default): ``"fused"`` where it
             applies (Adam/AdamW without amsgrad or maximize, bf16 or fp32 params) and builds,
-            else ``"torch"``. Other optimizers always use torch's kernels.
+            else ``"torch"``. Other optimizers always use torch's kernels. A param group given
+            such an option after construction (``maximize=True``, a tensor lr) is stepped with
+            torch's kernel from that step on, with a warning.
         delayed_update: with ``fraction=1.0``, the one-step delayed update of DeepSpeed's
             ZeRO-Offload: the CPU's step with the grads of step k runs during the forward and
             backward of step k+1, and its weights reach the params at step k+1's ``step()``. So

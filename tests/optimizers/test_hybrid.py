@@ -266,25 +266,6 @@ def test_load_into_the_views_state_dict_returned(fraction: float) -> None:
             assert torch.equal(after[index][key], value), (index, key)
 
 
-def test_refused_option_change_leaves_everything_as_it_was() -> None:
-    params = make_params(torch.bfloat16, "cpu")
-    opt = hybrid(params, "adamw", 1.0)
-    if not any(chunk.kernel is not None for chunk in opt._host.chunks):
-        pytest.skip("the single-pass kernel is not built here")
-    opt.param_groups[0]["amsgrad"] = True  # group 1 (the last params) is reached first
-    for param in params:
-        param.grad = torch.ones_like(param)
-    before_params = [p.detach().clone() for p in params]
-    before_state = {
-        i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()
-    }
-    with pytest.raises(RuntimeError, match="cpu_kernel='torch'"):
-        opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(params, before_params, strict=True))
-    for index, state in opt.state_dict()["state"].items():
-        assert all(torch.equal(v, before_state[index][k]) for k, v in state.items()), index
-
-
 def test_failed_accelerator_step_still_finishes_the_host_share(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

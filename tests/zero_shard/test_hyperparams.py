@@ -1,0 +1,217 @@
+"""Param groups and their options after wrap, on 1 and 2 CPU processes (gloo), against torch
+AdamW in one process every step: a tensor lr a scheduler writes while the CPU's share of the
+step is still in flight applies from the next step, as in torch; maximize switched on mid-run
+steps as torch's; groups changed on the wrapped torch optimizer are refused on every rank before
+anything changes, and wrapping again trains them."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from _harness import check_outcome, run_cases
+from _models import (
+    LR,
+    adamw,
+    assert_params_close,
+    global_batch,
+    local_slice,
+    make_model,
+    mse,
+)
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import zero_shard
+from optimizers import _host_part as host_part
+from zero_shard import OffloadPolicy
+
+CASES = {}
+STEPS = 4
+TINY_BUCKETS = 0.0008  # MiB: the test model's params fill several buckets
+HOLD_TIMEOUT = 30.0  # seconds; a CPU step held longer means step() waited for it (a hang)
+
+
+def case(function):  # type: ignore[no-untyped-def]
+    CASES[function.__name__] = function
+    return function
+
+
+def offload() -> OffloadPolicy:
+    return OffloadPolicy(fraction=1.0, num_threads=1, chunk_numel=16)
+
+
+class HeldCpuStep:
+    """Holds the CPU step of every chunk until ``release()``: a step's CPU share then runs only
+    after what the caller does once ``step()`` returned (a scheduler's step)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._original = host_part._step_chunk
+
+    def _held(self, *args: Any) -> None:
+        if not self._event.wait(HOLD_TIMEOUT):
+            raise AssertionError("the CPU step was held and never released: step() waited")
+        self._original(*args)
+
+    def hold(self) -> None:
+        self._event.clear()
+
+    def release(self) -> None:
+        self._event.set()
+
+    def __enter__(self) -> HeldCpuStep:
+        host_part._step_chunk = self._held
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        host_part._step_chunk = self._original
+        self._event.set()
+
+
+def tensor_lr_adamw(model: nn.Module) -> torch.optim.AdamW:
+    params = list(model.parameters())
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "lr": torch.tensor(LR / 2)},
+        ],
+        lr=torch.tensor(LR),
+    )
+
+
+def schedule(step: int) -> float:
+    return 0.5**step
+
+
+@case
+def a_scheduled_tensor_lr_applies_from_the_next_step(rank: int, world: int) -> None:
+    model, ref = make_model(), make_model()
+    torch_opt = tensor_lr_adamw(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(torch_opt, schedule)
+    opt = zero_shard.wrap(torch_opt, model, offload=offload(), bucket_mb=TINY_BUCKETS)
+    ref_opt = tensor_lr_adamw(ref)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
+    with HeldCpuStep() as held:
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            held.hold()
+            opt.step()
+            opt.zero_grad()
+            sched.step()  # in place: lr.fill_(...), before the CPU step reads it
+            held.release()
+            mse(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f"step {step}")
+
+
+@case
+def maximize_switched_on_mid_run_steps_as_torch(rank: int, world: int) -> None:
+    # The default cpu_kernel ("auto") steps with the single-pass kernel where it can be built;
+    # it has no maximize: those groups go on with torch's CPU kernel, with one warning.
+    model, ref = make_model(), make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(), bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    on_kernel = any(chunk.kernel is not None for chunk in opt._hybrid._host.chunks)
+    for step in range(STEPS):
+        if step == 2:
+            for group in (*opt.param_groups, *ref_opt.param_groups):
+                group["maximize"] = True
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        fallbacks = [w for w in caught if "cpu_kernel='torch'" in str(w.message)]
+        assert len(fallbacks) == (step == 2 and on_kernel), [str(w.message) for w in caught]
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"step {step}")
+
+
+def wrapped_without_the_out_layer(
+    model: nn.Module,
+) -> tuple[torch.optim.AdamW, zero_shard.ZeroShardOptimizer]:
+    torch_opt = torch.optim.AdamW(
+        [{"params": model.inp.parameters()}, {"params": model.mid.parameters(), "lr": LR / 2}],
+        lr=LR,
+    )
+    opt = zero_shard.wrap(torch_opt, model, offload=offload(), bucket_mb=TINY_BUCKETS)
+    return torch_opt, opt
+
+
+def step_on_batch(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int,
+                  world: int) -> None:  # fmt: skip
+    x, y = global_batch(step)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def refused_without_change(opt: zero_shard.ZeroShardOptimizer, model: nn.Module, step: int,
+                           rank: int, world: int) -> None:  # fmt: skip
+    opt.finish_param_sync()  # the last step's gathers, in flight: not the refused step's
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.full_tensor().clone() for k, v in opt.state_dict()["state"]["inp.weight"].items()
+             if isinstance(v, DTensor)}  # fmt: skip
+    for _ in range(2):  # every step, not once
+        with pytest.raises(
+            RuntimeError, match=r"param_groups changed after wrap.*zero_shard\.wrap"
+        ):
+            step_on_batch(model, opt, step, rank, world)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    after = opt.state_dict()["state"]["inp.weight"]
+    assert all(torch.equal(after[k].full_tensor(), v) for k, v in state.items())
+    opt.finish_param_sync()
+    model.zero_grad()  # the refused steps' grads; the out layer's too (no wrapper clears them)
+
+
+@case
+def groups_changed_on_the_torch_optimizer_are_refused_until_wrapped_again(
+    rank: int, world: int
+) -> None:
+    model = make_model()
+    torch_opt, opt = wrapped_without_the_out_layer(model)
+    torch_opt.load_state_dict(torch_opt.state_dict())  # new group dicts: not the wrapper's
+    refused_without_change(opt, model, 0, rank, world)
+    del opt
+    torch_opt, opt = wrapped_without_the_out_layer(model)
+    step_on_batch(model, opt, 0, rank, world)
+    torch_opt.add_param_group({"params": list(model.out.parameters()), "lr": 2 * LR})
+    refused_without_change(opt, model, 1, rank, world)
+    # The fix the error names: a new wrapper, with fresh state, trains every group; as torch
+    # AdamW built afresh over the same groups does.
+    del opt
+    opt = zero_shard.wrap(torch_opt, model, offload=offload(), bucket_mb=TINY_BUCKETS)
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(
+        [{"params": ref.inp.parameters()}, {"params": ref.mid.parameters(), "lr": LR / 2},
+         {"params": ref.out.parameters(), "lr": 2 * LR}],
+        lr=LR,
+    )  # fmt: skip
+    for step in range(1, STEPS):
+        step_on_batch(model, opt, step, rank, world)
+        step_on_batch(ref, ref_opt, step, 0, 1)
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"rewrapped, step {step}")
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda world: f"world{world}")
+def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
+    return run_cases(CASES, request.param)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed(outcomes: dict[str, str | None], name: str) -> None:
+    check_outcome(outcomes, name)
