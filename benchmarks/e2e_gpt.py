@@ -5,9 +5,9 @@ memory is its own), whose JSON log gives the iteration time (mean over the steps
 first), the forward / backward / step split, tokens/s and the peak GPU memory. Beside them, the
 CPU AdamW floor for the model's parameter count: ``torch.optim.AdamW(fused=True)`` on that many
 fp32 elements on the host, the least a full-offload step can cost. ``targets`` in the results
-holds issue 17's for the rows run (``SPEED_TARGETS``): fraction 1.0's iteration <= 1.10 x its
-backward + the floor; fraction 0's iteration and peak <= plain AdamW's; fraction 1.0's peak <=
-Megatron-Core HDO's.
+holds the project's targets for the rows run (``SPEED_TARGETS``): fraction 1.0's iteration <=
+1.10 x its backward + the floor; fraction 0's iteration and peak <= plain AdamW's; fraction
+1.0's peak <= Megatron-Core HDO's.
 
 ``speed --megatron-fractions 0.5,1`` adds Megatron-Core's HybridDeviceOptimizer to the rows: the
 same example, loop, model (bf16 params) and flags with ``--optimizer megatron-hdo`` (one GPU; see
@@ -23,7 +23,7 @@ FSDP2 model's host params (``--fsdp2-cpu-offload``), then plain AdamW once (unle
 ``--no-plain``), then the CPU AdamW floor. Per system: the median iteration, its spread (slowest /
 median), the peak GPU memory and whether its step honours the clip (``--clip`` 1.0 for all; the
 example's log says why not); the ratios zero-shard / torchao and zero-shard / FSDP2 of the
-medians against issue 17's targets (<= 0.9 and <= 0.35). A peer that cannot run here (torchao
+medians against the project's targets (<= 0.9 and <= 0.35). A peer that cannot run here (torchao
 does not import, not CUDA, more than one rank) is recorded as ``{"skipped": reason}``. Flags after
 ``--`` go to zero-shard's runs only.
 
@@ -173,8 +173,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"| CPU AdamW floor | | | | {report['cpu_adamw_floor_ms']:.1f} | | | |")
 
 
-# Issue 17's targets in one speed run: (the run measured, the run it is held against, what is
-# compared, the largest ratio allowed).
+# The project's targets in one speed run (docs/benchmarks/e2e.md): (the run measured, the run
+# it is held against, what is compared, the largest ratio allowed).
 SPEED_TARGETS = {
     "fraction_1_exact": ("zero_shard_f1", None, "iteration_ms", 1.10),
     "fraction_0_iteration": ("zero_shard_f0", "plain_adamw", "iteration_ms", 1.0),
@@ -184,7 +184,7 @@ SPEED_TARGETS = {
 
 
 def speed_targets(report: dict[str, Any]) -> dict[str, Any]:
-    """Issue 17's targets for the rows this run has: fraction 1's iteration against the bound
+    """The project's targets for the rows this run has: fraction 1's iteration against the bound
     of an exact step (its own backward + the CPU AdamW floor, sampled once in this process: the
     floors ``host_step_timeline.py`` samples between the steps are the finer measure), and
     fraction 0's iteration and peak against plain AdamW's, fraction 1's peak against Megatron-Core
@@ -213,7 +213,7 @@ def speed_targets(report: dict[str, Any]) -> dict[str, Any]:
     return targets
 
 
-# Issue 17: zero-shard's median iteration at full offload over each peer's, at most.
+# The project's targets: zero-shard's median iteration at full offload over each peer's, at most.
 PEER_TARGETS = {"torchao_offload": 0.9, "fsdp2_offload": 0.35}
 
 
@@ -225,7 +225,7 @@ def peers(args: argparse.Namespace, report: dict[str, Any]) -> None:
         "zero_shard_f1": [*common, "--offload-fraction", "1", *args.extra],
         "torchao_offload": [*common, "--optimizer", "torchao-offload"],
         "fsdp2_offload": [*common, "--optimizer", "fsdp2-offload"],
-        # zero-shard stepping FSDP2's host params (issue 17: GPU memory below the params).
+        # zero-shard stepping FSDP2's host params (FSDP2's GPU memory, below the params).
         "zero_shard_on_fsdp2_offload": [
             *common,
             "--offload-fraction",

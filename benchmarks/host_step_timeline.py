@@ -24,7 +24,8 @@ tensors of as many elements as the host step, with all the host's cores
 it, and for a delayed update also the next, whose wait for the CPU step the sample took); each
 other row is set against the samples just before and after it (``interleaved``): its ``ratio``
 is iteration / (backward + floor) for the exact step and iteration / max(forward + backward,
-floor) for a delayed update (``-- --delayed-update``), issue 17's bounds (targets 1.10 and 1.15).
+floor) for a delayed update (``-- --delayed-update``), the project's bounds (targets 1.10 and
+1.15; docs/benchmarks/host_step_timeline.md).
 The host's memory speed moves by up to 1.7x within seconds on the lent hosts, so a floor
 measured after the run (as ``e2e_gpt.py`` does) can be off by as much; samples seconds apart from
 the step they bound are the fair measure.
@@ -308,7 +309,7 @@ def interleaved_rows(
     ratios = [row["ratio"] for row in kept]
     return {
         "bound": f"iteration / ({bound_name})",
-        "target": 1.15 if delayed else 1.10,  # issue 17
+        "target": 1.15 if delayed else 1.10,  # the project's targets
         "rows": kept,
         "ratio_median": statistics.median(ratios) if ratios else None,
         "ratio_max": max(ratios, default=None),
@@ -441,7 +442,7 @@ def memory_map(
 
 def describe_host() -> dict[str, Any]:
     """The host's CPU model, usable cores and NUMA nodes: the kernel's speed against torch's
-    floor has differed between leases of the same machine kind."""
+    floor has differed between machines of the same kind."""
     models: set[str] = set()
     try:
         with open("/proc/cpuinfo") as cpuinfo:

@@ -8,8 +8,7 @@ fp32 init is done; a marker allocation of ``MARK_BYTES`` notes that point in the
 the run the history is replayed from the mark: the peak is the most bytes allocated at once, and
 the blocks alive at it are grouped by where they were allocated (the first frame in this
 repository, else the first outside torch) and by size. Run it for two optimizers and compare the
-groups: what one holds that the other does not stands out (docs/benchmarks/e2e.md, thirteenth
-session, found the bucket presence flags this way).
+groups: what one holds that the other does not stands out (docs/benchmarks/peak_blocks.md).
 
 Sizes are the requested ones; the allocator rounds each block up to 512 bytes, so the replayed
 peak sits a little below ``max_memory_allocated``, which the report gives beside it. Results go

@@ -14,7 +14,8 @@ warm-ups. Rank 0 prints tables and writes ``results.json`` to ``--out``.
 
 - ``collectives``: ``reduce_scatter`` and ``all_gather`` of bf16 buffers from 4 MiB to 1 GiB
   (the full, unsharded size), as NCCL bus bandwidth: ``size * (world - 1) / world / time``.
-  DESIGN.md's figures for 2 x H200 (1 GiB: 2.0 ms each) are 268 GB/s.
+  The reference for 2 x H200, NCCL's own figure measured on 2026-11-22 (1 GiB in 2.0 ms each
+  way), is 268 GB/s of bus bandwidth (``*_vs_design`` in the results; docs/benchmarks/zero_step.md).
 - ``step``: ``--num-tensors`` fp32 params of 4096 x 4096 (64: 1.07B) with given grads; one timed
   step is everything from the grads on each rank to the updated params on every rank:
   ``ddp_fused_adamw`` (all-reduce the grads in 64 MiB chunks, as DDP's buckets, then

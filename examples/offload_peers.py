@@ -129,10 +129,10 @@ def build_fsdp2_adamw(
     """Plain ``torch.optim.AdamW`` over FSDP2's host shards (DTensors on the CPU).
 
     ``fused=True``: DTensor dispatches the fused AdamW op to the local shards (torch >= 2.4,
-    pytorch/pytorch#125369), and torch's fused CPU kernel is its fastest CPU AdamW (DESIGN.md:
-    ~4x the foreach one). Run here on torch 2.13 (CPU, gloo, 2 ranks, uneven shards). Some
-    versions leak one small DTensorSpec per param and step on this path (pytorch/pytorch#188174,
-    #181761): nothing over a benchmark's few steps.
+    pytorch/pytorch#125369), and torch's fused CPU kernel is its fastest CPU AdamW. Run here on
+    torch 2.13 (CPU, gloo, 2 ranks, uneven shards). Some versions leak one small DTensorSpec per
+    param and step on this path (pytorch/pytorch#188174, #181761): nothing over a benchmark's few
+    steps.
     """
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=True)
 

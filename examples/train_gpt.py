@@ -235,7 +235,7 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
         )
     elif args.optimizer == "torchao-offload":
         # torchao's default (the device grads stay): right under accumulation, and the setting
-        # of the peer figures before (DESIGN.md, issue 17: 17.4 GiB at 1B).
+        # of the peer figures in docs/benchmarks/e2e.md (17.34 GiB at 1B).
         optimizer = offload_peers.build_torchao_offload(
             groups, lr=args.lr, betas=betas, offload_gradients=False
         )

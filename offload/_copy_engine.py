@@ -38,7 +38,7 @@ def copy_async(
     ``None`` (the copies have then run synchronously on the calling thread).
 
     A copy between pinned host memory and the device overlaps with compute only when its dtypes
-    agree; a dtype cast belongs on the host side (see DESIGN.md: few bytes on the wire).
+    agree; a dtype cast belongs on the host side (see docs/design.md: few bytes on the wire).
     """
     if stream is None:
         for pair in pairs:

@@ -6,11 +6,11 @@ must reach the host as soon as they are final. A copy of them is a DMA on the co
 was measured to take copies in the order they were released, whatever their stream: behind 1 GiB
 of D2H copies queued on another stream (as the early copies of backward's last buckets are) a
 4-byte flag took 18.8 ms to land, against 2.4 ms with nothing queued (one H100,
-`docs/benchmarks/e2e.md`, eleventh session). On CUDA the flag is therefore not copied: a
+`docs/benchmarks/e2e.md`). On CUDA the flag is therefore not copied: a
 one-element kernel writes it straight into the pinned host buffer, which a kernel may address by
 its host pointer (unified addressing: all memory from ``cudaHostAlloc`` or ``cudaHostRegister``
 is mapped), and that kernel runs on the SMs, not behind the copies. Elsewhere (another
-accelerator, or where the view cannot be had) the flag is copied as before.
+accelerator, or where the view cannot be had) the flag is copied.
 """
 
 from __future__ import annotations

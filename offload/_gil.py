@@ -9,7 +9,7 @@ over only once the waiting thread has waited for the switch interval (``sys.sets
 its kernel, and a step of 64 chunks up to 64 times. On one H100 host, a 1B-parameter
 full-offload step with the interval at 0.5 ms while the host step is in flight was faster than
 with 5 ms in 6 of 7 alternating pairs of runs (by 7% of its bound, median), its kernels in the
-run 205-236 ms (median per run) against 203-279 ms (docs/benchmarks/e2e.md, eighth session).
+run 205-236 ms (median per run) against 203-279 ms (docs/benchmarks/e2e.md).
 The cost: threads that run Python at the same time hand the GIL over more often (each hand-off
 is a few microseconds).
 

@@ -42,7 +42,7 @@ the step (see [Note: early grad copies] in _early.py).
 Each call of the single-pass kernel is one OpenMP parallel region, and its threads may have to be
 woken for it: a training process has two OpenMP teams (torch's on the main thread, the kernel's
 on the worker), so libgomp lets idle threads spin only briefly before they sleep, and on some
-hosts each wake-up cost 1-2.5 ms a call (docs/benchmarks/e2e.md, eleventh session). So where the
+hosts each wake-up cost 1-2.5 ms a call (docs/benchmarks/e2e.md). So where the
 grads of the chunks after the one the worker takes are on the host already (early copies, a ring's
 first buffers, the CPU), the worker steps them in the same call: up to ``MERGE_CHUNKS`` chunks,
 and at most half of those still to step. They are then completed as if stepped one by one (the

@@ -58,8 +58,8 @@ def plan_layout(params: Sequence[ParamInfo], fraction: float, chunk_numel: int) 
     """Splits ``params`` so that ``fraction`` of all elements, to the element, go to the CPU.
 
     The CPU takes elements from the end: the last parameters whole, then the tail of the one
-    where the fraction falls (DESIGN.md: the last layers' grads are ready first in backward and
-    their params are needed last in forward). The offloaded elements are cut into pieces of at
+    where the fraction falls (docs/design.md: the last layers' grads are ready first in backward
+    and their params are needed last in forward). The offloaded elements are cut into pieces of at
     most ``chunk_numel`` and packed into chunks of at most ``chunk_numel`` that never mix param
     groups or dtypes. Zero-numel params stay on the accelerator.
     """

@@ -167,7 +167,7 @@ def test_torchao_skip_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
         offload_peers.import_torchao_offload.cache_clear()
 
 
-def test_speed_targets_are_issue_17s_for_the_rows_run() -> None:
+def test_speed_targets_are_those_of_the_rows_run() -> None:
     def run(name: str, iteration_ms: float, backward_ms: float, peak: int) -> dict:
         summary = {"iteration_ms": iteration_ms, "backward_ms": backward_ms}
         return {"name": f"{name}_x1", "summary": {**summary, "memory": {"peak_bytes": peak}}}

@@ -281,8 +281,8 @@ def async_save_of_a_bf16_model(rank: int, world: int) -> None:
 
 
 def state_dict_keeps_host_state_on_the_host(rank: int, world: int) -> None:
-    """DESIGN.md: "CPU-resident state must save without a GPU round trip (DCP writes CPU views
-    directly)". All of it is on the host here; the state dict must hand it to DCP there."""
+    """CPU-resident state saves without a GPU round trip (DCP writes CPU views directly). All of
+    it is on the host here; the state dict must hand it to DCP there."""
     model, opt = build(gpu(rank), fraction=1.0)
     train(model, opt, rank, world, range(1))
     on_gpu = [
