@@ -145,6 +145,11 @@ def check_options(
         or bucket_mb <= 0
     ):
         raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r}")
+    if bucket_mb * (1 << 20) < 1:  # buckets are sized in bytes
+        raise ValueError(
+            f"bucket_mb must be at least {2.0**-20!r} MiB (one byte a bucket), got {bucket_mb!r}; "
+            "a param larger than a bucket gets a bucket of its own"
+        )
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
     if stale_params not in STALE_POLICIES:

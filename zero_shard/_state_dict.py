@@ -1,4 +1,7 @@
-"""The optimizer state as DTensors keyed by parameter FQN, and back to one rank's shards.
+"""The optimizer state as DTensors keyed by parameter FQN, and back to one rank's shards; a
+torch optimizer's state dict keyed by FQN and back; checks of a saved state dict (or of a
+checkpoint's entries) against the live model and optimizer; host-memory copies for a checkpoint
+to be read into; the state gathered whole on one rank.
 
 The state dict has the shape of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
 for FSDP2 + a torch optimizer: ``{"state": {fqn: {"step", "exp_avg", ...}}, "param_groups":
@@ -13,9 +16,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -28,10 +34,20 @@ __all__ = [
     "ShardedStateView",
     "check_origin",
     "check_saved_groups",
+    "check_saved_model",
+    "check_saved_optimizer",
+    "create_missing_state",
     "dtensor_on",
+    "full_state_dict",
+    "keyed_by_fqn",
+    "keyed_by_position",
+    "load_full_state_dict",
     "local_rows",
     "local_state_dict",
+    "numbers_params",
+    "param_fqns",
     "sharded_state",
+    "staged",
     "tag_origin",
     "to_dtensor",
 ]
@@ -180,19 +196,193 @@ def check_saved_groups(state_dict: Any, group_fqns: Sequence[Sequence[str]]) -> 
             f"the state dict has {len(saved_groups)} param groups, this optimizer has "
             f"{len(group_fqns)}: it was saved from another model or another param-group setup"
         )
+    # By name, as torch's set_optimizer_state_dict: a model that registers its params in another
+    # order (the same FQNs) lists them in another order.
     for index, (saved, fqns) in enumerate(zip(saved_groups, group_fqns, strict=True)):
-        if list(saved["params"]) != list(fqns):
+        if sorted(saved["params"]) != sorted(fqns):
             missing = sorted(set(fqns) - set(saved["params"]))
             extra = sorted(set(saved["params"]) - set(fqns))
+            repeated = sorted({fqn for fqn in saved["params"] if saved["params"].count(fqn) > 1})
             raise ValueError(
                 f"param group {index} of the state dict does not hold this optimizer's params: "
-                f"missing {missing[:5]}, unknown {extra[:5]} (another model, or the params in "
-                "another order)"
+                f"missing {missing[:5]}, unknown {extra[:5]}, repeated {repeated[:5]} (another "
+                "model, or another param-group setup)"
             )
     known = {fqn for fqns in group_fqns for fqn in fqns}
     unknown = sorted(set(state_dict["state"]) - known)
     if unknown:
         raise ValueError(f"the state dict has state for params this model lacks: {unknown[:5]}")
+
+
+def keyed_by_fqn(state_dict: Mapping[str, Any], fqns: Sequence[str]) -> dict[str, Any]:
+    """A torch optimizer's state dict, its params numbered by their position over its param
+    groups (as ``torch.optim.Optimizer.state_dict()`` numbers them), keyed by FQN instead, as
+    ``get_optimizer_state_dict`` keys it. ``fqns``: the FQN of each position."""
+
+    def fqn(index: Any) -> str:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(fqns):
+            raise ValueError(
+                f"the optimizer state numbers its params, and holds param {index!r}, but this "
+                f"optimizer has {len(fqns)} params (0 to {len(fqns) - 1}): it was saved from "
+                "another model or another param-group setup"
+            )
+        return fqns[index]
+
+    return {
+        "state": {fqn(index): value for index, value in state_dict["state"].items()},
+        "param_groups": [
+            {**group, "params": [fqn(index) for index in group["params"]]}
+            for group in state_dict["param_groups"]
+        ],
+    }
+
+
+def keyed_by_position(
+    state_dict: Mapping[str, Any], group_fqns: Sequence[Sequence[str]]
+) -> dict[str, Any]:
+    """The inverse of ``keyed_by_fqn``, for ``torch.optim.Optimizer.load_state_dict``: a state
+    dict keyed by FQN (one whose groups hold ``group_fqns``' params, in any order: see
+    ``check_saved_groups``) with each param numbered by its position in ``group_fqns`` (the
+    optimizer's groups) and each group listing them in the optimizer's order. Torch matches
+    params by position; so numbered, they match by FQN."""
+    flat = [fqn for fqns in group_fqns for fqn in fqns]
+    position = {fqn: index for index, fqn in enumerate(flat)}
+    groups, start = [], 0
+    for group, fqns in zip(state_dict["param_groups"], group_fqns, strict=True):
+        groups.append({**group, "params": list(range(start, start + len(fqns)))})
+        start += len(fqns)
+    state = {position[fqn]: value for fqn, value in state_dict["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def _names(keys: list[str], prefix: str) -> str:
+    names = sorted(key.removeprefix(prefix) for key in keys)
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''} ({len(names)} in all)"
+
+
+def check_saved_model(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) -> None:
+    """Raises ``ValueError`` naming the FQNs unless the checkpoint at ``path`` (``saved``: its
+    metadata's entries) holds this model's entries, no others, with this model's shapes."""
+    expected = {f"model.{fqn}": value for fqn, value in model_state.items()}
+    # Entries that are not tensors (a module's extra state) may be saved as several keys.
+    containers = tuple(f"{key}." for key, value in expected.items() if not torch.is_tensor(value))
+    missing = [
+        key
+        for key, value in expected.items()
+        if key not in saved
+        and (torch.is_tensor(value) or not any(k.startswith(f"{key}.") for k in saved))
+    ]
+    if missing:
+        raise ValueError(
+            f"the checkpoint at {path} has no {_names(missing, 'model.')} of this model: it is "
+            "of another model, or of this one under other names (a DDP model's names start with "
+            "'module.'). Load it into the model it was saved from"
+        )
+    unknown = [
+        key
+        for key in saved
+        if key.startswith("model.") and key not in expected and not key.startswith(containers)
+    ]
+    if unknown:
+        raise ValueError(
+            f"the checkpoint at {path} holds {_names(unknown, 'model.')} that this model lacks: "
+            "it is of another model. Load it into the model it was saved from"
+        )
+    for key, value in expected.items():
+        size = getattr(saved.get(key), "size", None)
+        if torch.is_tensor(value) and size is not None and tuple(size) != tuple(value.shape):
+            raise ValueError(
+                f"the checkpoint at {path} holds {key.removeprefix('model.')!r} of shape "
+                f"{tuple(size)}, but this model's has shape {tuple(value.shape)}: the checkpoint "
+                "is of another model"
+            )
+
+
+def check_saved_optimizer(path: Path, saved: dict[str, Any], optim_state: dict[str, Any]) -> None:
+    """Raises ``ValueError`` naming the FQNs unless the checkpoint holds state of the shapes this
+    optimizer has, in as many param groups."""
+    if not any(key.startswith("optim.") for key in saved):
+        raise ValueError(
+            f"the checkpoint at {path} holds no optimizer state (it was saved with "
+            "optimizer=None); load it with optimizer=None, then call opt.reload_model_params()"
+        )
+    if not optim_state["state"] and any(key.startswith("optim.state.") for key in saved):
+        raise ValueError(
+            f"the checkpoint at {path} holds optimizer state, but this optimizer has none to load "
+            "it into: it is of another optimizer class, or one whose state is created at its "
+            "first step (SGD with dampening, NAdam, ASGD, ...): take one step, then load"
+        )
+    num_groups = len({key.split(".")[2] for key in saved if key.startswith("optim.param_groups.")})
+    if num_groups != len(optim_state["param_groups"]):
+        raise ValueError(
+            f"the checkpoint at {path} has {num_groups} optimizer param groups, this optimizer "
+            f"has {len(optim_state['param_groups'])}: it was saved from another model or another "
+            "param-group setup"
+        )
+    for fqn, param_state in optim_state["state"].items():
+        for key, value in param_state.items():
+            flat = f"optim.state.{fqn}.{key}"
+            if flat not in saved:
+                held = sorted(
+                    {k.rsplit(".", 1)[1] for k in saved if k.startswith(f"optim.state.{fqn}.")}
+                )
+                raise ValueError(
+                    f"the checkpoint at {path} has no optimizer state {key!r} for param {fqn!r} "
+                    f"(it holds {held} for it; this optimizer holds {sorted(param_state)}): it is "
+                    "of another model, or of another optimizer class"
+                )
+            size = getattr(saved[flat], "size", None)
+            if torch.is_tensor(value) and size is not None and tuple(size) != tuple(value.shape):
+                raise ValueError(
+                    f"the checkpoint at {path} holds optimizer state {key!r} of {fqn!r} of shape "
+                    f"{tuple(size)}, but the param has shape {tuple(value.shape)}: the checkpoint "
+                    "is of another model"
+                )
+
+
+def param_fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The FQN of each param of a torch optimizer, in the order its state dict numbers them (as
+    ``get_optimizer_state_dict`` names them: without DDP's ``module.``)."""
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    names = {id(param): fqn for fqn, param in module.named_parameters()}
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for param in params:
+        if id(param) not in names:
+            raise ValueError(
+                f"the optimizer holds a param of shape {tuple(param.shape)} that is not a param "
+                "of the model: checkpoints name optimizer state by the param's FQN in the model. "
+                "Pass the model the optimizer was built for"
+            )
+    return [names[id(param)] for param in params]
+
+
+def numbers_params(saved: Mapping[str, Any], optim_state: dict[str, Any]) -> bool:
+    """Whether the checkpoint numbers the optimizer's params (as a torch optimizer's own
+    ``state_dict()`` does) where ``optim_state`` names them."""
+    fqns = [fqn for group in optim_state["param_groups"] for fqn in group["params"]]
+    position = {fqn: index for index, fqn in enumerate(fqns)}
+    named = numbered = 0
+    for fqn, param_state in optim_state["state"].items():
+        for key in param_state:
+            named += f"optim.state.{fqn}.{key}" in saved
+            numbered += f"optim.state.{position[fqn]}.{key}" in saved
+    return numbered > named
+
+
+def staged(value: Any) -> Any:
+    """``value`` (a state dict) with every tensor replaced by an empty one in host memory, of its
+    shape and dtype (a DTensor: of its layout, over such a local tensor): DCP reads into these,
+    and the live tensors are written only once every rank has read its part whole."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        return dtensor_on(value, torch.empty(local.shape, dtype=local.dtype))
+    if torch.is_tensor(value):
+        return torch.empty(value.shape, dtype=value.dtype)
+    if isinstance(value, dict):
+        return {key: staged(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [staged(item) for item in value]
+    return value
 
 
 class ShardedStateView(Mapping):
@@ -219,3 +409,85 @@ class ShardedStateView(Mapping):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+def create_missing_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Creates the state of a torch optimizer's params that have none (it has not stepped yet),
+    for a checkpoint to be loaded into, as torch's ``set_optimizer_state_dict`` does: one step
+    with zero grads at lr 0, which leaves the params as they are. Returns those params."""
+    groups = optimizer.param_groups
+    params = [param for group in groups for param in group["params"]]
+    missing = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
+    if not missing:
+        return []
+    grads = [param.grad for param in params]
+    lrs = [group.get("lr") for group in groups]
+    try:
+        for param in params:  # only the params without state step
+            param.grad = None
+        for param in missing:
+            param.grad = torch.zeros_like(param)
+        for group, lr in zip(groups, lrs, strict=True):
+            if lr is not None:
+                group["lr"] = torch.zeros_like(lr) if torch.is_tensor(lr) else 0.0
+        optimizer.step()
+    except BaseException:
+        for param in missing:  # as it was
+            optimizer.state.pop(param, None)
+        raise
+    finally:
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        for group, lr in zip(groups, lrs, strict=True):
+            if lr is not None:
+                group["lr"] = lr
+    return [param for param in missing if optimizer.state.get(param)]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _full(value: Any, keep: bool) -> Any:
+    if not isinstance(value, DTensor):
+        return value.detach().cpu().clone() if torch.is_tensor(value) and keep else value
+    mesh = value.device_mesh
+    local = value.to_local().to(mesh.device_type)  # a CPU-resident shard on a GPU mesh
+    whole = DTensor.from_local(
+        local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+    ).full_tensor()
+    return whole.cpu() if keep else None
+
+
+def full_state_dict(optimizer: torch.optim.Optimizer, *, rank: int = 0) -> dict[str, Any]:
+    """The optimizer's state dict with every DTensor gathered into a full CPU tensor, on rank
+    ``rank`` (``{}`` elsewhere): for ``torch.save``. Collective.
+
+    Example::
+
+        state = zero_shard.checkpoint.full_state_dict(opt)
+        if dist.get_rank() == 0:
+            torch.save(state, "optim.pt")
+    """
+    keep = _rank() == rank
+    state = optimizer.state_dict()
+    full = {
+        fqn: {key: _full(value, keep) for key, value in param_state.items()}
+        for fqn, param_state in state["state"].items()
+    }
+    if not keep:
+        return {}
+    return {"state": full, "param_groups": state["param_groups"]}
+
+
+def load_full_state_dict(
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None, *, rank: int = 0
+) -> None:
+    """Loads a state dict from ``full_state_dict`` (or a consolidated one of the same shape),
+    given on rank ``rank`` only; it is broadcast to the others. Collective."""
+    box = [state_dict if _rank() == rank else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=rank)
+    if box[0] is None:
+        raise ValueError(f"load_full_state_dict needs the state dict on rank {rank}, got None")
+    optimizer.load_state_dict(box[0])

@@ -133,9 +133,9 @@ def on_every_rank(
     return result
 
 
-def on_any_rank(flag: bool, *, mesh: DeviceMesh, device: torch.device) -> bool:
-    """Whether ``flag`` holds on any rank of ``mesh`` (all its dims): one small all-reduce per
-    dim, read by the host."""
+def on_any_rank(flag: bool, *, mesh: DeviceMesh | None, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of ``mesh`` (all its dims; the default group when
+    ``None``): one small all-reduce per dim, read by the host."""
     if not dist.is_available() or not dist.is_initialized():
         return flag
     value = torch.tensor([1.0 if flag else 0.0], device=device)

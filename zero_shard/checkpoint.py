@@ -9,13 +9,23 @@ at ``<path>``, or at ``<path>.previous`` during the instant between the two rena
 falls back to it). A directory without the marker is refused: its save did not finish.
 A save that fails (a write on any rank, or the commit on rank 0) fails on every rank alike, and
 an ``async_save``'s failure is raised again, on every rank, by the next ``save``, ``async_save``
-or ``load``: no rank is left waiting for another in a collective.
+or ``load``: no rank is left waiting for another in a collective. Each call first waits for every
+rank to enter it, for at most the process group's timeout: one called on some ranks only (under
+``if rank == 0:``, a DDP habit) raises there, naming the fix, instead of waiting forever.
+
+``load`` reads the checkpoint into host memory and only then copies it into the model and the
+optimizer: a checkpoint that cannot be read whole (a data file missing or truncated, a damaged
+``.metadata``) raises ``DamagedCheckpointError`` on every rank and changes nothing.
 
 The optimizer's state dict holds DTensors with the params' global shapes, so a checkpoint loads
 at any world size and offload fraction, and its keys are those of FSDP2 + ``torch.optim`` (an
 FSDP2 checkpoint loads here, and one written here loads into FSDP2 with
-``torch.distributed.checkpoint.state_dict.set_state_dict``). Without ``main_param`` in the
-checkpoint (one written by FSDP2), the fp32 main weights come from the loaded model.
+``torch.distributed.checkpoint.state_dict.set_state_dict``). A plain torch optimizer's state is
+saved keyed by param FQN too, as ``get_optimizer_state_dict`` keys it, so the checkpoint of a
+torch run loads into a zero-shard one and back; state keyed by position (a torch optimizer's own
+``state_dict()``) loads as well. Params are matched by FQN, whatever order the model registers
+them in. Without ``main_param`` in the checkpoint (one written by FSDP2), the fp32 main weights
+come from the loaded model.
 
 Example::
 
@@ -30,10 +40,12 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -41,14 +53,29 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed import distributed_c10d
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ._optimizer import ZeroShardOptimizer
+from ._reading import read_whole
 from ._staging import Snapshotter
+from ._state_dict import (
+    check_saved_groups,
+    check_saved_model,
+    check_saved_optimizer,
+    create_missing_state,
+    full_state_dict,
+    keyed_by_fqn,
+    keyed_by_position,
+    load_full_state_dict,
+    numbers_params,
+    param_fqns,
+)
 from ._tp import as_dtensor
 from ._verdict import on_every_rank
 
 __all__ = [
+    "DamagedCheckpointError",
     "IncompleteCheckpointError",
     "async_save",
     "full_state_dict",
@@ -63,6 +90,11 @@ T = TypeVar("T")
 
 class IncompleteCheckpointError(RuntimeError):
     """The checkpoint's save did not finish (no completion marker)."""
+
+
+class DamagedCheckpointError(RuntimeError):
+    """The checkpoint's save finished, but its files cannot be read whole (one is missing or
+    truncated, or its ``.metadata`` is damaged); ``load`` changed nothing."""
 
 
 def _paths(path: str | os.PathLike) -> tuple[Path, Path, Path]:
@@ -129,8 +161,8 @@ def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
 def _load_model(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
 ) -> None:
-    """Loads ``state`` (from ``_model_state``, filled by DCP) into ``model``; the params DDP
-    localized were loaded in place (their entries are views of them)."""
+    """Loads ``state`` (``_model_state``'s keys, as read by DCP) into ``model``; the
+    params DDP localized are not in ``model.state_dict()``: they are copied one by one."""
     localized = _localized_params(model, optimizer)
     if not localized:
         model.load_state_dict(state)
@@ -142,6 +174,18 @@ def _load_model(
             f"loading the model's state found unexpected keys {unexpected[:5]} and missing "
             f"keys {sorted(set(missing) - set(localized))[:5]}"
         )
+    with torch.no_grad():
+        for key, param in localized.items():
+            param.copy_(state[key].to_local())
+
+
+def _optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict keyed by param FQN: a ZeroShardOptimizer's own, a torch
+    optimizer's rekeyed (it numbers its params)."""
+    state = optimizer.state_dict()
+    if isinstance(optimizer, ZeroShardOptimizer):
+        return state
+    return keyed_by_fqn(state, param_fqns(model, optimizer))
 
 
 def _state(
@@ -149,7 +193,7 @@ def _state(
 ) -> dict[str, Any]:
     state: dict[str, Any] = {"model": _model_state(model, optimizer)}
     if optimizer is not None:
-        state["optim"] = optimizer.state_dict()
+        state["optim"] = _optim_state(model, optimizer)
     # One pickled object: DCP would flatten nested dicts and lists into keys of their own, which
     # its load then cannot match against a state dict that does not know them yet.
     state["extra"] = pickle.dumps(dict(extra or {}))
@@ -241,9 +285,10 @@ def save(
             Each rank's random number generators are saved beside them and restored by ``load``.
 
     An ``async_save`` still writing is waited for first; if it failed, this raises its error
-    instead (on every rank), and saves nothing.
+    instead (on every rank), and saves nothing. A rank that waits longer than the process
+    group's timeout for the others to call ``save`` too raises ``RuntimeError`` saying so.
     """
-    group = _checkpoint_group()
+    group = _meet("save")
     final, partial, previous, _ = _prepare(path, _device(model), lambda: None)
     dcp.save(_state(model, optimizer, extra), checkpoint_id=str(partial))
     _barrier()
@@ -253,17 +298,52 @@ def save(
 _checkpoint_groups: dict[int, dist.ProcessGroup] = {}
 
 
+def _timeout() -> timedelta:
+    """The default process group's timeout (``init_process_group(timeout=...)``)."""
+    default = distributed_c10d._get_default_group()
+    for device in default._device_types:
+        timeout = getattr(getattr(default._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.default_pg_timeout
+
+
 def _checkpoint_group() -> dist.ProcessGroup | None:
-    """A gloo group of all ranks for DCP's background collectives, made once (collectively):
-    sharing the training's group, they would interleave with the training's own collectives
-    from another thread; and DCP's background work needs a CPU backend, which an NCCL-only
-    group lacks."""
+    """The gloo group ``_meet`` made for this process group, if any yet; no collective."""
     if not dist.is_initialized():
         return None
-    key = id(dist.group.WORLD)
-    if key not in _checkpoint_groups:
-        _checkpoint_groups[key] = dist.new_group(backend="gloo")
-    return _checkpoint_groups[key]
+    group = _checkpoint_groups.get(id(dist.group.WORLD))
+    return group if group in distributed_c10d._world.pg_map else None
+
+
+def _meet(call: str) -> dist.ProcessGroup | None:
+    """Waits for every rank to enter ``call`` (a collective of this module), at most the process
+    group's timeout, and returns a gloo group of all ranks for DCP's background collectives
+    (sharing the training's group, they would interleave with the training's own collectives
+    from another thread; and they need a CPU backend, which an NCCL-only group lacks).
+
+    The group is made at the first call, collectively: making it is the meeting (each rank waits
+    for the others' addresses); later calls meet in a barrier on it. Either is bounded by the
+    timeout (``new_group``'s own default is 30 minutes), so a call on some ranks only raises."""
+    if not dist.is_initialized():
+        return None
+    _wait_for_pending()  # the last async_save's write uses the group: one user at a time
+    timeout = _timeout()
+    group = _checkpoint_group()
+    try:
+        if group is None:
+            group = dist.new_group(backend="gloo", timeout=timeout)
+            _checkpoint_groups[id(dist.group.WORLD)] = group
+        else:
+            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+    except RuntimeError as err:  # DistStoreError from new_group, gloo's from the barrier
+        raise RuntimeError(
+            f"zero_shard.checkpoint.{call} is collective, but rank {_rank()} waited {timeout} "
+            "(the process group's timeout) for the other ranks to call it too "
+            f"({type(err).__name__}: {err}). Call {call} on every rank, not under "
+            "`if rank == 0:`: each rank holds its own part of the model and optimizer state"
+        ) from err
+    return group
 
 
 class _PendingSave(NamedTuple):
@@ -276,6 +356,12 @@ class _PendingSave(NamedTuple):
 _snapshotter = Snapshotter()
 _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_shard_save")
 _pending: _PendingSave | None = None
+
+
+def _wait_for_pending() -> None:
+    """Waits for the last ``async_save``'s write, without raising its failure."""
+    if _pending is not None:
+        wait([_pending.future])
 
 
 def _finish_pending() -> None:
@@ -314,7 +400,7 @@ def async_save(
     collectives are not interleaved with the save's.
     """
     global _pending
-    group = _checkpoint_group()
+    group = _meet("async_save")
     # The snapshot reuses the last one's buffers: _prepare waits for its write first.
     final, partial, previous, snapshot = _prepare(
         path, _device(model), lambda: _snapshotter.snapshot(_state(model, optimizer, extra))
@@ -350,101 +436,72 @@ def _resolve(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"no checkpoint at {final}{hint}")
 
 
-def _names(keys: list[str], prefix: str) -> str:
-    names = sorted(key.removeprefix(prefix) for key in keys)
-    return f"{names[:5]}{' ...' if len(names) > 5 else ''} ({len(names)} in all)"
+def _read_metadata(path: Path) -> Metadata:
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # truncated or garbled: UnpicklingError, EOFError, OSError, ...
+        raise DamagedCheckpointError(
+            f"the checkpoint at {path} is damaged: its index {path / '.metadata'} cannot be read "
+            f"({type(err).__name__}: {err}); nothing was loaded. Load an earlier checkpoint"
+        ) from err
 
 
-def _check_model(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) -> None:
-    """Raises ``ValueError`` naming the FQNs unless the checkpoint holds this model's entries,
-    no others, with this model's shapes."""
-    expected = {f"model.{fqn}": value for fqn, value in model_state.items()}
-    # Entries that are not tensors (a module's extra state) may be saved as several keys.
-    containers = tuple(f"{key}." for key, value in expected.items() if not torch.is_tensor(value))
-    missing = [
-        key
-        for key, value in expected.items()
-        if key not in saved
-        and (torch.is_tensor(value) or not any(k.startswith(f"{key}.") for k in saved))
-    ]
-    if missing:
-        raise ValueError(
-            f"the checkpoint at {path} has no {_names(missing, 'model.')} of this model: it is "
-            "of another model, or of this one under other names (a DDP model's names start with "
-            "'module.'). Load it into the model it was saved from"
+def _check_files(path: Path, metadata: Metadata) -> None:
+    """Raises ``DamagedCheckpointError`` unless every data file the index names is there and long
+    enough for every entry it places in it (DCP would fail midway through its reads)."""
+    entries: dict[str, list[tuple[int, str]]] = {}  # file -> (end, FQN) of each entry in it
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            entries.setdefault(name, []).append((info.offset + info.length, index.fqn))
+    for name, ends in sorted(entries.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        lost = sorted({fqn for end, fqn in ends if size is None or end > size})
+        if not lost:
+            continue
+        match = re.match(r"__(\d+)_", name)  # DCP names a rank's files __<rank>_<n>.distcp
+        file = f"data file {name}" + (f", written by rank {match.group(1)}," if match else "")
+        damage = "missing" if size is None else f"truncated ({size} bytes of {max(ends)[0]})"
+        more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+        raise DamagedCheckpointError(
+            f"the checkpoint at {path} is damaged: its {file} is {damage}, so {lost[:3]}{more} "
+            "cannot be read; nothing was loaded. Load an earlier checkpoint"
         )
-    unknown = [
-        key
-        for key in saved
-        if key.startswith("model.") and key not in expected and not key.startswith(containers)
-    ]
-    if unknown:
-        raise ValueError(
-            f"the checkpoint at {path} holds {_names(unknown, 'model.')} that this model lacks: "
-            "it is of another model. Load it into the model it was saved from"
-        )
-    for key, value in expected.items():
-        size = getattr(saved.get(key), "size", None)
-        if torch.is_tensor(value) and size is not None and tuple(size) != tuple(value.shape):
-            raise ValueError(
-                f"the checkpoint at {path} holds {key.removeprefix('model.')!r} of shape "
-                f"{tuple(size)}, but this model's has shape {tuple(value.shape)}: the checkpoint "
-                "is of another model"
-            )
 
 
-def _check_optimizer(path: Path, saved: dict[str, Any], optim_state: dict[str, Any]) -> None:
-    """Raises ``ValueError`` naming the FQNs unless the checkpoint holds state of the shapes this
-    optimizer has, in as many param groups."""
-    if not any(key.startswith("optim.") for key in saved):
-        raise ValueError(
-            f"the checkpoint at {path} holds no optimizer state (it was saved with "
-            "optimizer=None); load it with optimizer=None, then call opt.reload_model_params()"
-        )
-    if not optim_state["state"] and any(key.startswith("optim.state.") for key in saved):
-        raise ValueError(
-            f"the checkpoint at {path} holds optimizer state, but this optimizer has none to load "
-            "it into: it is of another optimizer class, or one whose state is created at its "
-            "first step (SGD with dampening, NAdam, ASGD, ...): take one step, then load"
-        )
-    num_groups = len({key.split(".")[2] for key in saved if key.startswith("optim.param_groups.")})
-    if num_groups != len(optim_state["param_groups"]):
-        raise ValueError(
-            f"the checkpoint at {path} has {num_groups} optimizer param groups, this optimizer "
-            f"has {len(optim_state['param_groups'])}: it was saved from another model or another "
-            "param-group setup"
-        )
-    for fqn, param_state in optim_state["state"].items():
-        for key, value in param_state.items():
-            flat = f"optim.state.{fqn}.{key}"
-            if flat not in saved:
-                raise ValueError(
-                    f"the checkpoint at {path} has no optimizer state {key!r} for param {fqn!r}: "
-                    "it is of another model, or of another optimizer class"
-                )
-            size = getattr(saved[flat], "size", None)
-            if torch.is_tensor(value) and size is not None and tuple(size) != tuple(value.shape):
-                raise ValueError(
-                    f"the checkpoint at {path} holds optimizer state {key!r} of {fqn!r} of shape "
-                    f"{tuple(size)}, but the param has shape {tuple(value.shape)}: the checkpoint "
-                    "is of another model"
-                )
+class _LoadPlan(NamedTuple):
+    """What ``load`` reads, and into what."""
+
+    path: Path  # the checkpoint
+    metadata: Metadata  # its index
+    state: dict[str, Any]  # the live state to load: DCP reads it ([Note: loads read before they
+    #                        write] in _reading.py)
+    group_fqns: list[list[str]]  # the optimizer's params, by param group ([] without one)
+    numbered: bool  # the checkpoint numbers the optimizer's params (see _state_dict.numbers_params)
 
 
 def _load_plan(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint to load and the state dict to load it into, checked against it."""
+) -> _LoadPlan:
+    """The checkpoint to load, checked against the model and optimizer, and where to read it."""
     resolved = _resolve(path)
-    saved = dcp.FileSystemReader(str(resolved)).read_metadata().state_dict_metadata
+    metadata = _read_metadata(resolved)
+    _check_files(resolved, metadata)
+    saved = metadata.state_dict_metadata
     state = _state(model, optimizer, None)
-    _check_model(resolved, saved, state["model"])
+    check_saved_model(resolved, saved, state["model"])
+    group_fqns: list[list[str]] = []
+    numbered = False
     if "optim" in state:
+        group_fqns = [list(group["params"]) for group in state["optim"]["param_groups"]]
+        numbered = numbers_params(saved, state["optim"])
+        if numbered:
+            state["optim"] = keyed_by_position(state["optim"], group_fqns)
         # A checkpoint without fp32 main weights (FSDP2 + torch.optim): they come from the model.
-        for fqn, param_state in state["optim"]["state"].items():
-            if f"optim.state.{fqn}.main_param" not in saved:
+        for key, param_state in state["optim"]["state"].items():
+            if f"optim.state.{key}.main_param" not in saved:
                 param_state.pop("main_param", None)
-        _check_optimizer(resolved, saved, state["optim"])
+        check_saved_optimizer(resolved, saved, state["optim"])
     # Only the generators the checkpoint has for this rank: none at a larger world size, and no
     # CUDA one when CUDA was not yet initialized at the save (the first DCP call initializes it).
     rng_key = f"rng_rank{_rank()}"
@@ -453,43 +510,42 @@ def _load_plan(
         state[rng_key] = rng
     else:
         state.pop(rng_key)
-    state["extra"] = b""  # filled by DCP
-    return resolved, state
+    if "extra" in saved:
+        state["extra"] = b""  # filled by DCP
+    else:  # written by dcp.save, not by save
+        state.pop("extra")
+    return _LoadPlan(resolved, metadata, state, group_fqns, numbered)
 
 
-def _create_state(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """Creates the state of a torch optimizer's params that have none (it has not stepped yet),
-    for a checkpoint to be loaded into, as torch's ``set_optimizer_state_dict`` does: one step
-    with zero grads at lr 0, which leaves the params as they are. Returns those params."""
-    if optimizer is None or isinstance(optimizer, ZeroShardOptimizer):
-        return []  # its state is made at construction
-    groups = optimizer.param_groups
-    params = [param for group in groups for param in group["params"]]
-    missing = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
-    if not missing:
-        return []
-    grads = [param.grad for param in params]
-    lrs = [group.get("lr") for group in groups]
+def _read(plan: _LoadPlan, device: torch.device) -> dict[str, Any]:
+    """What to load from: the checkpoint read whole (see ``read_whole``). A read that fails on
+    any rank fails on every rank (DCP shares the failures): it raises ``DamagedCheckpointError``
+    there, before anything live is written."""
     try:
-        for param in params:  # only the params without state step
-            param.grad = None
-        for param in missing:
-            param.grad = torch.zeros_like(param)
-        for group, lr in zip(groups, lrs, strict=True):
-            if lr is not None:
-                group["lr"] = torch.zeros_like(lr) if torch.is_tensor(lr) else 0.0
-        optimizer.step()
-    except BaseException:
-        for param in missing:  # as it was
-            optimizer.state.pop(param, None)
-        raise
-    finally:
-        for param, grad in zip(params, grads, strict=True):
-            param.grad = grad
-        for group, lr in zip(groups, lrs, strict=True):
-            if lr is not None:
-                group["lr"] = lr
-    return [param for param in missing if optimizer.state.get(param)]
+        return read_whole(plan.state, plan.path, plan.metadata, device=device)
+    except dcp.CheckpointException as err:
+        errors = {rank: f[0] if isinstance(f, tuple) else f for rank, f in err.failures.items()}
+        failures = "; ".join(
+            f"rank {rank}: {type(error).__name__}: {error}"
+            for rank, error in sorted(errors.items())
+        )
+        raise DamagedCheckpointError(
+            f"the checkpoint at {plan.path} could not be read whole ({failures}); nothing was "
+            "loaded: the model and optimizer are as they were. Load an earlier checkpoint"
+        ) from err
+
+
+def _loaded_optim_state(
+    plan: _LoadPlan, read: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The optimizer state DCP read, checked, keyed for ``optimizer.load_state_dict``."""
+    state = read["optim"]
+    if plan.numbered:  # as the params of the optimizer that saved it were: in this one's order
+        state = keyed_by_fqn(state, [fqn for fqns in plan.group_fqns for fqn in fqns])
+    check_saved_groups(state, plan.group_fqns)
+    if isinstance(optimizer, ZeroShardOptimizer):
+        return state
+    return keyed_by_position(state, plan.group_fqns)
 
 
 def load(
@@ -507,21 +563,38 @@ def load(
     anything is loaded, on every rank. Each rank's random number generators are restored when
     the checkpoint has this rank's (``restore_rng``).
 
+    The checkpoint is read into host memory first, and copied into ``model`` and ``optimizer``
+    only once every rank has read its part whole: it takes as much host memory as this rank's
+    part of the model's state dict (a replicated model's: all of it) and of the optimizer's
+    state, and no accelerator memory; where that would leave less than a quarter of a host's
+    memory available, it is read twice instead, in batches to verify it, then in place ([Note:
+    loads read before they write] in ``zero_shard/_reading.py``). A checkpoint that cannot be read whole (a data file
+    missing or truncated, a damaged ``.metadata``) raises ``DamagedCheckpointError`` naming the
+    file on every rank, and the model and optimizer are left as they were.
+
     ``optimizer`` may also be a plain torch optimizer (the checkpoint saved from one over the same
-    model); one that has not stepped yet gets its state created first, as
-    ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` does, and loaded. An
-    ``async_save`` still writing is waited for first (its failure raises here).
+    model, or from a ZeroShardOptimizer); one that has not stepped yet gets its state created
+    first, as ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` does, and
+    loaded. An ``async_save`` still writing is waited for first (its failure raises here).
     """
+    _meet("load")
     created: list[torch.Tensor] = []
 
-    def plan() -> tuple[Path, dict[str, Any]]:
+    def plan() -> _LoadPlan:
         _finish_pending()  # an async save may be writing this very checkpoint
-        created.extend(_create_state(optimizer))
+        if optimizer is not None and not isinstance(optimizer, ZeroShardOptimizer):
+            created.extend(create_missing_state(optimizer))
         return _load_plan(path, model, optimizer)
 
+    device = _device(model)
+    optim_state: dict[str, Any] | None = None
     try:
-        resolved, state = on_every_rank(plan, mesh=None, device=_device(model))
-        dcp.load(state, checkpoint_id=str(resolved))
+        loading = on_every_rank(plan, mesh=None, device=device)
+        state = _read(loading, device)
+        if optimizer is not None:
+            optim_state = on_every_rank(
+                lambda: _loaded_optim_state(loading, state, optimizer), mesh=None, device=device
+            )
     except BaseException:  # DCP's CheckpointException is not an Exception
         for param in created:  # refused or failed: the optimizer has no state again
             optimizer.state.pop(param, None)  # type: ignore[union-attr]
@@ -529,54 +602,9 @@ def load(
     # The model first: the optimizer's load then takes the params as they are and sets them to
     # its main weights (loading the model after would mark every param as changed under it).
     _load_model(model, optimizer, state["model"])
-    if optimizer is not None:
-        optimizer.load_state_dict(state["optim"])
+    if optimizer is not None and optim_state is not None:
+        optimizer.load_state_dict(optim_state)
     rng_key = f"rng_rank{_rank()}"
     if restore_rng and rng_key in state:
         _set_rng_state(state[rng_key])
-    return pickle.loads(state["extra"])
-
-
-def _full(value: Any, keep: bool) -> Any:
-    if not isinstance(value, DTensor):
-        return value.detach().cpu().clone() if torch.is_tensor(value) and keep else value
-    mesh = value.device_mesh
-    local = value.to_local().to(mesh.device_type)  # a CPU-resident shard on a GPU mesh
-    whole = DTensor.from_local(
-        local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-    ).full_tensor()
-    return whole.cpu() if keep else None
-
-
-def full_state_dict(optimizer: torch.optim.Optimizer, *, rank: int = 0) -> dict[str, Any]:
-    """The optimizer's state dict with every DTensor gathered into a full CPU tensor, on rank
-    ``rank`` (``{}`` elsewhere): for ``torch.save``. Collective.
-
-    Example::
-
-        state = zero_shard.checkpoint.full_state_dict(opt)
-        if dist.get_rank() == 0:
-            torch.save(state, "optim.pt")
-    """
-    keep = _rank() == rank
-    state = optimizer.state_dict()
-    full = {
-        fqn: {key: _full(value, keep) for key, value in param_state.items()}
-        for fqn, param_state in state["state"].items()
-    }
-    if not keep:
-        return {}
-    return {"state": full, "param_groups": state["param_groups"]}
-
-
-def load_full_state_dict(
-    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None, *, rank: int = 0
-) -> None:
-    """Loads a state dict from ``full_state_dict`` (or a consolidated one of the same shape),
-    given on rank ``rank`` only; it is broadcast to the others. Collective."""
-    box = [state_dict if _rank() == rank else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=rank)
-    if box[0] is None:
-        raise ValueError(f"load_full_state_dict needs the state dict on rank {rank}, got None")
-    optimizer.load_state_dict(box[0])
+    return pickle.loads(state["extra"]) if "extra" in state else {}

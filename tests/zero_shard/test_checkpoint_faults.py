@@ -1,0 +1,434 @@
+"""Checkpoint faults and interchange on CPU processes (gloo), at 2 and 3 ranks: damaged
+checkpoints (a truncated, missing or garbled data file, a truncated ``.metadata``) raise on
+every rank, naming the file, and leave the live model and optimizer bit-identical; a torch
+AdamW checkpoint loads into zero-shard and back (keyed by FQN, or by position as torch's own
+``state_dict()``); a model that registers its params in another order loads by FQN; a bucket
+size under one byte is refused; a save called on rank 0 alone raises there within the process
+group's timeout.
+
+The rank-0-only saves leave the ranks' collectives out of step: one runs last in its spawn, the
+other (the first save of a process) in a spawn of its own. The cases share a folder through
+ZERO_SHARD_TEST_DIR, set before the processes are spawned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _harness import check_outcome, run_cases
+from _models import (
+    PARAM_TOL,
+    Net,
+    adamw,
+    global_batch,
+    local_slice,
+    make_model,
+    mse,
+    step_reference,
+)
+from torch import nn
+from torch.distributed import distributed_c10d
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+import zero_shard
+from zero_shard import OffloadPolicy, ZeroShardOptimizer, _reading, checkpoint
+from zero_shard.checkpoint import DamagedCheckpointError
+
+TINY_BUCKETS = 0.0008  # MiB: a few params a bucket
+EXACT = {"rtol": 0.0, "atol": 0.0}
+SHORT_TIMEOUT = datetime.timedelta(seconds=5)  # for the saves on rank 0 alone
+
+
+def folder(world: int) -> Path:
+    path = Path(os.environ["ZERO_SHARD_TEST_DIR"], f"world{world}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build(seed: int) -> tuple[nn.Module, Any]:
+    model = make_model(seed=seed)
+    offload = OffloadPolicy(fraction=0.5, num_threads=1, chunk_numel=16)
+    return model, zero_shard.wrap(adamw(model), model, offload=offload, bucket_mb=TINY_BUCKETS)
+
+
+def train(model: nn.Module, opt: Any, steps: range, rank: int, world: int) -> None:
+    """Zero-shard on each rank's slice of the batch; a torch optimizer on the whole batch."""
+    for step in steps:
+        x, y = global_batch(step)
+        if not isinstance(opt, ZeroShardOptimizer):
+            step_reference(model, opt, x, y)
+            continue
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    if isinstance(opt, ZeroShardOptimizer):
+        opt.finish_param_sync()
+
+
+def full(value: Any) -> torch.Tensor:
+    value = value.full_tensor() if isinstance(value, DTensor) else value
+    return value.detach().clone() if torch.is_tensor(value) else torch.tensor(value)
+
+
+def snapshot(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
+    """Params and optimizer state by FQN, as full tensors (collective under zero-shard)."""
+    out = {}
+    for name, param in model.named_parameters():
+        out[f"param {name}"] = full(param)
+        for key, value in opt.state[param].items():
+            out[f"state {name} {key}"] = full(value)
+    return out
+
+
+def assert_same(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], where: str,
+                tol: dict[str, float]) -> None:  # fmt: skip
+    assert mine.keys() == theirs.keys(), f"{where}: {sorted(mine)} vs {sorted(theirs)}"
+    for key, value in mine.items():
+        torch.testing.assert_close(value, theirs[key], **tol, msg=f"{where}: {key}")
+
+
+def damaged_copy(world: int, name: str, damage: Callable[[Path], None]) -> Path:
+    """A copy of the checkpoint ``good`` with ``damage`` done to it (by rank 0)."""
+    path = folder(world) / name
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(folder(world) / "good", path)
+        damage(path)
+    dist.barrier()
+    return path
+
+
+def truncate_last_data_file(path: Path) -> None:
+    last = sorted(path.glob("*.distcp"))[-1]
+    os.truncate(last, last.stat().st_size - 100)  # its last entry loses its tail
+
+
+def remove_rank_1s_data(path: Path) -> None:
+    (path / "__1_0.distcp").unlink()
+
+
+def garble_an_entry(path: Path) -> None:
+    """Zeroes the end of one entry's archive ('model.out.bias', which every rank reads): the
+    files keep their sizes, and DCP fails midway through its reads."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    for index, info in metadata.storage_data.items():
+        if index.fqn == "model.out.bias":
+            with open(path / info.relative_path, "r+b") as file:
+                file.seek(info.offset + info.length - 32)
+                file.write(bytes(32))
+
+
+def truncate_metadata(path: Path) -> None:
+    os.truncate(path / ".metadata", (path / ".metadata").stat().st_size // 2)
+
+
+# -- damaged checkpoints -----------------------------------------------------------------------
+
+
+def save_good_checkpoint(rank: int, world: int) -> None:
+    model, opt = build(seed=0)
+    train(model, opt, range(3), rank, world)
+    checkpoint.save(folder(world) / "good", model=model, optimizer=opt, extra={"step": 3})
+
+
+def refused_and_nothing_changed(rank: int, world: int, name: str, damage: Callable[[Path], None],
+                                match: str) -> None:  # fmt: skip
+    """Loads a damaged copy of ``good`` into a zero-shard run and a torch AdamW run: raises on
+    every rank, and each run then trains as its twin that never tried (bit for bit)."""
+    save_good_checkpoint(rank, world)
+    path = damaged_copy(world, name, damage)
+    zero, zero_opt = build(seed=1)
+    twin, twin_opt = build(seed=1)
+    torch_model = make_model(seed=1)
+    torch_opt = adamw(torch_model)
+    torch_twin = make_model(seed=1)
+    torch_twin_opt = adamw(torch_twin)
+    for model, opt in ((zero, zero_opt), (twin, twin_opt), (torch_model, torch_opt),
+                       (torch_twin, torch_twin_opt)):  # fmt: skip
+        train(model, opt, range(2), rank, world)
+    for model, opt, other, other_opt in ((zero, zero_opt, twin, twin_opt),
+                                         (torch_model, torch_opt, torch_twin, torch_twin_opt)):  # fmt: skip
+        where = f"{type(opt).__name__}, {name}"
+        before = snapshot(model, opt)
+        with pytest.raises(DamagedCheckpointError, match=match):
+            checkpoint.load(path, model=model, optimizer=opt)
+        assert_same(snapshot(model, opt), before, f"{where}, right after the load", EXACT)
+        train(model, opt, range(2, 4), rank, world)
+        train(other, other_opt, range(2, 4), rank, world)
+        assert_same(snapshot(model, opt), snapshot(other, other_opt), f"{where}, 2 steps on", EXACT)
+
+
+def a_truncated_data_file_changes_nothing(rank: int, world: int) -> None:
+    match = (
+        r"checkpoint at .*truncated_data is damaged: its data file __\d_0.distcp, written by "
+        r"rank \d, is truncated \(\d+ bytes of \d+\), so \['.*'\]( and \d+ more)? cannot be "
+        r"read; nothing was loaded"
+    )
+    refused_and_nothing_changed(rank, world, "truncated_data", truncate_last_data_file, match)
+
+
+def a_missing_data_file_names_the_file_and_rank(rank: int, world: int) -> None:
+    match = r"its data file __1_0.distcp, written by rank 1, is missing, so \[.*\]( and \d+ more)? "
+    match += "cannot be read"
+    refused_and_nothing_changed(rank, world, "missing_data", remove_rank_1s_data, match)
+
+
+def a_garbled_data_file_changes_nothing(rank: int, world: int) -> None:
+    match = (
+        r"checkpoint at .*garbled_data could not be read whole \(rank 0: .*\); nothing was "
+        r"loaded: the model and optimizer are as they were"
+    )
+    refused_and_nothing_changed(rank, world, "garbled_data", garble_an_entry, match)
+
+
+@contextlib.contextmanager
+def no_room_to_stage() -> Iterator[None]:
+    """A host that cannot spare a staged copy of the state: the checkpoint is read twice, in
+    batches of a few entries, then in place (``zero_shard/_reading.py``)."""
+    # Private: which route a load takes depends on the host's free memory, which a test cannot set.
+    with (
+        mock.patch.object(_reading, "_staging_fits", lambda num_bytes: False),
+        mock.patch.object(_reading, "_BATCH_BYTES", 256),
+    ):
+        yield
+
+
+def without_room_to_stage_loads_verify_first(rank: int, world: int) -> None:
+    with no_room_to_stage():
+        match = r"checkpoint at .*garbled_batched could not be read whole \(rank 0: .*\); nothing"
+        refused_and_nothing_changed(rank, world, "garbled_batched", garble_an_entry, match)
+        model, opt = build(seed=1)
+        train(model, opt, range(1), rank, world)
+        assert checkpoint.load(folder(world) / "good", model=model, optimizer=opt) == {"step": 3}
+    other, other_opt = build(seed=1)
+    checkpoint.load(folder(world) / "good", model=other, optimizer=other_opt)  # staged
+    assert_same(snapshot(model, opt), snapshot(other, other_opt), "batched, then in place", EXACT)
+
+
+def a_truncated_metadata_names_its_path(rank: int, world: int) -> None:
+    match = (
+        r"checkpoint at .*truncated_metadata is damaged: its index .*truncated_metadata/"
+        r"\.metadata cannot be read \(UnpicklingError: pickle data was truncated\)"
+    )
+    refused_and_nothing_changed(rank, world, "truncated_metadata", truncate_metadata, match)
+
+
+# -- interchange with torch AdamW --------------------------------------------------------------
+
+
+def torch_run(steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = make_model(seed=0)
+    opt = adamw(model)
+    for step in range(steps):
+        step_reference(model, opt, *global_batch(step))
+    return model, opt
+
+
+def save_keyed_by_position(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A checkpoint whose optimizer state is torch's own ``state_dict()``: params numbered."""
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": pickle.dumps({})}
+    dcp.save(state, checkpoint_id=str(path))
+    if dist.get_rank() == 0:
+        (path / checkpoint._MARKER).write_text("{}")
+    dist.barrier()
+
+
+def loaded_by_torch(path: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The checkpoint at ``path`` loaded into a fresh torch AdamW as torch loads the FSDP2 +
+    AdamW layout: ``get_state_dict``, ``dcp.load``, ``set_state_dict``."""
+    model = make_model(seed=2)
+    opt = adamw(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    target = {"model": model_sd, "optim": optim_sd}
+    dcp.load(target, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+    return model, opt
+
+
+def a_torch_adamw_checkpoint_loads_into_zero_shard_and_back(rank: int, world: int) -> None:
+    ref, ref_opt = torch_run(steps=3)
+    saved = snapshot(ref, ref_opt)
+    by_fqn, by_position = folder(world) / "torch_by_fqn", folder(world) / "torch_by_position"
+    checkpoint.save(by_fqn, model=ref, optimizer=ref_opt, extra={"step": 3})
+    save_keyed_by_position(by_position, ref, ref_opt)
+    assert_same(snapshot(*loaded_by_torch(by_fqn)), saved, "by torch's dcp.load", EXACT)
+    for path in (by_fqn, by_position):
+        fresh = make_model(seed=2)
+        fresh_opt = adamw(fresh)
+        checkpoint.load(path, model=fresh, optimizer=fresh_opt)
+        assert_same(snapshot(fresh, fresh_opt), saved, f"{path.name} into torch AdamW", EXACT)
+        model, opt = build(seed=1)
+        checkpoint.load(path, model=model, optimizer=opt)
+        assert_same(snapshot(model, opt), saved, f"{path.name} into zero-shard", EXACT)
+    ref_go_on, ref_go_on_opt = torch_run(steps=6)
+    train(model, opt, range(3, 6), rank, world)
+    assert_same(snapshot(model, opt), snapshot(ref_go_on, ref_go_on_opt), "3 steps on", PARAM_TOL)
+    # Back: zero-shard's checkpoint into a torch AdamW that never stepped.
+    checkpoint.save(folder(world) / "zero_to_torch", model=model, optimizer=opt)
+    back = make_model(seed=3)
+    back_opt = adamw(back)
+    checkpoint.load(folder(world) / "zero_to_torch", model=back, optimizer=back_opt)
+    assert_same(snapshot(back, back_opt), snapshot(model, opt), "back in torch", EXACT)
+
+
+class Reordered(Net):
+    """``Net`` with its layers assigned in the other order: the same FQNs, other param order."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.out = nn.Linear(3, 2)
+        self.mid = nn.Linear(7, 3)
+        self.inp = nn.Linear(15, 7)
+        self.side = self.never = None
+
+
+def params_registered_in_another_order_load_by_name(rank: int, world: int) -> None:
+    model, opt = build(seed=0)
+    train(model, opt, range(3), rank, world)
+    path = folder(world) / "for_reordered"
+    checkpoint.save(path, model=model, optimizer=opt)
+    saved = snapshot(model, opt)
+    assert [n for n, _ in Reordered().named_parameters()][:2] == ["out.weight", "out.bias"]
+    torch.manual_seed(1)
+    other = Reordered()
+    other_opt = zero_shard.wrap(adamw(other), other, bucket_mb=TINY_BUCKETS)
+    checkpoint.load(path, model=other, optimizer=other_opt)
+    assert_same(snapshot(other, other_opt), saved, "loaded", EXACT)
+    train(model, opt, range(3, 6), rank, world)
+    train(other, other_opt, range(3, 6), rank, world)
+    assert_same(snapshot(other, other_opt), snapshot(model, opt), "3 steps on", PARAM_TOL)
+    plain = Reordered()
+    plain_opt = adamw(plain)
+    checkpoint.load(path, model=plain, optimizer=plain_opt)
+    assert_same(snapshot(plain, plain_opt), saved, "into torch AdamW", EXACT)
+
+
+# -- options -----------------------------------------------------------------------------------
+
+
+def bucket_mb_below_one_byte_is_refused(rank: int, world: int) -> None:
+    model = make_model()
+    with pytest.raises(ValueError, match=r"bucket_mb must be at least 9.5367431640625e-07 MiB "
+                       r"\(one byte a bucket\), got 1e-09"):  # fmt: skip
+        zero_shard.wrap(adamw(model), model, bucket_mb=1e-9)
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=2.0**-20)  # the smallest: one byte
+    train(model, opt, range(1), rank, world)
+
+
+# -- collectives called on rank 0 alone --------------------------------------------------------
+
+
+def raised_within(seconds: float, call: Callable[[], None]) -> BaseException:
+    """What ``call`` raised, in a thread given ``seconds`` (a hang fails, not waits forever)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise AssertionError(f"still waiting after {seconds:.0f} s (the timeout is 5 s): a hang")
+    if outcome[0] is None:
+        raise AssertionError("returned, but the other rank never called it")
+    return outcome[0]
+
+
+def save_on_rank_0_alone(rank: int, world: int, name: str) -> None:
+    """Rank 0 saves alone, under a 5 s process-group timeout; rank 1 waits for its outcome in
+    a file, with no collective (a rank in its next training step would time out there too)."""
+    model, opt = build(seed=0)
+    distributed_c10d._set_pg_timeout(SHORT_TIMEOUT)  # after wrap's collectives
+    done = folder(world) / f"{name}.done"
+    if rank != 0:
+        deadline = time.monotonic() + 120
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert done.exists(), "rank 0 never came back from its save"
+        return
+    try:
+        started = time.monotonic()
+        path = folder(world) / name
+        error = raised_within(45, lambda: checkpoint.save(path, model=model, optimizer=opt))
+        assert time.monotonic() - started < 20, f"raised after {time.monotonic() - started:.0f} s"
+        assert isinstance(error, RuntimeError), repr(error)
+        assert "zero_shard.checkpoint.save is collective, but rank 0 waited 0:00:05" in str(error)
+        assert "Call save on every rank, not under `if rank == 0:`" in str(error), str(error)
+        assert not Path(f"{path}.partial").exists()  # nothing was written
+    finally:
+        done.touch()
+
+
+def a_save_on_rank_0_alone_after_a_save_on_every_rank_raises_there(rank: int, world: int) -> None:
+    model, opt = build(seed=0)
+    checkpoint.save(folder(world) / "every_rank", model=model, optimizer=opt)
+    save_on_rank_0_alone(rank, world, "alone_after_a_save")
+
+
+def the_first_save_on_rank_0_alone_raises_there(rank: int, world: int) -> None:
+    save_on_rank_0_alone(rank, world, "alone_first")
+
+
+DAMAGED = {
+    "a_truncated_data_file_changes_nothing": a_truncated_data_file_changes_nothing,
+    "a_missing_data_file_names_the_file_and_rank": a_missing_data_file_names_the_file_and_rank,
+    "a_garbled_data_file_changes_nothing": a_garbled_data_file_changes_nothing,
+    "a_truncated_metadata_names_its_path": a_truncated_metadata_names_its_path,
+    "without_room_to_stage_loads_verify_first": without_room_to_stage_loads_verify_first,
+    "a_torch_adamw_checkpoint_loads_into_zero_shard_and_back": (
+        a_torch_adamw_checkpoint_loads_into_zero_shard_and_back
+    ),
+    "params_registered_in_another_order_load_by_name": (
+        params_registered_in_another_order_load_by_name
+    ),
+    "bucket_mb_below_one_byte_is_refused": bucket_mb_below_one_byte_is_refused,
+}
+LAST = {  # leaves the collectives out of step
+    "a_save_on_rank_0_alone_after_a_save_on_every_rank_raises_there": (
+        a_save_on_rank_0_alone_after_a_save_on_every_rank_raises_there
+    ),
+}
+ALONE = {"the_first_save_on_rank_0_alone_raises_there": the_first_save_on_rank_0_alone_raises_there}
+SPAWNS = [(2, {**DAMAGED, **LAST}), (3, DAMAGED), (2, ALONE)]
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], str | None]:
+    os.environ["ZERO_SHARD_TEST_DIR"] = str(tmp_path_factory.mktemp("checkpoint_faults"))
+    results: dict[tuple[int, str], str | None] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for world, cases in SPAWNS:
+            for name, failure in run_cases(cases, world).items():
+                results[(world, name)] = failure
+    return results
+
+
+@pytest.mark.parametrize(
+    ("world", "name"), [(world, name) for world, cases in SPAWNS for name in cases]
+)
+def test_checkpoint_faults(
+    outcomes: dict[tuple[int, str], str | None], world: int, name: str
+) -> None:
+    check_outcome({name: outcomes[(world, name)]}, name)

@@ -1,0 +1,120 @@
+"""Reading a checkpoint whole before anything live is written.
+
+[Note: loads read before they write]
+A checkpoint that cannot be read whole (a data file cut short or damaged) must leave the model and
+the optimizer as they were, but DCP reads into the tensors it is handed, entry by entry, and a
+failure midway leaves the entries before it written. So the read goes into host memory first:
+into empty tensors of the entries' local shapes (``staged``), copied into the live model and
+optimizer once every rank has read its part. That costs this rank's part of the state in host
+memory, which a full offload cannot always spare: its optimizer state already fills the host
+(12 bytes a param). Where the staged copy would leave less than a quarter of the host's memory
+available on some rank, the checkpoint is instead read twice: first in batches of entries of at
+most ``_BATCH_BYTES`` (global) into small staged tensors, dropped after each batch, which proves
+every entry readable; then in place into the live state. The ranks agree on the route (each
+batch is a collective read), and the batches are cut from the checkpoint's own index, the same
+on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from offload import available_after
+
+from ._state_dict import staged
+from ._verdict import on_any_rank
+
+__all__ = ["read_whole"]
+
+_BATCH_BYTES = 1 << 30  # global bytes of the entries one verifying read takes
+
+
+def _local_bytes(value: Any) -> int:
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_local_bytes(item) for item in value.values())
+    if isinstance(value, list):
+        return sum(_local_bytes(item) for item in value)
+    return 0
+
+
+def _staging_fits(num_bytes: int) -> bool:
+    report = available_after(num_bytes)
+    return report is None or report[0] >= report[1] // 4
+
+
+def _entries(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(DCP key, value) of the nested state's entries, as DCP flattens them (lists stay whole:
+    the optimizer's param groups)."""
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _entries(value, f"{name}.")
+        else:
+            yield name, value
+
+
+def _subset(state: dict[str, Any], keys: set[str], prefix: str = "") -> dict[str, Any]:
+    """The nested state restricted to the DCP keys ``keys`` (staged: fresh empty tensors)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            inner = _subset(value, keys, f"{name}.")
+            if inner:
+                out[key] = inner
+        elif name in keys:
+            out[key] = staged(value)
+    return out
+
+
+def _batches(metadata: Metadata, keys: list[str]) -> list[set[str]]:
+    """``keys`` cut into batches of at most ``_BATCH_BYTES`` by their global sizes in the
+    checkpoint's index: the same cut on every rank."""
+    batches: list[set[str]] = [set()]
+    filled = 0
+    for key in sorted(keys):
+        entry = metadata.state_dict_metadata.get(key)
+        size = 0
+        if isinstance(entry, TensorStorageMetadata):
+            size = entry.size.numel() * torch.empty((), dtype=entry.properties.dtype).element_size()
+        if batches[-1] and filled + size > _BATCH_BYTES:
+            batches.append(set())
+            filled = 0
+        batches[-1].add(key)
+        filled += size
+    return batches
+
+
+def read_whole(
+    state: dict[str, Any], path: Path, metadata: Metadata, *, device: torch.device
+) -> dict[str, Any]:
+    """Reads the checkpoint at ``path`` for ``state`` (the live state: model, optimizer, RNG)
+    and returns what to load from: a staged copy, or ``state`` itself once every entry was
+    read whole in batches ([Note: loads read before they write]). A failed read raises DCP's
+    ``CheckpointException`` on every rank before anything live is written."""
+    fits = _staging_fits(_local_bytes(state))
+    if dist.is_initialized():
+        fits = not on_any_rank(not fits, mesh=None, device=device)
+    if fits:
+        copy = staged(state)
+        dcp.load(copy, checkpoint_id=str(path))
+        return copy
+    # Every rank's keys but its generators' (its own rng_rank<N>): those go in the first batch.
+    shared = [key for key, _ in _entries(state) if not key.startswith("rng_rank")]
+    own = {key for key, _ in _entries(state) if key.startswith("rng_rank")}
+    for index, batch in enumerate(_batches(metadata, shared)):
+        dcp.load(_subset(state, batch | (own if index == 0 else set())), checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path))
+    return state
