@@ -759,7 +759,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for piece in record.pieces:
                     piece.optimizer.state.pop(piece.main, None)
                 continue
-            scatter_state(record, saved)
+            scatter_state(record, saved, self._layouts[record.group_index].elementwise_keys)
             main = saved.get("main_param")
             if main is not None:
                 self._load_main(record, main)

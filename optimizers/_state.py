@@ -184,8 +184,12 @@ def check_saved_state(record: ParamRecord, saved: dict[str, Any]) -> None:
             )
 
 
-def scatter_state(record: ParamRecord, saved: dict[str, Any]) -> None:
-    """Replaces each piece's state with its slice of ``saved`` (checked by check_saved_state)."""
+def scatter_state(
+    record: ParamRecord, saved: dict[str, Any], elementwise_keys: tuple[str, ...]
+) -> None:
+    """Replaces each piece's state with its slice of ``saved`` (checked by check_saved_state).
+    ``elementwise_keys`` are shaped like the param: a 0-dim param's are 0-dim too, and become
+    1-element tensors as its flat main weight is (the fused kernels want one layout)."""
     for piece in record.pieces:
         group = piece.group
         start, numel = piece.spec.start, piece.spec.numel
@@ -193,7 +197,7 @@ def scatter_state(record: ParamRecord, saved: dict[str, Any]) -> None:
         for key, value in saved.items():
             if key == "main_param":
                 continue
-            if torch.is_tensor(value) and value.dim() > 0:
+            if torch.is_tensor(value) and (value.dim() > 0 or key in elementwise_keys):
                 flat = value.detach().reshape(-1)[start : start + numel]
                 state[key] = flat.to(device=piece.main.device, dtype=torch.float32, copy=True)
             elif key == "step":

@@ -25,7 +25,9 @@ __all__ = [
     "num_row_pieces",
     "pack_grads",
     "padded_rows",
+    "replicated_grads",
     "unpack_params",
+    "write_replicated",
 ]
 
 Work = Any  # torch.distributed's Work handle
@@ -182,6 +184,19 @@ def unpack_params(
             dsts.append(in_rows)
             srcs.append(in_padded)
     _copy_all(dsts, srcs)
+
+
+def replicated_grads(packed: torch.Tensor, layout: BucketLayout, world_size: int) -> torch.Tensor:
+    """The packed grads of the bucket's 0-dim params, copied out of rank 0's segment, where
+    ``pack_grads`` puts them: 1-D, one element each (see [Note: 0-dim params])."""
+    first = packed.view(world_size, -1)[0]
+    return torch.stack([first[offset] for offset in layout.replicated_offsets])
+
+
+def write_replicated(segment: torch.Tensor, layout: BucketLayout, values: torch.Tensor) -> None:
+    """Writes ``values`` (from ``replicated_grads``, reduced) into one rank's ``segment``."""
+    dsts = [segment[offset] for offset in layout.replicated_offsets]
+    _copy_all(dsts, list(values.unbind()))
 
 
 def launch_reduction(

@@ -36,6 +36,7 @@ from optimizers import HostStep
 
 from ._buckets import Bucket, ShardedParam, build_buckets, fsdp_sharded_param, shard_grads
 from ._collectives import AllGather, launch_all_gather
+from ._compiled import CompileAwareHook
 from ._copies import mark_hook
 from ._gather import HostWrites, ParamGatherer
 from ._hooks import register_param_waits
@@ -362,6 +363,8 @@ class DDPComm(_GatheredComm):
             grad = sharded.param.grad
             if grad is None:
                 sharded.shard.grad = None
+            elif sharded.spec.replicated:  # a 0-dim param: every rank's ([Note: 0-dim params])
+                sharded.shard.grad = grad.detach()
             else:  # this rank's rows of the reduced grad, a view
                 spec = sharded.spec
                 sharded.shard.grad = grad.detach()[spec.start_row : spec.start_row + spec.num_rows]
@@ -441,7 +444,9 @@ class ReplicatedComm(_GatheredComm):
                 alive.forget_aborted_backward()
                 alive.drop_cleared()
 
-        aborted = self._module.register_forward_pre_hook(mark_hook(before_forward))
+        # Compiled code runs it at a graph break, or not at all ([Note: compiled models]).
+        hook = CompileAwareHook(before_forward, overlap=self.gatherer.overlap)
+        aborted = self._module.register_forward_pre_hook(hook)
         return [*handles, aborted, *self.reducer.register_hooks()]
 
     def finalize_grads(self, *, reduce: bool = True) -> None:
@@ -484,16 +489,18 @@ class ReplicatedComm(_GatheredComm):
 
 
 def _alias_params(buckets: Sequence[Bucket]) -> None:
-    """One rank holds every row: each plain param's shard becomes a view of the param itself, so
-    that the params are not held twice (a tensor-parallel param's local tensor keeps a shard of
-    its own). A bucket whose params all are has no shard buffer left to gather from."""
+    """One rank holds every row: in a bucket of plain params, each param's shard becomes a view
+    of the param itself, so that the params are not held twice, and the bucket has no shard
+    buffer left to gather from. A bucket holding a tensor-parallel param (whose local tensor
+    keeps a shard of its own) is gathered, into each of its params: a plain one there keeps its
+    shard too, or the gather would write the bucket's copy over the step's update."""
     for bucket in buckets:
+        if any(isinstance(sharded.param, DTensor) for sharded in bucket.params):
+            continue
         for sharded in bucket.params:
-            if not isinstance(sharded.param, DTensor):
-                sharded.alias()
-        bucket.aliased = all(sharded.aliased for sharded in bucket.params)
-        if bucket.aliased:
-            bucket.shard_buffer = bucket.shard_buffer.new_empty(0)
+            sharded.alias()
+        bucket.aliased = True
+        bucket.shard_buffer = bucket.shard_buffer.new_empty(0)
 
 
 Comm = ReplicatedComm | DDPComm | FSDPComm

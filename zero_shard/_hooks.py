@@ -30,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from ._buckets import Bucket
+from ._compiled import CompileAwareHook
 from ._copies import PlainCopies, mark_hook
 from ._gather import ParamGatherer
 from ._units import UnitPlan, runs
@@ -133,8 +134,11 @@ def register_param_waits(
             below = [(u, unit_indices[u]) for u in units if unit_indices[u]]
         if (own or below) and runs(module):
             hook = _WaitHook(gatherer, own, below, not_run, place)
-            handles.append(module.register_forward_pre_hook(hook, prepend=True))
-    handles.append(model.register_forward_hook(_while_pending(gatherer, ParamGatherer.finish)))
+            # Compiled code waits at a graph break, or not at all ([Note: compiled models]).
+            wait = CompileAwareHook(hook, overlap=gatherer.overlap)
+            handles.append(module.register_forward_pre_hook(wait, prepend=True))
+    finish = _while_pending(gatherer, ParamGatherer.finish)
+    handles.append(model.register_forward_hook(CompileAwareHook(finish, overlap=gatherer.overlap)))
     before_state_dict = _while_pending(gatherer, ParamGatherer.flush)
     for module in model.modules():
         handles.append(module.register_state_dict_pre_hook(before_state_dict))

@@ -17,6 +17,19 @@ whole shards:
 Reductions use segments of ``segment_numel = shard_numel + num_params``: the extra elements carry
 one flag per parameter ("this rank had a grad for it"), so that after the reduction every rank
 knows whether *any* rank had one, at no extra collective.
+
+[Note: 0-dim params]
+A 0-dim param (CLIP's ``logit_scale``) has no dim 0 to shard, and a DTensor of shape ``()`` can
+only be replicated: every rank holds its one element and steps it (its state is a few scalars),
+and its shard is the param's shape, ``()``, so the optimizer steps it as torch does. Its spec
+says rows ``[0, 1)`` on every rank (``replicated``), so packing and unpacking read rank 0's
+segment alone. Every rank must step it with the same reduced grad, bit for bit, or the ranks'
+copies drift apart; a reduce-scatter does not promise that (each rank's segment is summed in an
+order of its own), so stage 2 all-reduces these grads beside the bucket's reduce-scatter, and
+stage 1 takes them from segment 0 of its all-reduce (``_reduce.py``). Its state shows as torch
+shows the state of a plain param beside FSDP2's DTensors (FSDP2 refuses 0-dim params unless
+``ignored_params``): plain 0-dim tensors, which DCP saves and loads as it does a replicated
+DTensor of shape ``()``. Global norms count it on the mesh's first rank.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ class ShardSpec(NamedTuple):
     rows_per_rank: int  # every rank's padded share: ceil(dim0 / world)
     start_row: int  # first row this rank owns
     num_rows: int  # rows this rank owns: rows_per_rank, fewer on the last, 0 past the end
+    replicated: bool = False  # a 0-dim param, held whole by every rank ([Note: 0-dim params])
 
     @property
     def numel(self) -> int:
@@ -58,15 +72,20 @@ class ShardSpec(NamedTuple):
         return self.start_row * self.row_numel
 
     def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        if self.replicated:
+            return tuple(shape)
         return (self.num_rows, *shape[1:])
 
 
 def shard_spec(shape: Sequence[int], rank: int, world_size: int) -> ShardSpec:
-    """The dim-0 shard of a parameter of ``shape`` that ``rank`` of ``world_size`` owns."""
-    if len(shape) == 0:
-        raise AssertionError("expected a parameter with at least one dim, got a 0-dim one")
+    """The dim-0 shard of a parameter of ``shape`` that ``rank`` of ``world_size`` owns; all of a
+    0-dim parameter, on every rank (see [Note: 0-dim params])."""
     if not 0 <= rank < world_size:
         raise AssertionError(f"expected rank in [0, {world_size}), got {rank}")
+    if len(shape) == 0:
+        return ShardSpec(
+            dim0=1, row_numel=1, rows_per_rank=1, start_row=0, num_rows=1, replicated=True
+        )
     dim0 = shape[0]
     rows_per_rank = math.ceil(dim0 / world_size)
     start_row = min(rank * rows_per_rank, dim0)
@@ -82,6 +101,8 @@ class BucketLayout:
     offsets: tuple[int, ...]  # start of each parameter's padded shard inside a segment
     shard_numel: int  # elements of one rank's segment for the all-gather (no flags)
     dtype: torch.dtype
+    replicated_offsets: tuple[int, ...] = ()  # where the 0-dim params' element lies inside a
+    #                                           segment ([Note: 0-dim params])
 
     @property
     def num_params(self) -> int:
@@ -126,7 +147,12 @@ def plan_buckets(
 
     def close() -> None:
         if indices:
-            buckets.append(BucketLayout(tuple(indices), tuple(offsets), used, dtype))
+            replicated = tuple(
+                offset
+                for index, offset in zip(indices, offsets, strict=True)
+                if specs[index].replicated
+            )
+            buckets.append(BucketLayout(tuple(indices), tuple(offsets), used, dtype, replicated))
 
     for index, (size, param_dtype) in enumerate(zip(sizes, dtypes, strict=True)):
         unit_starts = units is None or index == 0 or units[index] != units[index - 1]

@@ -89,7 +89,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     Built by :func:`wrap`; see there for the arguments. Each model param's fp32 main weight,
     grad and optimizer state are split by rows over the mesh (``Shard(0)``, ``torch.chunk``
-    semantics, as FSDP2); this rank's rows are stepped by a :class:`HybridDeviceOptimizer`,
+    semantics, as FSDP2; a 0-dim param is kept whole on every rank, ``Replicate()``: [Note:
+    0-dim params]); this rank's rows are stepped by a :class:`HybridDeviceOptimizer`,
     which moves ``offload.fraction`` of them to the CPU. ``param_groups`` are the wrapped
     optimizer's own dicts (LR schedulers built on either work), and ``state[param]`` shows a
     param's state as DTensors with the param's global shape.
@@ -593,8 +594,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         return local_state_dict(saved, self._sharded, sizes, hyperparams)
 
     def main_grad(self, param: torch.Tensor) -> DTensor | None:
-        """The param's reduced grad as a DTensor (``Shard(0)`` over the mesh, the param's
-        global shape), or ``None`` if it has none; valid from the end of a backward (one outside
+        """The param's reduced grad as a DTensor (``Shard(0)`` over the mesh, ``Replicate()``
+        for a 0-dim param; the param's global shape), or ``None`` if it has none; valid from the end of a backward (one outside
         ``no_sync()``) until ``zero_grad``. It communicates nothing: any rank may call it. Under
         fp16 loss scaling it still carries the scale until the step."""
         for sharded in self._sharded:
@@ -784,7 +785,10 @@ def wrap(
             are issued by the optimizer, in one order on every rank, on a process group of their
             own: ranks may run different modules, or save on rank 0 alone. Params written
             between ``step()`` and their wait raise an error: call ``finish_param_sync()``
-            before writing params after a step (weight constraints).
+            before writing params after a step (weight constraints). Under ``torch.compile``
+            the waits are graph breaks (``fullgraph=True`` refuses them, naming the fix);
+            with ``False`` they stay out of the compiled code: whole graphs ([Note: compiled
+            models] in ``zero_shard/_compiled.py``). Wrap before a compiled model's first call.
         bucket_mb: MiB of (unsharded) params reduced and gathered together; default 256
             (docs/benchmarks/zero_step.md). Each bucket in flight holds a full-size buffer.
         nonfinite: a step whose grads hold an inf or NaN is skipped with a warning (``"skip"``,

@@ -16,7 +16,8 @@ order, so every rank reduces every bucket once per backward. Before the step rea
 buffers, the current stream waits for the side stream's last event.
 
 Stage 2 reduce-scatters (each rank receives only its own segment); stage 1 all-reduces the whole
-packed buffer and keeps this rank's segment.
+packed buffer and keeps this rank's segment. The grads of 0-dim params, which every rank steps,
+are all-reduced beside a stage 2 reduce-scatter (see [Note: 0-dim params] in ``_layout.py``).
 
 A grad buffer accumulates over backwards as ``.grad`` does in torch, param by param: the next
 reduction adds to a param's reduced grad unless its ``.grad`` was cleared since ([Note: released
@@ -54,7 +55,13 @@ from torch.distributed.tensor import DTensor
 from offload import current_stream, phase, record_event, side_stream, use_stream, wait_stream
 
 from ._buckets import Bucket, FlagsBefore, ShardedParam
-from ._collectives import choose_reduce_scaling, launch_reduction, pack_grads
+from ._collectives import (
+    choose_reduce_scaling,
+    launch_reduction,
+    pack_grads,
+    replicated_grads,
+    write_replicated,
+)
 from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad, Taken
 
 __all__ = ["GradReducer"]
@@ -262,11 +269,25 @@ class GradReducer:
         out = None
         if self._scatter:
             out = bucket.grad_buffer if direct else torch.empty_like(bucket.grad_buffer)
+        # 0-dim params: every rank steps them, with the same reduced bits ([Note: 0-dim params]).
+        whole = None
+        if self._scatter and layout.replicated_offsets:
+            whole = replicated_grads(packed, layout, world)
         with phase("zero_shard::reduce_scatter" if self._scatter else "zero_shard::all_reduce"):
-            launch_reduction(packed, out, self._group, scaling).wait()
+            works = [launch_reduction(packed, out, self._group, scaling)]
+            if whole is not None:
+                works.append(launch_reduction(whole, None, self._group, scaling))
+            for work in works:
+                work.wait()
+        if not self._scatter and layout.replicated_offsets:  # all-reduced: alike on every rank
+            whole = replicated_grads(packed, layout, world)
         result = out if self._scatter else packed.view(world, -1)[self._rank]
         if scaling.post_divide is not None:
             result.div_(scaling.post_divide)
+            if whole is not None:
+                whole.div_(scaling.post_divide)
+        if whole is not None:
+            write_replicated(result, layout, whole)
         if adds:
             bucket.grad_buffer.add_(result)
         elif not direct:

@@ -74,8 +74,9 @@ _SUPPORTED_TP = (
 
 
 def _check_fsdp_managed(model: nn.Module) -> None:
-    """Under FSDP2, refuses DTensor params outside every FSDP2 module: a DTensor is FSDP2's only
-    if FSDP2 manages it, never by guess (a column-parallel layer's Shard(0) looks like FSDP2's)."""
+    """Under FSDP2, refuses params outside every FSDP2 module: a DTensor is FSDP2's only if FSDP2
+    manages it, never by guess (a column-parallel layer's Shard(0) looks like FSDP2's), and a
+    plain param never is (``fully_shard(..., ignored_params=...)`` leaves it so)."""
     managed = {
         id(param)
         for module in model.modules()
@@ -83,13 +84,21 @@ def _check_fsdp_managed(model: nn.Module) -> None:
         for param in module.parameters()
     }
     for name, param in model.named_parameters():
-        if param.requires_grad and id(param) not in managed:
-            what = "a DTensor with " + _layout(param) if isinstance(param, DTensor) else "plain"
+        if not param.requires_grad or (isinstance(param, DTensor) and id(param) in managed):
+            continue
+        if param.dim() == 0:
             raise ValueError(
-                f"param {name!r} is {what}, but FSDP2 manages other params of the model: call "
-                "fully_shard on the root module too, so that FSDP2 shards every param. "
-                + _SUPPORTED_TP
+                f"param {name!r} is 0-dim, which fully_shard refuses (or leaves to the user with "
+                "ignored_params), but FSDP2 manages other params of the model: make it shape "
+                "(1,), or wrap the model without fully_shard (plain or DDP), where zero-shard "
+                "keeps 0-dim params whole on every rank"
             )
+        what = "a DTensor with " + _layout(param) if isinstance(param, DTensor) else "plain"
+        raise ValueError(
+            f"param {name!r} is {what}, but FSDP2 manages other params of the model: call "
+            "fully_shard on the root module too (without ignored_params), so that FSDP2 shards "
+            "every param. " + _SUPPORTED_TP
+        )
 
 
 def _has_fsdp(model: nn.Module) -> bool:
@@ -359,11 +368,6 @@ def trainable_params(
                     f"param {fqn!r} is not contiguous (stride {local_tensor(param).stride()}, e.g. "
                     "channels_last); zero-shard shards params by rows of their memory: make it "
                     "contiguous (param.data = param.data.contiguous()) before wrapping"
-                )
-            if param.dim() == 0 and kind is not ModelKind.FSDP:
-                raise ValueError(
-                    f"param {fqn!r} is 0-dim; zero-shard shards params along dim 0 (as FSDP2, "
-                    "which refuses them too): make it shape (1,)"
                 )
             trainable.append((param, fqn, group_index))
     if not trainable:

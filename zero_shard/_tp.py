@@ -159,24 +159,26 @@ def rows_layout(
     """The layout of a param's state when zero-shard shards its local tensor by ``spec``'s rows
     over ``dp_mesh`` (see [Note: tensor parallelism under zero-shard's sharding])."""
     tp = tp_spec(param)
+    # A 0-dim param is every rank's ([Note: 0-dim params] in _layout.py).
+    dp_placement: Placement = Replicate() if spec.replicated else Shard(0)
     if joint is None:
         if tp is not None:
             raise AssertionError(f"expected a joint mesh for tensor-parallel param {fqn!r}")
-        return StateLayout(dp_mesh, (Shard(0),), param.shape, param.stride())
+        return StateLayout(dp_mesh, (dp_placement,), param.shape, param.stride())
     dp_name = dp_mesh.mesh_dim_names[0]  # type: ignore[index]
     dp_dim = joint.mesh_dim_names.index(dp_name)  # type: ignore[union-attr]
     tp_dim = 1 - dp_dim
     tp_placement: Placement = Replicate() if tp is None else tp.placements[0]
     shape = param.shape if tp is None else tp.shape
     stride = param.stride() if tp is None else tp.stride
-    dp_placement: Placement = Shard(0)
     splits_rows = isinstance(tp_placement, Shard) and tp_placement.dim in (0, -len(shape))
     if splits_rows and dp_dim < tp_dim and joint.size(tp_dim) > 1:
         dp_placement = _StridedShard(0, split_factor=joint.size(tp_dim))
     placements: list[Any] = [None, None]
     placements[dp_dim], placements[tp_dim] = dp_placement, tp_placement
     layout = StateLayout(joint, tuple(placements), shape, tuple(stride))
-    _check_rows_where_torch_puts_them(layout, tp, spec, fqn)
+    if not spec.replicated:
+        _check_rows_where_torch_puts_them(layout, tp, spec, fqn)
     return layout
 
 

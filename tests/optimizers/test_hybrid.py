@@ -608,3 +608,25 @@ def test_the_interpreter_exits_with_a_step_in_flight() -> None:
         env={**os.environ, "PYTHONPATH": str(root)},
     )  # fmt: skip
     assert done.returncode == 0 and "launched" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_a_loaded_0_dim_params_state_has_its_main_weights_layout(fraction: float) -> None:
+    # The fused CUDA kernels refuse a 0-dim exp_avg beside a (1,) flat main weight (the CPU ones
+    # do not): a 0-dim param's elementwise state is loaded as its main weight is laid out.
+    def build() -> HybridDeviceOptimizer:
+        params = [torch.nn.Parameter(torch.tensor(2.5)), torch.nn.Parameter(torch.ones(3, 4))]
+        return HybridDeviceOptimizer(params, torch.optim.AdamW, offload_fraction=fraction)
+
+    first = build()
+    for param in first.param_groups[0]["params"]:
+        param.grad = torch.full_like(param, 0.5)
+    first.step()
+    second = build()
+    second.load_state_dict(first.state_dict())
+    # Private: the pieces' own state is what the kernels are handed.
+    for record in second._records:
+        for piece in record.pieces:
+            state = piece.optimizer.state[piece.main]
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert state[key].shape == piece.main.shape, (key, state[key].shape)

@@ -29,9 +29,29 @@ def test_shards_follow_torch_chunk(shape: tuple[int, ...], world: int) -> None:
         assert shard_spec(shape, 2, 3).num_rows == 0
 
 
-def test_zero_dim_params_are_refused_by_the_planner() -> None:
-    with pytest.raises(AssertionError, match="0-dim"):
-        shard_spec((), 0, 2)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_zero_dim_params_are_held_whole_by_every_rank(world: int) -> None:
+    shapes = [(), (3,), ()]
+    for rank in range(world):
+        spec = shard_spec((), rank, world)
+        assert spec.replicated and (spec.start, spec.numel) == (0, 1)
+        assert spec.local_shape(()) == ()  # the shard keeps the param's shape
+    specs = [shard_spec(shape, 0, world) for shape in shapes]
+    layout = plan_buckets(specs, [torch.float32] * 3, world, 1 << 20)[0]
+    assert layout.replicated_offsets == (layout.offsets[0], layout.offsets[2])
+    # The grad goes into rank 0's segment alone (the reduction gives it to every rank), and
+    # the gathered param comes from there.
+    packed = torch.zeros(world * layout.segment_numel)
+    grads = [torch.tensor(2.0), torch.ones(3), torch.tensor(-1.0)]
+    pack_grads(packed, layout, specs, grads, world)
+    segments = packed.view(world, layout.segment_numel)
+    assert segments[0, layout.offsets[0]] == 2.0 and segments[0, layout.offsets[2]] == -1.0
+    assert segments[1:, layout.offsets[0]].eq(0).all()
+    gathered = torch.full((world * layout.shard_numel,), 7.0)  # the other ranks' copies: 7
+    gathered[layout.offsets[0]], gathered[layout.offsets[2]] = 5.0, 6.0  # rank 0's
+    targets = [torch.tensor(0.0), torch.zeros(3), torch.tensor(0.0)]
+    unpack_params(gathered, layout, specs, targets, world)
+    assert targets[0] == 5.0 and targets[2] == 6.0
 
 
 def test_buckets_keep_order_split_by_size_and_dtype() -> None:
