@@ -55,7 +55,7 @@ from ._state_dict import (
 )
 from ._tp import local_tensor
 from ._units import Units, plan_units
-from ._verdict import on_any_rank, on_any_rank_each, on_every_rank
+from ._verdict import on_any_rank, on_every_rank, start_any_rank_each
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
 
@@ -100,7 +100,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     mesh: DeviceMesh
     nonfinite: str  # "skip" or "raise": what a step with inf/NaN grads does
     stale_params: str  # "reload" or "error": what a step does when params changed under it
-    _host_group: dist.ProcessGroup | None  # every rank's, on the host: stale-write agreements
+    _agrees_on_writes: bool  # the ranks agree on which params were written, at each step
+    _host_group: dist.ProcessGroup | None  # every rank's, on the host: those agreements
     _unshared_writes: set[str]  # FQNs of params reloaded from writes seen outside a step, not
     #                             yet told to the other ranks (see _check_stale)
     _skips: SkipCount  # steps skipped for non-finite grads (see [Note: skip on the device])
@@ -181,8 +182,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._params_on_host = params_on_host(self.kind, self.mesh, self._device)
         if self.kind is ModelKind.REPLICATED:  # DDP did the same; FSDP2's shards differ by rank
             broadcast_tensors(_module_tensors(self._module, self._device), self.mesh.get_group())
-        replicas = self.kind is not ModelKind.FSDP and self.mesh.size() > 1
-        self._host_group = host_group(self._meshes.verdict_mesh) if replicas else None
+        # Replicas: a write on one rank may reach the others unseen (see _check_stale).
+        self._agrees_on_writes = self.kind is not ModelKind.FSDP and self.mesh.size() > 1
+        verdict_mesh = self._meshes.verdict_mesh
+        self._host_group = host_group(verdict_mesh) if self._agrees_on_writes else None
         self._comm = self._make_comm(model, checked, stage, bucket_mb, all_gather)
         self._sharded = self._comm.sharded
         self._hybrid = self._make_hybrid(optimizer, checked.policy)
@@ -407,13 +410,15 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         # Gathers of the last step read the shards this step writes: they must be done (a
         # delayed update's are issued below, after this step's launch completed its writes).
         self._comm.finish()
-        self._check_stale(agree=True)
+        # The ranks' writes are agreed on in the background while the host readies the step.
+        written = self._start_agreeing_on_writes()
         for group_index, group in enumerate(self._hybrid.param_groups):
             group.update(self._hyperparams(group_index))
         self._finalize_grads()
         if self._window_norm is not None and self._comm.grads_marker() != self._clipped_marker:
             self._window_norm = None  # grads changed since the clip: its norm is not theirs
         self._read_skips(block=True)  # the last step's verdict, on the host long since
+        self._check_stale(agree=True, written=written)
         try:
             skip, found_inf = self._check_nonfinite()
             if skip:
@@ -470,26 +475,41 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         for sharded in self._sharded:
             sharded.record_version()
 
+    def _written_here(self) -> list[bool]:
+        """Per sharded param, whether this rank saw it written since zero-shard last set it."""
+        return [s.is_stale() or s.fqn in self._unshared_writes for s in self._sharded]
+
+    def _start_agreeing_on_writes(self) -> Callable[[], list[bool]] | None:
+        """At ``step()``, where the ranks hold replicas (a plain or DDP model at more than one
+        rank): starts the all-reduce of each param's written flag (see :meth:`_check_stale`);
+        the returned call waits for it."""
+        if not self._agrees_on_writes:
+            return None
+        mesh, device = self._meshes.verdict_mesh, self._reduce_device
+        here = self._written_here()
+        self._unshared_writes.clear()
+        return start_any_rank_each(here, group=self._host_group, mesh=mesh, device=device)
+
     @torch.no_grad()
-    def _check_stale(self, *, agree: bool = False) -> None:
+    def _check_stale(
+        self, *, agree: bool = False, written: Callable[[], list[bool]] | None = None
+    ) -> None:
         """Params written since zero-shard last did (a weight load, an init): their main weights
         are reloaded from them (``stale_params="reload"``) or the call raises (``"error"``).
 
-        With ``agree`` (at ``step()``, which every rank calls) the ranks agree first, in one
-        small all-reduce. Replicas (a plain or DDP model at more than one rank): a param written
-        on any rank is reloaded on every rank from its own copy, as a write may reach the others
-        through a collective, which bumps no version counter (rank 0 loads weights, then
-        broadcasts them); writes seen outside a step (``state_dict()``) are shared at the next.
-        An FSDP2 model's ranks raise together: a load in place into the local shards (DCP)
-        writes nothing on a rank whose shard of a param is empty, so that rank alone may see no
-        write (each rank reloads its own shards, which are the model's memory)."""
-        here = [s.is_stale() or s.fqn in self._unshared_writes for s in self._sharded]
+        With ``agree`` (at ``step()``, which every rank calls) the ranks agree. Replicas (a
+        plain or DDP model at more than one rank; ``written``, started by
+        :meth:`_start_agreeing_on_writes`): a param written on any rank is reloaded on every
+        rank from its own copy, as a write may reach the others through a collective, which
+        bumps no version counter (rank 0 loads weights, then broadcasts them); writes seen
+        outside a step (``state_dict()``) are shared at the next. An FSDP2 model's ranks raise
+        together: a load in place into the local shards (DCP) writes nothing on a rank whose
+        shard of a param is empty, so that rank alone may see no write (each rank reloads its
+        own shards, which are the model's memory)."""
+        here = written() if written is not None else [s.is_stale() for s in self._sharded]
         raises = self.stale_params == "error"
-        mesh, device = self._meshes.verdict_mesh, self._reduce_device
-        if agree and self.kind is not ModelKind.FSDP and self.mesh.size() > 1:
-            here = on_any_rank_each(here, group=self._host_group, mesh=mesh, device=device)
-            self._unshared_writes.clear()
-        elif raises and agree and self.kind is ModelKind.FSDP:
+        if raises and agree and self.kind is ModelKind.FSDP:
+            mesh, device = self._meshes.verdict_mesh, self._reduce_device
             if on_any_rank(any(here), mesh=mesh, device=device) and not any(here):
                 raise RuntimeError(
                     "model params were written since the optimizer last set them, on other "
@@ -498,7 +518,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                     "stale_params='reload'"
                 )
         stale = [sharded for sharded, flag in zip(self._sharded, here, strict=True) if flag]
-        if not agree and self.kind is not ModelKind.FSDP and not raises:
+        if written is None and self._agrees_on_writes and not raises:  # told at the next step
             self._unshared_writes.update(sharded.fqn for sharded in stale)
         if not stale:
             return

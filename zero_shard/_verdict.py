@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from offload import use_device
 
-__all__ = ["Summary", "on_any_rank", "on_any_rank_each", "on_every_rank"]
+__all__ = ["Summary", "on_any_rank", "on_every_rank", "start_any_rank_each"]
 
 T = TypeVar("T")
 # What must be the same on every rank, one description per item: ["stage=2", "param 'w' ...", ...].
@@ -144,24 +144,32 @@ def on_any_rank(flag: bool, *, mesh: DeviceMesh | None, device: torch.device) ->
     return bool(value.item())
 
 
-def on_any_rank_each(
+def start_any_rank_each(
     flags: Sequence[bool],
     *,
     group: dist.ProcessGroup | None,
     mesh: DeviceMesh,
     device: torch.device,
-) -> list[bool]:
-    """For each of ``flags`` (the same number on every rank), whether it holds on any rank of
-    ``mesh`` (all its dims): one small all-reduce over ``group`` on the host, where given (every
-    rank of the mesh, see ``_host_group``), else one per mesh dim on ``device``; read by the
-    host."""
+) -> Callable[[], list[bool]]:
+    """Starts finding, for each of ``flags`` (the same number on every rank), whether it holds on
+    any rank of ``mesh`` (all its dims); the returned call waits and tells. One small all-reduce
+    over ``group`` on the host, in the background, where given (every rank of the mesh, see
+    ``_host_group``), else one per mesh dim on ``device``, read by the host at the call."""
     if not flags or not dist.is_available() or not dist.is_initialized():
-        return list(flags)
+        here = list(flags)
+        return lambda: here
     if group is not None:
         value = torch.tensor(flags, dtype=torch.uint8)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group, async_op=True)
     else:
         value = torch.tensor(flags, dtype=torch.uint8, device=device)
         for dim_group in _groups(mesh):
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=dim_group)
-    return [bool(flag) for flag in value.tolist()]
+        work = None
+
+    def result() -> list[bool]:
+        if work is not None:
+            work.wait()
+        return [bool(flag) for flag in value.tolist()]
+
+    return result

@@ -689,6 +689,8 @@ def weights_loaded_on_rank_0_and_broadcast_are_trained_on_every_rank(rank: int, 
                 opt.finish_param_sync()  # writes to params after a step wait for it first
                 load_on_rank_0_and_broadcast(model, rank, weights)
                 ref.load_state_dict(weights)
+                if stage == 1:  # a save before the next step: rank 0 reloads there, alone
+                    opt.state_dict()
             x, y = global_batch(step)
             loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
             ref_loss = mse(ref(x), y)
