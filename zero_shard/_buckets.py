@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
+from ._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 from ._released import GradWatch, check_unconverted
 from ._tp import StateLayout, dtensor_layout, local_tensor, rows_layout
 

@@ -1,7 +1,7 @@
 """The collectives and the copies around them, as free functions over explicit tensors and groups.
 
 Copies between a parameter (or its grad) and a bucket's padded, rank-major layout are in
-[Note: bucket layout] (``_layout.py``). Each function here does one thing and returns what the
+[Note: bucket layout] (``_bucket_layout.py``). Each function here does one thing and returns what the
 caller needs to order later work (a ``Work`` handle, or nothing for stream-ordered copies).
 """
 
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from ._layout import BucketLayout, ShardSpec
+from ._bucket_layout import BucketLayout, ShardSpec
 
 __all__ = [
     "AllGather",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import warnings
 import weakref
@@ -35,6 +36,8 @@ from ._setup import (
     CheckedInputs,
     Meshes,
     ModelKind,
+    Nonfinite,
+    StaleParams,
     check_inputs,
     ensure_process_group,
     first_device,
@@ -87,7 +90,7 @@ def _origin() -> tuple[int, int]:
 class ZeroShardOptimizer(torch.optim.Optimizer):
     """An elementwise torch optimizer whose state is sharded over the data-parallel ranks.
 
-    Built by :func:`wrap`; see there for the arguments. Each model param's fp32 main weight,
+    Built by :func:`wrap`, which takes this constructor's arguments and documents them. Each model param's fp32 main weight,
     grad and optimizer state are split by rows over the mesh (``Shard(0)``, ``torch.chunk``
     semantics, as FSDP2; a 0-dim param is kept whole on every rank, ``Replicate()``: [Note:
     0-dim params]); this rank's rows are stepped by a :class:`HybridDeviceOptimizer`,
@@ -98,8 +101,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     kind: ModelKind
     mesh: DeviceMesh
-    nonfinite: str  # "skip" or "raise": what a step with inf/NaN grads does
-    stale_params: str  # "reload" or "error": what a step does when params changed under it
+    nonfinite: Nonfinite  # what a step with inf/NaN grads does
+    stale_params: StaleParams  # what a step does when params changed under it
     _agrees_on_writes: bool  # the ranks agree on which params were written, at each step
     _host_group: dist.ProcessGroup | None  # every rank's, on the host: those agreements
     _unshared_writes: set[str]  # FQNs of params reloaded from writes seen outside a step, not
@@ -137,8 +140,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         stage: int = 2,
         overlap_param_gather: bool = True,
         bucket_mb: float = DEFAULT_BUCKET_MB,
-        nonfinite: str = "skip",
-        stale_params: str = "reload",
+        nonfinite: Nonfinite = "skip",
+        stale_params: StaleParams = "reload",
         units: Units = None,
         all_gather: AllGather | None = None,
     ) -> None:
@@ -741,20 +744,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         return {found_inf.device: found_inf}
 
 
-def wrap(
-    optimizer: torch.optim.Optimizer,
-    model: nn.Module,
-    *,
-    offload: OffloadPolicy | None = None,
-    mesh: DeviceMesh | None = None,
-    stage: int = 2,
-    overlap_param_gather: bool = True,
-    bucket_mb: float = DEFAULT_BUCKET_MB,
-    nonfinite: str = "skip",
-    stale_params: str = "reload",
-    units: Units = None,
-    all_gather: AllGather | None = None,
-) -> ZeroShardOptimizer:
+def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> ZeroShardOptimizer:
     """Shards ``optimizer`` over the data-parallel ranks, optionally offloading to the CPU.
 
     Call it on every rank, after ``init_process_group`` and after the model is on its device.
@@ -858,16 +848,10 @@ def wrap(
         >>> opt = zero_shard.wrap(opt, model, offload=zero_shard.OffloadPolicy(fraction=0.5))
         >>> loss(model(batch)).backward(); opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
     """
-    return ZeroShardOptimizer(
-        optimizer,
-        model,
-        offload=offload,
-        mesh=mesh,
-        stage=stage,
-        overlap_param_gather=overlap_param_gather,
-        bucket_mb=bucket_mb,
-        nonfinite=nonfinite,
-        stale_params=stale_params,
-        units=units,
-        all_gather=all_gather,
-    )
+    return ZeroShardOptimizer(optimizer, model, **options)
+
+
+# The options are defined once, by the class's constructor: wrap shows them as its own.
+wrap.__signature__ = inspect.signature(ZeroShardOptimizer).replace(  # type: ignore[attr-defined]
+    return_annotation=ZeroShardOptimizer
+)

@@ -17,7 +17,7 @@ buffers, the current stream waits for the side stream's last event.
 
 Stage 2 reduce-scatters (each rank receives only its own segment); stage 1 all-reduces the whole
 packed buffer and keeps this rank's segment. The grads of 0-dim params, which every rank steps,
-are all-reduced beside a stage 2 reduce-scatter (see [Note: 0-dim params] in ``_layout.py``).
+are all-reduced beside a stage 2 reduce-scatter (see [Note: 0-dim params] in ``_bucket_layout.py``).
 
 A grad buffer accumulates over backwards as ``.grad`` does in torch, param by param: the next
 reduction adds to a param's reduced grad unless its ``.grad`` was cleared since ([Note: released

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,8 @@ __all__ = [
     "CheckedInputs",
     "Meshes",
     "ModelKind",
+    "Nonfinite",
+    "StaleParams",
     "Trainable",
     "check_dense_grads",
     "check_inputs",
@@ -45,8 +47,11 @@ __all__ = [
 
 logger = logging.getLogger("zero_shard")
 
-NONFINITE_POLICIES = ("skip", "raise")
-STALE_POLICIES = ("reload", "error")
+# What a step does with inf/NaN grads, and with params written since zero-shard last set them.
+Nonfinite = Literal["skip", "raise"]
+StaleParams = Literal["reload", "error"]
+NONFINITE_POLICIES: tuple[Nonfinite, ...] = get_args(Nonfinite)
+STALE_POLICIES: tuple[StaleParams, ...] = get_args(StaleParams)
 
 Trainable = tuple[torch.Tensor, str, int]  # (param, fqn, param-group index)
 

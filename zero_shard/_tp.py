@@ -33,7 +33,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ._layout import ShardSpec
+from ._bucket_layout import ShardSpec
 
 __all__ = [
     "StateLayout",
@@ -159,7 +159,7 @@ def rows_layout(
     """The layout of a param's state when zero-shard shards its local tensor by ``spec``'s rows
     over ``dp_mesh`` (see [Note: tensor parallelism under zero-shard's sharding])."""
     tp = tp_spec(param)
-    # A 0-dim param is every rank's ([Note: 0-dim params] in _layout.py).
+    # A 0-dim param is every rank's ([Note: 0-dim params] in _bucket_layout.py).
     dp_placement: Placement = Replicate() if spec.replicated else Shard(0)
     if joint is None:
         if tp is not None:

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ._optimizer import ZeroShardOptimizer
 from ._reading import read_whole
-from ._staging import Snapshotter
+from ._snapshots import Snapshotter
 from ._state_dict import (
     check_saved_groups,
     check_saved_model,

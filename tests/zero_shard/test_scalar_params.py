@@ -3,7 +3,7 @@ torch AdamW on the unsharded model every step (outputs, params, state, the clip 
 rank's copy equal bit for bit, at stage 1 and 2, offload fractions 0, 0.5 and 1, in a plain, a
 DDP and a tensor-parallel model; checkpoints (DCP at another world size and fraction,
 ``full_state_dict``) and their interchange with FSDP2 + torch AdamW, which trains a 0-dim param
-only as an ignored param ([Note: 0-dim params] in ``zero_shard/_layout.py``).
+only as an ignored param ([Note: 0-dim params] in ``zero_shard/_bucket_layout.py``).
 
 The phases share a folder through ZERO_SHARD_TEST_DIR, set before the processes are spawned.
 """

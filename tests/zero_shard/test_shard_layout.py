@@ -7,9 +7,10 @@ import itertools
 import pytest
 import torch
 
+from zero_shard._bucket_layout import plan_buckets, shard_spec
+
 # Private free functions, unit-tested: the public API shows neither the layout nor the packing.
 from zero_shard._collectives import choose_reduce_scaling, pack_grads, unpack_params
-from zero_shard._layout import plan_buckets, shard_spec
 
 SHAPES = [(7, 15), (3,), (2, 5), (0, 4), (1,), (16, 16), (5,)]
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 # Private free functions, unit-tested: the public API shows neither the layout nor the units.
-from zero_shard._layout import plan_buckets, shard_spec
+from zero_shard._bucket_layout import plan_buckets, shard_spec
 from zero_shard._units import default_units, plan_units, resolve_units
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
