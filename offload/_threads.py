@@ -66,7 +66,7 @@ def resolve_thread_budget(requested: int | None = None, *, keep_free: int = 0) -
             share = usable_cores() // local_world_size()
             source = "cores / local ranks" + (f" - {keep_free}" if keep_free else "")
             budget = ThreadBudget(max(share - keep_free, 1), source)
-            if from_torchrun and not _torchrun_warned:
+            if from_torchrun and budget.num_threads != 1 and not _torchrun_warned:
                 _torchrun_warned = True
                 warnings.warn(
                     f"torchrun set OMP_NUM_THREADS=1; zero-shard's CPU optimizer uses "

@@ -71,3 +71,15 @@ def test_intra_op_threads_for_the_block_then_restored() -> None:
     assert torch.get_num_threads() == before
     with intra_op_threads(None):
         assert torch.get_num_threads() == before
+
+
+def test_torchrun_one_thread_kept_says_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two cores and two local ranks: the count stays torchrun's one, so nothing is to be said.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(_threads, "_torchrun_warned", False)
+    monkeypatch.setattr(_threads, "usable_cores", lambda: 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_thread_budget().num_threads == 1
