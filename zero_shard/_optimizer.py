@@ -30,7 +30,7 @@ from ._collectives import AllGather, broadcast_tensors
 from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._host_group import host_group
 from ._norms import clip_coefficient, global_norm, nonfinite_flag, scale_grads_
-from ._owners import claim, is_claimed
+from ._owners import claim, is_claimed, live_owners
 from ._setup import (
     NONFINITE_POLICIES,
     CheckedInputs,
@@ -120,6 +120,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
     _building: bool
     _frozen: list[torch.Tensor]  # params of the groups with requires_grad=False at wrap time
+    _retired: bool  # a later wrap took its params over: it steps no more
+    _remove_hooks: weakref.finalize  # removes the model hooks, at retirement or collection
     _wrapped: weakref.ref[torch.optim.Optimizer]  # the torch optimizer: its group dicts are ours
     _warned_unfrozen: bool
     _window_norm: torch.Tensor | None  # the clip norm of the grads since the last step
@@ -166,6 +168,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             optimizer, self._module, self.kind, self._meshes.verdict_mesh, self._reduce_device,
             options, units, all_gather=all_gather,
         )  # fmt: skip
+        # A param takes one live wrapper (see _owners.py): this one takes over from the ones
+        # before, whose last update reaches the params first; they retire once this one is built.
+        previous = live_owners([param for param, _, _ in checked.trainable])
+        for owner in previous:
+            owner.finish_param_sync()
+        self._retired = False
         self.nonfinite = nonfinite
         self.stale_params = stale_params
         self._skips = SkipCount(device)
@@ -201,8 +209,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
+        for owner in previous:
+            owner._retire()
         handles = self._comm.install(self.mesh, device=self._device, overlap=overlap_param_gather)
-        weakref.finalize(self, _remove_hooks, handles)
+        self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid)  # type: ignore[assignment]
         for sharded in self._sharded:
             sharded.record_version()
@@ -404,6 +414,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 "opt = zero_shard.wrap(torch_opt, model) (its optimizer state starts afresh). "
                 "Load state into the wrapper (opt.load_state_dict), not into torch_opt"
             )
+        if self._retired:
+            raise RuntimeError(
+                "this ZeroShardOptimizer was retired: a later zero_shard.wrap over its params took "
+                "them over (as a new torch optimizer replaces an old one). Step the new wrapper, "
+                "and build LR schedulers on it"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -440,6 +456,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._comm.end_window()
         self._read_skips(block=False)  # at once where the device is the CPU
         return loss
+
+    def _retire(self) -> None:
+        """A later ``wrap`` over some of these params took them all over: the model's hooks go,
+        and ``step()`` raises from now on (the last update reached the params before)."""
+        self.finish_param_sync()
+        self._remove_hooks()
+        self._retired = True
 
     def _on_skipped_step(self) -> None:
         """``zero_shard.GradScaler`` skipped ``step()`` (non-finite fp16 grads): a delayed update
@@ -753,8 +776,10 @@ def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> 
     script makes groups of its own).
     The wrapper shares the optimizer's param-group dicts (an LR scheduler built on either one
     drives both) and takes its state over, if any (emptying the optimizer's ``state``); step
-    only the wrapper. One live wrapper per param: wrapping the same optimizer or model again
-    raises until the first wrapper is dropped.
+    only the wrapper. One live wrapper per param: a later ``wrap`` over a param (re-creating the
+    optimizer after unfreezing layers, as torch users do) takes it over, on every rank alike:
+    the wrapper that held it is retired (its hooks removed; its ``step()`` raises) once the new
+    one is built, as a new torch optimizer replaces an old one.
 
     As DDP does, a plain model's params and buffers are broadcast from the mesh's first rank at
     wrap, so replicas start equal whatever each rank initialized. Buffers are not synchronized

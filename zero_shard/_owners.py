@@ -1,16 +1,16 @@
-"""Which live ZeroShardOptimizer shards each param: a param sharded by two is trained by neither
-(the first one's hooks take its grads away from the second), so the second wrap is refused."""
+"""Which live ZeroShardOptimizer shards each param: a param sharded by two would be trained by
+neither (the first one's hooks take its grads away from the second), so a new wrap over a param
+takes it over, retiring the wrapper that held it (as a new torch optimizer replaces an old one)."""
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["check_unclaimed", "claim", "is_claimed"]
+__all__ = ["claim", "is_claimed", "live_owners"]
 
 # id(param) -> (the param, the wrapper that shards it), both weakly: a dropped wrapper or param
 # frees its entries. A registry across wrappers, not one wrapper's state, so keyed by identity
@@ -34,19 +34,14 @@ def is_claimed(param: torch.Tensor) -> bool:
     return _owner(param) is not None
 
 
-def check_unclaimed(named_params: Sequence[tuple[torch.Tensor, str]]) -> None:
-    """Raises if a live ZeroShardOptimizer shards one of the params already."""
-    if not any(_owner(param) is not None for param, _ in named_params):
-        return
-    gc.collect()  # a wrapper the user dropped may live on in a reference cycle until collected
-    for param, fqn in named_params:
-        if _owner(param) is not None:
-            raise RuntimeError(
-                f"param {fqn!r} is already sharded by a live ZeroShardOptimizer (the same "
-                "optimizer or model wrapped twice?): one wrapper per param, or neither trains "
-                "it. Keep using the first wrapper, or drop every reference to it (del opt) "
-                "before wrapping again"
-            )
+def live_owners(params: Sequence[torch.Tensor]) -> list[Any]:
+    """The live ZeroShardOptimizers that shard any of ``params``, in the order first met."""
+    owners: list[Any] = []
+    for param in params:
+        owner = _owner(param)
+        if owner is not None and all(owner is not known for known in owners):
+            owners.append(owner)
+    return owners
 
 
 def claim(params: Iterable[torch.Tensor], owner: Any) -> None:

@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor
 
 from optimizers import OffloadPolicy, check_elementwise, check_param_kind
 
-from ._owners import check_unclaimed
 from ._tp import dtensor_layout, joint_mesh, local_tensor, tp_mesh_of, tp_spec
 from ._units import Units, resolve_units
 from ._verdict import Summary, on_every_rank
@@ -511,7 +510,6 @@ def check_inputs(
                 "offload=zero_shard.OffloadPolicy(fraction=1.0), or fully_shard without "
                 "CPUOffloadPolicy to keep a share on the accelerator"
             )
-        check_unclaimed([(param, fqn) for param, fqn, _ in trainable])
         check_dense_grads(module, trainable)
         if kind is ModelKind.FSDP:
             check_fsdp_layout(trainable, mesh)

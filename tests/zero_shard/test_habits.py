@@ -23,6 +23,7 @@ from _harness import check_outcome, run_cases
 from _models import (
     GLOBAL_BATCH,
     LOSS_TOL,
+    LR,
     adamw,
     assert_params_close,
     global_batch,
@@ -626,20 +627,40 @@ def a_stepped_torch_optimizer_is_taken_over_and_frozen_params_have_no_state(
 
 
 @case
-def wrapping_twice_is_refused_until_the_first_wrapper_is_dropped(rank: int, world: int) -> None:
-    model = make_model()
+def a_new_wrap_takes_the_params_over_from_a_live_one(rank: int, world: int) -> None:
+    # Torch users re-create the optimizer after unfreezing layers, the old one still referenced
+    # (by `opt` until reassigned, or a scheduler): the new wrapper takes over, as in torch.
+    for fraction in (0.0, 0.5):
+        model, ref = make_model(), make_model()
+        for module in (model, ref):
+            module.inp.requires_grad_(False)
+        first = zero_shard.wrap(
+            torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR),
+            model, offload=offload(fraction), bucket_mb=TINY_BUCKETS,
+        )  # fmt: skip
+        scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1)  # keeps `first` alive
+        ref_first = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
+        x, y = global_batch(0)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        mse(ref(x), y).backward()
+        first.step()  # its update is still being gathered when the new wrap comes
+        ref_first.step()
+        for module in (model, ref):
+            module.inp.requires_grad_(True)
+            module.zero_grad()
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+        )
+        with pytest.raises(RuntimeError, match="was retired: a later zero_shard.wrap"):
+            first.step()
+        assert scheduler.optimizer is first
+        train_with_torch(model, opt, ref, rank, world, where=f"taken over, fraction {fraction}")
+    # The same torch optimizer wrapped again: the same.
+    model, ref = make_model(), make_model()
     torch_opt = adamw(model)
+    first = zero_shard.wrap(torch_opt, model, bucket_mb=TINY_BUCKETS)
     opt = zero_shard.wrap(torch_opt, model, bucket_mb=TINY_BUCKETS)
-    for again in (
-        lambda: zero_shard.wrap(torch_opt, model),
-        lambda: zero_shard.wrap(adamw(model), model),
-    ):
-        with pytest.raises(RuntimeError, match="already sharded by a live ZeroShardOptimizer"):
-            again()
-    del opt
-    ref = make_model()
-    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)  # the first one is gone
-    train_with_torch(model, opt, ref, rank, world, where="the second wrapper")
+    train_with_torch(model, opt, ref, rank, world, where="the same torch optimizer again")
 
 
 @case
