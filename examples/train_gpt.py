@@ -393,14 +393,16 @@ def save_checkpoint(
         pending.result()
     extra = {
         "step": step,
-        "scheduler": trainer.scheduler.state_dict(),
         "scaler": None if trainer.scaler is None else trainer.scaler.state_dict(),
         "log": {"steps": log.steps, "val_losses": log.val_losses},
         "run": run_identity(args),
     }
     path = args.checkpoint_dir / CHECKPOINT_NAME
     save = zero_shard.checkpoint.async_save if args.async_checkpoint else zero_shard.checkpoint.save
-    return save(path, model=trainer.model, optimizer=trainer.optimizer, extra=extra)
+    return save(
+        path, model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+        extra=extra,
+    )  # fmt: skip
 
 
 def load_checkpoint(trainer: Trainer, log: Log, args: argparse.Namespace) -> int:
@@ -409,13 +411,14 @@ def load_checkpoint(trainer: Trainer, log: Log, args: argparse.Namespace) -> int
     path = args.checkpoint_dir / CHECKPOINT_NAME
     if not path.exists() and not path.with_name(path.name + ".previous").exists():
         return 0
-    extra = zero_shard.checkpoint.load(path, model=trainer.model, optimizer=trainer.optimizer)
+    extra = zero_shard.checkpoint.load(
+        path, model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler
+    )
     if extra["run"] != run_identity(args):
         raise ValueError(
             f"the checkpoint in {args.checkpoint_dir} is of another run: {extra['run']}, this "
             f"run is {run_identity(args)}; use another --checkpoint-dir or the same flags"
         )
-    trainer.scheduler.load_state_dict(extra["scheduler"])
     if trainer.scaler is not None and extra["scaler"] is not None:
         trainer.scaler.load_state_dict(extra["scaler"])
     log.steps[:] = extra["log"]["steps"]

@@ -55,6 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.optim.lr_scheduler import LRScheduler
 
 from ._optimizer import ZeroShardOptimizer
 from ._reading import read_whole
@@ -189,7 +190,10 @@ def _optim_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 
 
 def _state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any] | None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any] | None,
+    scheduler: LRScheduler | None = None,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {"model": _model_state(model, optimizer)}
     if optimizer is not None:
@@ -197,6 +201,8 @@ def _state(
     # One pickled object: DCP would flatten nested dicts and lists into keys of their own, which
     # its load then cannot match against a state dict that does not know them yet.
     state["extra"] = pickle.dumps(dict(extra or {}))
+    if scheduler is not None:
+        state["scheduler"] = pickle.dumps(scheduler.state_dict())
     state[f"rng_rank{_rank()}"] = _rng_state()
     return state
 
@@ -270,18 +276,21 @@ def save(
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    scheduler: LRScheduler | None = None,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """Saves the model, the optimizer and ``extra`` (a step counter, ...) to the directory
-    ``path``, atomically. Collective: call it on every rank.
+    """Saves the model, the optimizer, its LR scheduler and ``extra`` (a step counter, ...) to
+    the directory ``path``, atomically. Collective: call it on every rank.
 
     Args:
         path: the checkpoint directory; an earlier checkpoint there is replaced only once this
             one is complete.
         model: the model (plain, DDP-wrapped or FSDP2).
         optimizer: a ZeroShardOptimizer (or any optimizer whose state dict DCP can save).
-        extra: picklable values saved from rank 0 (a step counter, a scheduler's state dict,
-            a data-loader position), returned by ``load`` as they were.
+        scheduler: the optimizer's LR scheduler (``torch.optim.lr_scheduler``): its state dict
+            is saved, and ``load(..., scheduler=...)`` restores it.
+        extra: picklable values saved from rank 0 (a step counter, a data-loader position),
+            returned by ``load`` as they were.
             Each rank's random number generators are saved beside them and restored by ``load``.
 
     An ``async_save`` still writing is waited for first; if it failed, this raises its error
@@ -290,7 +299,7 @@ def save(
     """
     group = _meet("save")
     final, partial, previous, _ = _prepare(path, _device(model), lambda: None)
-    dcp.save(_state(model, optimizer, extra), checkpoint_id=str(partial))
+    dcp.save(_state(model, optimizer, extra, scheduler), checkpoint_id=str(partial))
     _barrier()
     _commit_on_every_rank(final, partial, previous, group)
 
@@ -383,6 +392,7 @@ def async_save(
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    scheduler: LRScheduler | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Future:
     """``save`` in the background: the state is copied to host memory now (pinned buffers, kept
@@ -403,7 +413,9 @@ def async_save(
     group = _meet("async_save")
     # The snapshot reuses the last one's buffers: _prepare waits for its write first.
     final, partial, previous, snapshot = _prepare(
-        path, _device(model), lambda: _snapshotter.snapshot(_state(model, optimizer, extra))
+        path,
+        _device(model),
+        lambda: _snapshotter.snapshot(_state(model, optimizer, extra, scheduler)),
     )
 
     def write() -> None:
@@ -481,7 +493,10 @@ class _LoadPlan(NamedTuple):
 
 
 def _load_plan(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: LRScheduler | None,
 ) -> _LoadPlan:
     """The checkpoint to load, checked against the model and optimizer, and where to read it."""
     resolved = _resolve(path)
@@ -514,6 +529,14 @@ def _load_plan(
         state["extra"] = b""  # filled by DCP
     else:  # written by dcp.save, not by save
         state.pop("extra")
+    if scheduler is not None:
+        if "scheduler" not in saved:
+            raise ValueError(
+                f"load was given a scheduler, but the checkpoint at {resolved} holds no "
+                "scheduler state (saved without scheduler=): load without it, or from a "
+                "checkpoint saved with save(..., scheduler=...)"
+            )
+        state["scheduler"] = b""  # filled by DCP
     return _LoadPlan(resolved, metadata, state, group_fqns, numbered)
 
 
@@ -553,10 +576,13 @@ def load(
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    scheduler: LRScheduler | None = None,
     restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Loads a checkpoint written by ``save`` (at any world size or offload fraction) into
-    ``model`` and ``optimizer``, in place; returns the ``extra`` dict. Collective.
+    ``model``, ``optimizer`` and its LR ``scheduler`` (saved with ``save(..., scheduler=...)``;
+    refused, before anything changes, where the checkpoint has none), in place; returns the
+    ``extra`` dict. Collective.
 
     Refuses a checkpoint whose save did not finish (``IncompleteCheckpointError``), and one of
     another model (``ValueError`` naming the FQNs: missing, unknown, or of other shapes) before
@@ -568,9 +594,10 @@ def load(
     part of the model's state dict (a replicated model's: all of it) and of the optimizer's
     state, and no accelerator memory; where that would leave less than a quarter of a host's
     memory available, it is read twice instead, in batches to verify it, then in place ([Note:
-    loads read before they write] in ``zero_shard/_reading.py``). A checkpoint that cannot be read whole (a data file
-    missing or truncated, a damaged ``.metadata``) raises ``DamagedCheckpointError`` naming the
-    file on every rank, and the model and optimizer are left as they were.
+    loads read before they write] in ``zero_shard/_reading.py``). A checkpoint that cannot be
+    read whole (a data file missing or truncated, a damaged ``.metadata``) raises
+    ``DamagedCheckpointError`` naming the file on every rank, and the model and optimizer are
+    left as they were.
 
     ``optimizer`` may also be a plain torch optimizer (the checkpoint saved from one over the same
     model, or from a ZeroShardOptimizer); one that has not stepped yet gets its state created
@@ -584,7 +611,7 @@ def load(
         _finish_pending()  # an async save may be writing this very checkpoint
         if optimizer is not None and not isinstance(optimizer, ZeroShardOptimizer):
             created.extend(create_missing_state(optimizer))
-        return _load_plan(path, model, optimizer)
+        return _load_plan(path, model, optimizer, scheduler)
 
     device = _device(model)
     optim_state: dict[str, Any] | None = None
@@ -604,6 +631,8 @@ def load(
     _load_model(model, optimizer, state["model"])
     if optimizer is not None and optim_state is not None:
         optimizer.load_state_dict(optim_state)
+    if scheduler is not None:
+        scheduler.load_state_dict(pickle.loads(state["scheduler"]))
     rng_key = f"rng_rank{_rank()}"
     if restore_rng and rng_key in state:
         _set_rng_state(state[rng_key])

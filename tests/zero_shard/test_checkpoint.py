@@ -249,6 +249,46 @@ def async_save_keeps_the_snapshot(rank: int, world: int) -> None:
         assert torch.equal(old, new.detach())
 
 
+def halving(step: int) -> float:
+    return 0.5**step
+
+
+def train_scheduled(model, opt, scheduler, rank: int, world: int, steps: range) -> None:  # type: ignore[no-untyped-def]
+    for step in steps:
+        train(model, opt, rank, world, range(step, step + 1))
+        scheduler.step()
+
+
+def a_scheduler_saved_with_the_checkpoint_resumes_its_schedule(rank: int, world: int) -> None:
+    whole, whole_opt = build(fraction=0.5)
+    whole_schedule = torch.optim.lr_scheduler.LambdaLR(whole_opt, halving)
+    train_scheduled(whole, whole_opt, whole_schedule, rank, world, range(6))
+    model, opt = build(fraction=0.5)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, halving)
+    train_scheduled(model, opt, schedule, rank, world, range(3))
+    path = folder() / "scheduled"
+    zero_shard.checkpoint.save(path, model=model, optimizer=opt, scheduler=schedule)
+    zero_shard.checkpoint.save(folder() / "unscheduled", model=model, optimizer=opt)
+    resumed, resumed_opt = build(fraction=0.5, seed=1)
+    resumed_schedule = torch.optim.lr_scheduler.LambdaLR(resumed_opt, halving)
+    before = [p.detach().clone() for p in resumed.parameters()]
+    with pytest.raises(ValueError, match="holds no scheduler state"):  # on every rank, at once
+        zero_shard.checkpoint.load(folder() / "unscheduled", model=resumed,
+                                   optimizer=resumed_opt, scheduler=resumed_schedule)  # fmt: skip
+    assert all(
+        torch.equal(a, b.detach()) for a, b in zip(before, resumed.parameters(), strict=True)
+    )
+    zero_shard.checkpoint.load(
+        path, model=resumed, optimizer=resumed_opt, scheduler=resumed_schedule
+    )
+    assert resumed_schedule.last_epoch == 3
+    assert [g["lr"] for g in resumed_opt.param_groups] == [g["lr"] for g in opt.param_groups]
+    train_scheduled(resumed, resumed_opt, resumed_schedule, rank, world, range(3, 6))
+    assert resumed_schedule.get_last_lr() == whole_schedule.get_last_lr()
+    for (name, param), expected in zip(resumed.named_parameters(), whole.parameters(), strict=True):
+        assert torch.equal(param.detach(), expected.detach()), name
+
+
 def bad_checkpoints_are_refused(rank: int, world: int) -> None:
     model, opt = build(fraction=0.0)
     other = torch.nn.Linear(3, 3)
@@ -278,6 +318,9 @@ CASES_BY_WORLD = {
         "model_only_load_trains_from_the_loaded_weights": model_only_load_trains_from_the_loaded_weights,
         "async_save_keeps_the_snapshot": async_save_keeps_the_snapshot,
         "bad_checkpoints_are_refused": bad_checkpoints_are_refused,
+        "a_scheduler_saved_with_the_checkpoint_resumes_its_schedule": (
+            a_scheduler_saved_with_the_checkpoint_resumes_its_schedule
+        ),
     },
     1: {"resume_in_one_process": resume_in_one_process},
 }
