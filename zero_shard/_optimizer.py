@@ -500,6 +500,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._hybrid.reload_model_params()
         for sharded in self._sharded:
             sharded.record_version()
+        self._unshared_writes.clear()  # every rank reloads every param here
 
     def _written_here(self) -> list[bool]:
         """Per sharded param, whether this rank saw it written since zero-shard last set it."""
@@ -513,7 +514,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             return None
         mesh, device = self._meshes.verdict_mesh, self._reduce_device
         here = self._written_here()
-        self._unshared_writes.clear()
         return start_any_rank_each(here, group=self._host_group, mesh=mesh, device=device)
 
     @torch.no_grad()
@@ -532,7 +532,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         together: a load in place into the local shards (DCP) writes nothing on a rank whose
         shard of a param is empty, so that rank alone may see no write (each rank reloads its
         own shards, which are the model's memory)."""
-        here = written() if written is not None else [s.is_stale() for s in self._sharded]
+        if written is not None:
+            here = written()
+            self._unshared_writes.clear()  # told to every rank now
+        else:
+            here = [s.is_stale() for s in self._sharded]
         raises = self.stale_params == "error"
         if raises and agree and self.kind is ModelKind.FSDP:
             mesh, device = self._meshes.verdict_mesh, self._reduce_device
@@ -624,6 +628,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._comm.refresh_shards(self._sharded)
         for sharded in self._sharded:  # the loaded state wins over the params as they are
             sharded.record_version()
+        self._unshared_writes.clear()  # every rank loads every main weight here
         self._hybrid.load_state_dict(local)
         self._comm.after_step(None)  # the params become the loaded main weights, rounded
         self.finish_param_sync()

@@ -736,6 +736,36 @@ def weights_loaded_on_rank_0_and_broadcast_are_trained_on_every_rank(rank: int, 
         opt.step()
 
 
+@case
+def a_load_after_a_save_that_saw_a_write_keeps_the_fp32_main_weights(rank: int, world: int) -> None:
+    # bf16 params, written after wrap; a save (state_dict) reloads the main weights from them on
+    # this rank and notes it for the next step; a load of fp32 main weights then supersedes it:
+    # the next step must not round them to the params' bf16 again.
+    def run(write_and_save: bool) -> dict[str, torch.Tensor]:
+        model = make_model().to(torch.bfloat16)
+        opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+        x, y = global_batch(0)
+        x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        saved = zero_shard.full_state_dict(opt)  # every rank's copy: a collective
+        if write_and_save:
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(0.5)
+            opt.state_dict()
+        zero_shard.load_full_state_dict(opt, saved)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        state = opt.state_dict()["state"]
+        return {fqn: entry["main_param"].full_tensor() for fqn, entry in state.items()}
+
+    plain, written = run(False), run(True)
+    for fqn, value in plain.items():
+        assert torch.equal(written[fqn], value), fqn
+
+
 def hooks_of(model: nn.Module) -> list[int]:
     names = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks",
              "_state_dict_hooks", "_load_state_dict_pre_hooks")  # fmt: skip
