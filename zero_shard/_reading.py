@@ -6,18 +6,20 @@ the optimizer as they were, but DCP reads into the tensors it is handed, entry b
 failure midway leaves the entries before it written. So the read goes into host memory first:
 into empty tensors of the entries' local shapes (``staged``), copied into the live model and
 optimizer once every rank has read its part. That costs this rank's part of the state in host
-memory, which a full offload cannot always spare: its optimizer state already fills the host
-(12 bytes a param). Where the staged copy would leave less than a quarter of the host's memory
-available on some rank, the checkpoint is instead read twice: first in batches of entries of at
+memory, and the optimizer's load makes its own copy beside the live state too: twice the state,
+which a full offload cannot always spare (its optimizer state already fills the host, 12 bytes
+a param). Where those would leave less than a quarter of the host's memory available on some
+rank, the checkpoint is instead read twice: first in batches of entries of at
 most ``_BATCH_BYTES`` (global) into small staged tensors, dropped after each batch, which proves
-every entry readable; then in place into the live state. The ranks agree on the route (each
-batch is a collective read), and the batches are cut from the checkpoint's own index, the same
-on every rank.
+every entry readable; then in place into the live state. What is checked against the live
+optimizer after the read (its param groups, by FQN) is checked first there, on the checkpoint's
+param groups read alone. The ranks agree on the route (each batch is a collective read), and the
+batches are cut from the checkpoint's own index, the same on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,23 +99,45 @@ def _batches(metadata: Metadata, keys: list[str]) -> list[set[str]]:
     return batches
 
 
+def _overlaid(state: dict[str, Any], read: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with the entries of ``read`` (a subset of its nested keys) in their place."""
+    out = dict(state)
+    for key, value in read.items():
+        out[key] = _overlaid(state[key], value) if isinstance(value, dict) else value
+    return out
+
+
 def read_whole(
-    state: dict[str, Any], path: Path, metadata: Metadata, *, device: torch.device
+    state: dict[str, Any],
+    path: Path,
+    metadata: Metadata,
+    *,
+    device: torch.device,
+    check: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     """Reads the checkpoint at ``path`` for ``state`` (the live state: model, optimizer, RNG)
     and returns what to load from: a staged copy, or ``state`` itself once every entry was
-    read whole in batches ([Note: loads read before they write]). A failed read raises DCP's
-    ``CheckpointException`` on every rank before anything live is written."""
-    fits = _staging_fits(_local_bytes(state))
+    read whole in batches ([Note: loads read before they write]). ``check`` (collective) sees
+    what was read before anything live is written: the whole staged copy, or the live state
+    with the checkpoint's values of its entries other than tensors (param groups, pickled
+    extras) in their place. A failed read raises DCP's ``CheckpointException`` on every rank
+    before anything live is written."""
+    # The staged copy, then the load's own copy of the optimizer state beside the live one.
+    fits = _staging_fits(2 * _local_bytes(state))
     if dist.is_initialized():
         fits = not on_any_rank(not fits, mesh=None, device=device)
     if fits:
         copy = staged(state)
         dcp.load(copy, checkpoint_id=str(path))
+        check(copy)
         return copy
+    entries = list(_entries(state))
+    light = _subset(state, {key for key, value in entries if not torch.is_tensor(value)})
+    dcp.load(light, checkpoint_id=str(path))
+    check(_overlaid(state, light))
     # Every rank's keys but its generators' (its own rng_rank<N>): those go in the first batch.
-    shared = [key for key, _ in _entries(state) if not key.startswith("rng_rank")]
-    own = {key for key, _ in _entries(state) if key.startswith("rng_rank")}
+    shared = [key for key, _ in entries if not key.startswith("rng_rank")]
+    own = {key for key, _ in entries if key.startswith("rng_rank")}
     for index, batch in enumerate(_batches(metadata, shared)):
         dcp.load(_subset(state, batch | (own if index == 0 else set())), checkpoint_id=str(path))
     dcp.load(state, checkpoint_id=str(path))

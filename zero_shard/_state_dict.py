@@ -372,12 +372,17 @@ def numbers_params(saved: Mapping[str, Any], optim_state: dict[str, Any]) -> boo
 def staged(value: Any) -> Any:
     """``value`` (a state dict) with every tensor replaced by an empty one in host memory, of its
     shape and dtype (a DTensor: of its layout, over such a local tensor): DCP reads into these,
-    and the live tensors are written only once every rank has read its part whole."""
+    and the live tensors are written only once every rank has read its part whole. A 0-dim
+    tensor (a step count, a tensor lr) keeps its device, as a read in place would."""
     if isinstance(value, DTensor):
         local = value.to_local()
         return dtensor_on(value, torch.empty(local.shape, dtype=local.dtype))
     if torch.is_tensor(value):
-        return torch.empty(value.shape, dtype=value.dtype)
+        return (
+            torch.empty_like(value)
+            if value.dim() == 0
+            else torch.empty(value.shape, dtype=value.dtype)
+        )
     if isinstance(value, dict):
         return {key: staged(item) for key, item in value.items()}
     if isinstance(value, list):

@@ -540,12 +540,14 @@ def _load_plan(
     return _LoadPlan(resolved, metadata, state, group_fqns, numbered)
 
 
-def _read(plan: _LoadPlan, device: torch.device) -> dict[str, Any]:
+def _read(
+    plan: _LoadPlan, device: torch.device, check: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
     """What to load from: the checkpoint read whole (see ``read_whole``). A read that fails on
     any rank fails on every rank (DCP shares the failures): it raises ``DamagedCheckpointError``
     there, before anything live is written."""
     try:
-        return read_whole(plan.state, plan.path, plan.metadata, device=device)
+        return read_whole(plan.state, plan.path, plan.metadata, device=device, check=check)
     except dcp.CheckpointException as err:
         errors = {rank: f[0] if isinstance(f, tuple) else f for rank, f in err.failures.items()}
         failures = "; ".join(
@@ -617,11 +619,16 @@ def load(
     optim_state: dict[str, Any] | None = None
     try:
         loading = on_every_rank(plan, mesh=None, device=device)
-        state = _read(loading, device)
+
+        def check(read: dict[str, Any]) -> None:  # on every rank, before anything is written
+            if optimizer is not None:
+                on_every_rank(
+                    lambda: _loaded_optim_state(loading, read, optimizer), mesh=None, device=device
+                )
+
+        state = _read(loading, device, check)
         if optimizer is not None:
-            optim_state = on_every_rank(
-                lambda: _loaded_optim_state(loading, state, optimizer), mesh=None, device=device
-            )
+            optim_state = _loaded_optim_state(loading, state, optimizer)  # checked: it passes
     except BaseException:  # DCP's CheckpointException is not an Exception
         for param in created:  # refused or failed: the optimizer has no state again
             optimizer.state.pop(param, None)  # type: ignore[union-attr]

@@ -221,6 +221,27 @@ def without_room_to_stage_loads_verify_first(rank: int, world: int) -> None:
     assert_same(snapshot(model, opt), snapshot(other, other_opt), "batched, then in place", EXACT)
 
 
+def other_groups(model: nn.Module) -> torch.optim.AdamW:
+    """Two param groups again, the params split between them otherwise than ``adamw``'s."""
+    params = dict(model.named_parameters())
+    first = [params.pop("inp.weight"), params.pop("inp.bias")]
+    return torch.optim.AdamW([{"params": first}, {"params": list(params.values())}], lr=1e-2)
+
+
+def a_checkpoint_of_other_param_groups_changes_nothing(rank: int, world: int) -> None:
+    # Refused once the checkpoint's param groups are read, by either route of the read: before
+    # the live model and optimizer are written.
+    save_good_checkpoint(rank, world)
+    for room in (contextlib.nullcontext, no_room_to_stage):
+        model = make_model(seed=1)
+        opt = zero_shard.wrap(other_groups(model), model, bucket_mb=TINY_BUCKETS)
+        train(model, opt, range(2), rank, world)
+        before = snapshot(model, opt)
+        with room(), pytest.raises(ValueError, match="param group 0 of the state dict does not"):
+            checkpoint.load(folder(world) / "good", model=model, optimizer=opt)
+        assert_same(snapshot(model, opt), before, f"{room.__name__}: after the refusal", EXACT)
+
+
 def a_truncated_metadata_names_its_path(rank: int, world: int) -> None:
     match = (
         r"checkpoint at .*truncated_metadata is damaged: its index .*truncated_metadata/"
@@ -396,6 +417,9 @@ DAMAGED = {
     "a_garbled_data_file_changes_nothing": a_garbled_data_file_changes_nothing,
     "a_truncated_metadata_names_its_path": a_truncated_metadata_names_its_path,
     "without_room_to_stage_loads_verify_first": without_room_to_stage_loads_verify_first,
+    "a_checkpoint_of_other_param_groups_changes_nothing": (
+        a_checkpoint_of_other_param_groups_changes_nothing
+    ),
     "a_torch_adamw_checkpoint_loads_into_zero_shard_and_back": (
         a_torch_adamw_checkpoint_loads_into_zero_shard_and_back
     ),
