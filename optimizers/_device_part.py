@@ -12,8 +12,8 @@ from offload import phase
 from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._grad_factor import scale_grads_
-from ._layout import PieceSpec
 from ._records import ParamRecord, Piece, flat_param
+from ._split import PieceSpec
 
 __all__ = ["DevicePart"]
 

@@ -12,11 +12,11 @@ import torch
 __all__ = [
     "IMPL_KEYS",
     "OptimizerSpec",
-    "StateLayout",
+    "StateKeys",
     "check_elementwise",
     "constructor_defaults",
     "implementation_kwargs",
-    "probe_state_layout",
+    "probe_state_keys",
 ]
 
 # Every element of these optimizers' update depends only on the same element of the param, grad
@@ -130,14 +130,14 @@ class OptimizerSpec:
 
 
 @dataclass(frozen=True)
-class StateLayout:
+class StateKeys:
     """The per-parameter state an optimizer keeps, learned by stepping it once on a probe."""
 
     elementwise_keys: tuple[str, ...]  # tensors shaped like the param ("exp_avg", ...)
     scalar_keys: tuple[str, ...]  # one value per param ("step", ...)
 
 
-def probe_state_layout(spec: OptimizerSpec, hyperparams: dict[str, Any]) -> StateLayout:
+def probe_state_keys(spec: OptimizerSpec, hyperparams: dict[str, Any]) -> StateKeys:
     """Steps the optimizer once on a small CPU probe with the hyperparameters of one param group
     and sorts the state it creates.
 
@@ -163,4 +163,4 @@ def probe_state_layout(spec: OptimizerSpec, hyperparams: dict[str, Any]) -> Stat
                 f"{tuple(getattr(value, 'shape', ()))} for a param of shape {tuple(probe.shape)}: "
                 "not elementwise, so it cannot be split between devices"
             )
-    return StateLayout(tuple(elementwise), tuple(scalars))
+    return StateKeys(tuple(elementwise), tuple(scalars))

@@ -94,8 +94,8 @@ from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._group_options import leave_kernel_where_unmet, snapshot_hyperparams
 from ._host_step import ChunkJob, HostStep
-from ._layout import ChunkSpec
 from ._records import ParamRecord, Piece, flat_param
+from ._split import ChunkSpec
 
 __all__ = ["MERGE_CHUNKS", "STAGING_SLOTS", "HostChunk", "HostPart", "choose_staging"]
 

@@ -25,17 +25,17 @@ from ._device_part import DevicePart
 from ._elementwise import (
     IMPL_KEYS,
     OptimizerSpec,
-    StateLayout,
+    StateKeys,
     check_elementwise,
     constructor_defaults,
-    probe_state_layout,
+    probe_state_keys,
 )
 from ._group_options import check_impl_flags, check_wrapped_groups, prepare_amsgrad_state
 from ._host_part import HostPart
 from ._host_step import HostStep
-from ._layout import ChunkSpec, ParamInfo, plan_layout
 from ._policy import OffloadPolicy
 from ._records import ParamRecord, flat_grad, flat_param
+from ._split import ChunkSpec, ParamInfo, plan_split
 from ._state import (
     StateView,
     check_saved_state,
@@ -187,7 +187,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     #                               CPUOffloadPolicy), for other passes over them and their grads
     #                               too (norms, clipping); None where they are on an accelerator
     _host: HostPart
-    _layouts: list[StateLayout]  # per param group: the state the optimizer keeps per param
+    _state_keys: list[StateKeys]  # per param group: the state the optimizer keeps per param
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
     _warned_ignored: bool
     _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over: its
@@ -307,35 +307,35 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for record in records:
             _check_param(record.param, record.index, device)
         trainable = [record for record in records if record.param.requires_grad]
-        layout = plan_layout(
+        split = plan_split(
             [ParamInfo(r.param.numel(), r.group_index, r.param.dtype) for r in trainable],
             self.policy.fraction,
             self.policy.chunk_numel,
         )
-        layouts = [probe_state_layout(self._optimizer_spec, group) for group in self.param_groups]
+        state_keys = [probe_state_keys(self._optimizer_spec, group) for group in self.param_groups]
         # A delayed update's CPU step runs while the main thread queues forward and backward
         # and autograd's thread runs backward: two cores are left to them (measured on one H100
         # host: 276-281 ms an iteration with 14 of 16 threads, 334-355 with 16).
         keep_free = 2 if self.policy.delayed_update else 0
         # Params on the host (a CPU run, FSDP2's CPUOffloadPolicy) are stepped in place by the
         # device part, on the caller's thread: with the budget, not torchrun's one thread.
-        on_host = device.type == "cpu" and bool(layout.device_pieces)
+        on_host = device.type == "cpu" and bool(split.device_pieces)
         threads = (
             resolve_thread_budget(self.policy.num_threads, keep_free=keep_free)
-            if layout.host_chunks or on_host
+            if split.host_chunks or on_host
             else None
         )
         self.host_num_threads = threads.num_threads if on_host else None
         self._host = HostPart(
             trainable,
-            layout.host_chunks,
+            split.host_chunks,
             self.param_groups,
             self._optimizer_spec,
             device,
             pin_memory=self.policy.pin_memory,
             threads=threads,
-            num_state_tensors=max(len(layout.elementwise_keys) for layout in layouts),
-            kernel=self._select_cpu_kernel(layout.host_chunks, threads),
+            num_state_tensors=max(len(keys.elementwise_keys) for keys in state_keys),
+            kernel=self._select_cpu_kernel(split.host_chunks, threads),
             # A delayed update's weights wait in staging until the next backward is done: a buffer
             # per chunk, and no grads copied into the buffers before that.
             staging="per_chunk" if self.policy.delayed_update else self.policy.host_staging,
@@ -344,18 +344,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
         self._device = DevicePart(
             trainable,
-            layout.device_pieces,
+            split.device_pieces,
             self.param_groups,
             self._optimizer_spec,
             device,
             self.policy.device_impl,
         )
         self._num_elements = (
-            layout.num_elements - layout.num_host_elements,
-            layout.num_host_elements,
+            split.num_elements - split.num_host_elements,
+            split.num_host_elements,
         )
-        init_state(trainable, self.optimizer_cls, layouts)
-        self._layouts = layouts
+        init_state(trainable, self.optimizer_cls, state_keys)
+        self._state_keys = state_keys
         self._records = records
 
     def _select_cpu_kernel(
@@ -759,11 +759,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for piece in record.pieces:
                     piece.optimizer.state.pop(piece.main, None)
                 continue
-            scatter_state(record, saved, self._layouts[record.group_index].elementwise_keys)
+            scatter_state(record, saved, self._state_keys[record.group_index].elementwise_keys)
             main = saved.get("main_param")
             if main is not None:
                 self._load_main(record, main)
-        init_state(self._records, self.optimizer_cls, self._layouts)
+        init_state(self._records, self.optimizer_cls, self._state_keys)
         self._host.num_updates = self._state_step_count()
 
     def _state_step_count(self) -> int:

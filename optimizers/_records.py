@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._layout import PieceSpec
+from ._split import PieceSpec
 
 __all__ = ["ParamRecord", "Piece", "flat_grad", "flat_param"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._elementwise import StateLayout
+from ._elementwise import StateKeys
 from ._records import ParamRecord, Piece
 
 __all__ = [
@@ -64,16 +64,16 @@ def _starts_zero(cls: type, group: dict[str, Any]) -> bool:
     return issubclass(cls, torch.optim.SGD) and group.get("dampening", 0) == 0
 
 
-def init_state(records: Iterable[ParamRecord], cls: type, layouts: Sequence[StateLayout]) -> None:
+def init_state(records: Iterable[ParamRecord], cls: type, state_keys: Sequence[StateKeys]) -> None:
     """Creates, for every piece without state, the state its optimizer would create at its first
     step, where that state is known to start at zero (``_ZERO_INITIAL_STATE``; SGD without
     dampening). Other optimizers create their state at the first step, as in torch.
 
-    ``layouts[g]`` is the state layout of the user's param group ``g``.
+    ``state_keys[g]`` is the state kept per param in the user's param group ``g``.
     """
     for record in records:
-        layout = layouts[record.group_index]
-        if any(key != "step" for key in layout.scalar_keys):
+        keys = state_keys[record.group_index]
+        if any(key != "step" for key in keys.scalar_keys):
             continue  # a scalar other than the step count starts non-zero: stay lazy
         for piece in record.pieces:
             if piece.state or not _keeps_state_of(piece.optimizer, cls):
@@ -82,9 +82,9 @@ def init_state(records: Iterable[ParamRecord], cls: type, layouts: Sequence[Stat
             if not _starts_zero(cls, group):
                 continue
             state: dict[str, Any] = {}
-            if "step" in layout.scalar_keys:
+            if "step" in keys.scalar_keys:
                 state["step"] = _step_tensor(0.0, piece, group)
-            for key in layout.elementwise_keys:
+            for key in keys.elementwise_keys:
                 state[key] = torch.zeros_like(piece.main, memory_format=torch.contiguous_format)
             piece.optimizer.state[piece.main] = state
 

@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from optimizers._layout import ParamInfo, plan_layout
+from optimizers._split import ParamInfo, plan_split
 
 BF16, FP32 = torch.bfloat16, torch.float32
 PARAMS = [
@@ -30,7 +30,7 @@ def covered(layout, params):
     ("fraction", "chunk"), list(itertools.product([0.0, 0.37, 0.5, 0.999, 1.0], [1, 8, 64, 10_000]))
 )
 def test_every_element_once_and_fraction_exact(fraction: float, chunk: int) -> None:
-    layout = plan_layout(PARAMS, fraction, chunk)
+    layout = plan_split(PARAMS, fraction, chunk)
     total = sum(p.numel for p in PARAMS)
     assert layout.num_elements == total
     assert layout.num_host_elements == round(fraction * total)
@@ -43,7 +43,7 @@ def test_every_element_once_and_fraction_exact(fraction: float, chunk: int) -> N
 
 
 def test_last_params_go_first_and_split_is_a_tail() -> None:
-    layout = plan_layout(PARAMS, 0.3, 64)
+    layout = plan_split(PARAMS, 0.3, 64)
     num_host = layout.num_host_elements  # 122 of 406
     host = sorted((p.param_index, p.start, p.numel) for c in layout.host_chunks for p in c.pieces)
     # params 6, 5, 4 whole (48 elements), then the last 74 elements of param 3
@@ -56,6 +56,6 @@ def test_last_params_go_first_and_split_is_a_tail() -> None:
 
 def test_params_smaller_than_a_chunk_are_not_cut() -> None:
     params = [ParamInfo(10, 0, BF16)] * 5
-    layout = plan_layout(params, 1.0, 25)
+    layout = plan_split(params, 1.0, 25)
     assert [len(c.pieces) for c in layout.host_chunks] == [2, 2, 1]
     assert all(p.numel == 10 for c in layout.host_chunks for p in c.pieces)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ChunkSpec", "Layout", "ParamInfo", "PieceSpec", "plan_layout"]
+__all__ = ["ChunkSpec", "DeviceSplit", "ParamInfo", "PieceSpec", "plan_split"]
 
 
 class ParamInfo(NamedTuple):
@@ -45,7 +45,7 @@ class ChunkSpec:
 
 
 @dataclass(frozen=True)
-class Layout:
+class DeviceSplit:
     """The split of every parameter between the accelerator and the CPU."""
 
     device_pieces: tuple[PieceSpec, ...]  # the head of each param kept on the accelerator
@@ -54,7 +54,7 @@ class Layout:
     num_elements: int
 
 
-def plan_layout(params: Sequence[ParamInfo], fraction: float, chunk_numel: int) -> Layout:
+def plan_split(params: Sequence[ParamInfo], fraction: float, chunk_numel: int) -> DeviceSplit:
     """Splits ``params`` so that ``fraction`` of all elements, to the element, go to the CPU.
 
     The CPU takes elements from the end: the last parameters whole, then the tail of the one
@@ -95,4 +95,4 @@ def plan_layout(params: Sequence[ParamInfo], fraction: float, chunk_numel: int) 
             pending_key = key
     if pending:
         chunks.append(ChunkSpec(pending_key[0], pending_key[1], tuple(pending)))
-    return Layout(device_pieces, tuple(chunks), num_host, num_elements)
+    return DeviceSplit(device_pieces, tuple(chunks), num_host, num_elements)
