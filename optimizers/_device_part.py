@@ -12,6 +12,7 @@ from offload import phase
 from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._grad_factor import scale_grads_
+from ._policy import DeviceImpl
 from ._records import ParamRecord, Piece, flat_param
 from ._split import PieceSpec
 
@@ -57,7 +58,7 @@ class DevicePart:
         groups: Sequence[dict[str, Any]],
         optimizer_spec: OptimizerSpec,
         device: torch.device,
-        impl: str,
+        impl: DeviceImpl,
     ) -> None:
         self.rounds, self.pieces, self._main_flats = [], [], []
         scratch_numel = 0

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ._elementwise import IMPL_KEYS, OptimizerSpec, implementation_kwargs
+from ._policy import DeviceImpl
 
 __all__ = ["FusedAdamAdapter", "build_sub_optimizer"]
 
@@ -38,7 +39,7 @@ def _is_decoupled(cls: type, group: dict[str, Any]) -> bool:
     return bool(group.get("decoupled_weight_decay", issubclass(cls, torch.optim.AdamW)))
 
 
-def _check_options(impl: str, cls: type, group: dict[str, Any], adam_w_mode: bool) -> None:
+def _check_options(impl: DeviceImpl, cls: type, group: dict[str, Any], adam_w_mode: bool) -> None:
     for key in _UNSUPPORTED:
         if group.get(key):
             raise ValueError(
@@ -72,7 +73,7 @@ class FusedAdamAdapter(torch.optim.Optimizer):
     """
 
     optimizer_cls: type[torch.optim.Optimizer]  # the torch class whose math and state it keeps
-    _impl: str  # "apex" or "te", for messages
+    _impl: DeviceImpl  # "apex" or "te", for messages
     _adam_w_mode: bool
     _fused: torch.optim.Optimizer | None  # FusedAdam over the non-empty params; None if none
 
@@ -80,7 +81,7 @@ class FusedAdamAdapter(torch.optim.Optimizer):
         self,
         groups: list[dict[str, Any]],
         *,
-        impl: str,
+        impl: DeviceImpl,
         optimizer_cls: type[torch.optim.Optimizer],
         fused_adam: Callable[..., torch.optim.Optimizer],
     ) -> None:
@@ -179,7 +180,7 @@ class FusedAdamAdapter(torch.optim.Optimizer):
 
 
 def _build_fused_adam(
-    impl: str, spec: OptimizerSpec, groups: list[dict[str, Any]]
+    impl: DeviceImpl, spec: OptimizerSpec, groups: list[dict[str, Any]]
 ) -> FusedAdamAdapter:
     cls = spec.cls
     if not issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
@@ -199,7 +200,7 @@ def build_sub_optimizer(
     spec: OptimizerSpec,
     groups: list[dict[str, Any]],
     device_type: str,
-    impl: str = "torch",
+    impl: DeviceImpl = "torch",
 ) -> torch.optim.Optimizer:
     """Builds the user's optimizer over ``groups`` (param lists plus hyperparameters) for
     ``device_type``, with the user's constructor arguments.

@@ -33,7 +33,7 @@ from ._elementwise import (
 from ._group_options import check_impl_flags, check_wrapped_groups, prepare_amsgrad_state
 from ._host_part import HostPart
 from ._host_step import HostStep
-from ._policy import OffloadPolicy
+from ._policy import OffloadPolicy, StagingKind
 from ._records import ParamRecord, flat_grad, flat_param
 from ._split import ChunkSpec, ParamInfo, plan_split
 from ._state import (
@@ -59,7 +59,7 @@ class MemoryReport:
     pinned: bool | None  # whether the staging buffers are pinned; None when nothing is offloaded
     num_device_elements: int
     num_host_elements: int
-    host_staging: str  # "bounded" or "per_chunk": OffloadPolicy.host_staging, "auto" resolved
+    host_staging: StagingKind  # OffloadPolicy.host_staging, "auto" resolved
 
 
 def check_param_kind(param: torch.Tensor, name: str) -> None:
@@ -625,7 +625,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._host.grads_ready(flat)
 
     @property
-    def host_staging(self) -> str:
+    def host_staging(self) -> StagingKind:
         """The staging in use, ``"bounded"`` or ``"per_chunk"``: ``OffloadPolicy.host_staging``
         with ``"auto"`` resolved for this host (``"bounded"`` where nothing is offloaded), or
         ``"per_chunk"`` for a delayed update. It says when the grads given to

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from offload import check_switch_interval
 
-__all__ = ["CPU_KERNELS", "DEVICE_IMPLS", "HOST_STAGING", "OffloadPolicy"]
+__all__ = ["CpuKernel", "DeviceImpl", "HostStaging", "OffloadPolicy", "StagingKind"]
 
-DEVICE_IMPLS = ("torch", "apex", "te")
-CPU_KERNELS = ("auto", "fused", "torch")
-HOST_STAGING = ("auto", "bounded", "per_chunk")
+DeviceImpl = Literal["torch", "apex", "te"]
+CpuKernel = Literal["auto", "fused", "torch"]
+HostStaging = Literal["auto", "bounded", "per_chunk"]
+StagingKind = Literal["bounded", "per_chunk"]  # HostStaging with "auto" resolved
 
 
 @dataclass(frozen=True)
@@ -109,11 +111,11 @@ class OffloadPolicy:
     pin_memory: bool = True
     num_threads: int | None = None
     chunk_numel: int = 1 << 26
-    device_impl: str = "torch"
-    cpu_kernel: str = "auto"
+    device_impl: DeviceImpl = "torch"
+    cpu_kernel: CpuKernel = "auto"
     delayed_update: bool = False
     delayed_update_warmup: int = 0
-    host_staging: str = "auto"
+    host_staging: HostStaging = "auto"
     gil_switch_interval: float | None = 0.0005
 
     def __post_init__(self) -> None:
@@ -150,12 +152,14 @@ class OffloadPolicy:
         chunk = self.chunk_numel
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk_numel must be a positive integer, got {chunk!r}")
-        if self.cpu_kernel not in CPU_KERNELS:
-            raise ValueError(f"cpu_kernel must be one of {CPU_KERNELS}, got {self.cpu_kernel!r}")
-        if self.host_staging not in HOST_STAGING:
-            raise ValueError(
-                f"host_staging must be one of {HOST_STAGING}, got {self.host_staging!r}"
-            )
+        # The mode strings are checked here once; the code past it switches on checked values.
+        for name, kind in (("cpu_kernel", CpuKernel), ("host_staging", HostStaging)):
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(
+                    f"{name} must be one of {get_args(kind)}, got {getattr(self, name)!r}"
+                )
         check_switch_interval(self.gil_switch_interval)
-        if self.device_impl not in DEVICE_IMPLS:
-            raise ValueError(f"device_impl must be one of {DEVICE_IMPLS}, got {self.device_impl!r}")
+        if self.device_impl not in get_args(DeviceImpl):
+            raise ValueError(
+                f"device_impl must be one of {get_args(DeviceImpl)}, got {self.device_impl!r}"
+            )
