@@ -341,7 +341,7 @@ class KernelTable:
         )
 
     def backs(self, states: Sequence[dict[str, Any]]) -> bool:
-        """Whether ``states`` (the pieces' state dicts, in order) hold the tensors it points into."""
+        """Whether ``states`` (the pieces' state dicts, in order) hold the tensors it reads."""
         return len(states) == len(self._held) and all(
             state.get("exp_avg") is held.exp_avg
             and state.get("exp_avg_sq") is held.exp_avg_sq

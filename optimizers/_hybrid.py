@@ -495,19 +495,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ) -> HostStep:
         """Starts a step and returns before the CPU's share of it is done.
 
-        The accelerator's share is stepped on the current stream; the CPU's share runs on the
-        worker thread, chunk by chunk in ``need_order`` (every param index over all param groups,
-        as in ``state_dict()``, in the order the new weights will be needed; default: index
-        order; a chunk whose grads :meth:`grads_ready` copied may go first while the first is
-        still on its way). The returned :class:`HostStep` completes it: ``wait_for(indices)``
-        once the params with those indices are needed, ``wait()`` for all; each makes the
-        current stream see the new weights (a stream wait; the host goes on). Anything else that
-        reads or writes the optimizer's state (``step``, ``state_dict``, ``load_state_dict``,
-        ``reload_model_params``, ``param_state``) completes it first. The model's params of the CPU's share must not be
-        read (no forward) before their chunks are completed, and the grads not written (no
-        backward) before the whole step is. The chunks may be completed from another thread than
-        the one that launched the step (each caller's current stream is made to wait).
-        ``grad_scale``, ``found_inf`` and ``grad_factor`` are as for :meth:`step`. With
+        The accelerator's share is stepped on the current stream; the CPU's share runs on the worker
+        thread, chunk by chunk in ``need_order`` (every param index over all param groups, as in
+        ``state_dict()``, in the order the new weights will be needed; default: index order; a chunk
+        whose grads :meth:`grads_ready` copied may go first while the first is still on its way).
+        The returned :class:`HostStep` completes it: ``wait_for(indices)`` once the params with
+        those indices are needed, ``wait()`` for all; each makes the current stream see the new
+        weights (a stream wait; the host goes on). Anything else that reads or writes the
+        optimizer's state (``step``, ``state_dict``, ``load_state_dict``, ``reload_model_params``,
+        ``param_state``) completes it first. The model's params of the CPU's share must not be read
+        (no forward) before their chunks are completed, and the grads not written (no backward)
+        before the whole step is. The chunks may be completed from another thread than the one that
+        launched the step (each caller's current stream is made to wait). ``grad_scale``,
+        ``found_inf`` and ``grad_factor`` are as for :meth:`step`. With
         ``OffloadPolicy(delayed_update=True)`` past its warm-up the returned step's ``delayed`` is
         True: its weights are for the next step, which completes it (as :meth:`step` does).
         """

@@ -1,8 +1,8 @@
 """The collectives and the copies around them, as free functions over explicit tensors and groups.
 
 Copies between a parameter (or its grad) and a bucket's padded, rank-major layout are in
-[Note: bucket layout] (``_bucket_layout.py``). Each function here does one thing and returns what the
-caller needs to order later work (a ``Work`` handle, or nothing for stream-ordered copies).
+[Note: bucket layout] (``_bucket_layout.py``). Each function here does one thing and returns
+what the caller needs to order later work (a ``Work`` handle, or nothing for stream-ordered copies).
 """
 
 from __future__ import annotations

@@ -56,8 +56,11 @@ class _PlainReduce:
     """A module's ``__reduce_ex__``: its class's, less zero-shard's hooks, once ``before(module)``
     made the params current."""
 
+    _module: weakref.ref[nn.Module]  # weakly: the module holds this, no cycle keeps it alive
+    _before: Callable[[nn.Module], None]  # waits for the gathers into the module's params
+
     def __init__(self, module: nn.Module, before: Callable[[nn.Module], None]) -> None:
-        self._module = weakref.ref(module)  # the module holds this: no cycle keeps it alive
+        self._module = weakref.ref(module)
         self._before = before
 
     def __call__(self, protocol: int) -> Any:
@@ -76,14 +79,15 @@ class PlainCopies:
     once ``before(module)`` returns (it waits for the gathers in flight); a hook handle of sorts:
     ``remove()`` gives the modules their class's reduce back."""
 
+    _reduces: list[tuple[weakref.ref[nn.Module], _PlainReduce]]  # each module's, set by this
+
     def __init__(
         self, modules: Iterable[nn.Module], *, before: Callable[[nn.Module], None]
     ) -> None:
-        self._reduces: list[tuple[weakref.ref[nn.Module], _PlainReduce]] = []
+        self._reduces = []
         for module in modules:
-            reduce = _PlainReduce(
-                module, before
-            )  # drops every wrapper's hooks, not only this one's
+            # It leaves out every wrapper's hooks, not only this one's.
+            reduce = _PlainReduce(module, before)
             module.__dict__[_REDUCE] = reduce
             self._reduces.append((weakref.ref(module), reduce))
 

@@ -42,6 +42,12 @@ class _WaitHook:
     """A forward pre-hook: waits for the buckets ``own``, then for those of each unit below the
     module that has not run yet; a unit's (``unit``: its place in the plan) notes that it ran."""
 
+    _gatherer: weakref.ref[ParamGatherer]  # weakly: the hooks must not keep the optimizer alive
+    _own: list[int]  # buckets of the params of its subtree outside the units below it
+    _below: list[tuple[int, list[int]]]  # (unit, its buckets) for each unit in its subtree
+    _not_run: set[int]  # shared by all hooks of the model: units whose forward has not run yet
+    _unit: int | None  # its place in the plan, where the module is a unit
+
     def __init__(
         self,
         gatherer: ParamGatherer,
@@ -50,10 +56,10 @@ class _WaitHook:
         not_run: set[int],
         unit: int | None,
     ) -> None:
-        self._gatherer = weakref.ref(gatherer)  # the hooks must not keep the optimizer alive
+        self._gatherer = weakref.ref(gatherer)
         self._own = own
-        self._below = below  # (unit, its buckets) for each unit in the module's subtree
-        self._not_run = not_run  # shared by all hooks of the model: units yet to run
+        self._below = below
+        self._not_run = not_run
         self._unit = unit
         mark_hook(self)
 

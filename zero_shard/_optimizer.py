@@ -90,13 +90,13 @@ def _origin() -> tuple[int, int]:
 class ZeroShardOptimizer(torch.optim.Optimizer):
     """An elementwise torch optimizer whose state is sharded over the data-parallel ranks.
 
-    Built by :func:`wrap`, which takes this constructor's arguments and documents them. Each model param's fp32 main weight,
-    grad and optimizer state are split by rows over the mesh (``Shard(0)``, ``torch.chunk``
-    semantics, as FSDP2; a 0-dim param is kept whole on every rank, ``Replicate()``: [Note:
-    0-dim params]); this rank's rows are stepped by a :class:`HybridDeviceOptimizer`,
-    which moves ``offload.fraction`` of them to the CPU. ``param_groups`` are the wrapped
-    optimizer's own dicts (LR schedulers built on either work), and ``state[param]`` shows a
-    param's state as DTensors with the param's global shape.
+    Built by :func:`wrap`, which takes this constructor's arguments and documents them. Each model
+    param's fp32 main weight, grad and optimizer state are split by rows over the mesh
+    (``Shard(0)``, ``torch.chunk`` semantics, as FSDP2; a 0-dim param is kept whole on every rank,
+    ``Replicate()``: [Note: 0-dim params]); this rank's rows are stepped by a
+    :class:`HybridDeviceOptimizer`, which moves ``offload.fraction`` of them to the CPU.
+    ``param_groups`` are the wrapped optimizer's own dicts (LR schedulers built on either work), and
+    ``state[param]`` shows a param's state as DTensors with the param's global shape.
     """
 
     kind: ModelKind
@@ -646,9 +646,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def main_grad(self, param: torch.Tensor) -> DTensor | None:
         """The param's reduced grad as a DTensor (``Shard(0)`` over the mesh, ``Replicate()``
-        for a 0-dim param; the param's global shape), or ``None`` if it has none; valid from the end of a backward (one outside
-        ``no_sync()``) until ``zero_grad``. It communicates nothing: any rank may call it. Under
-        fp16 loss scaling it still carries the scale until the step."""
+        for a 0-dim param; the param's global shape), or ``None`` if it has none; valid from the
+        end of a backward (one outside ``no_sync()``) until ``zero_grad``. It communicates
+        nothing: any rank may call it. Under fp16 loss scaling it still carries the scale until
+        the step."""
         for sharded in self._sharded:
             if sharded.param is param:
                 self._finalize_grads(reduce=False)  # no collective: any rank may call it

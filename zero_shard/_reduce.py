@@ -68,7 +68,7 @@ __all__ = ["GradReducer"]
 
 
 class GradReducer:
-    """Reduces the grads of a replicated model into per-bucket shards; see [Note: grad reduction]."""
+    """Reduces the grads of a replicated model into per-bucket shards ([Note: grad reduction])."""
 
     buckets: list[Bucket]
     enabled: bool  # False inside no_sync(): grads accumulate unreduced in the model's .grad

@@ -233,7 +233,7 @@ def _prepare(
 
 
 def _commit(final: Path, partial: Path, previous: Path) -> None:
-    """Rank 0: marks ``partial`` complete and moves it into place; see [Note: atomic checkpoints]."""
+    """Rank 0: marks ``partial`` complete and moves it into place ([Note: atomic checkpoints])."""
     if _rank() != 0:
         return
     info = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}

@@ -296,7 +296,7 @@ def bad_checkpoints_are_refused(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="has 2 param groups, this optimizer has 1"):
         other_opt.load_state_dict(opt.state_dict())
     groups = [{"params": [other.weight]}, {"params": [other.bias]}]
-    del other_opt  # one live wrapper per param
+    del other_opt
     other_opt = zero_shard.wrap(torch.optim.AdamW(groups), other)
     with pytest.raises(
         ValueError, match=r"does not hold this optimizer's params: missing \['weight'\]"

@@ -204,7 +204,7 @@ def fullgraph_with_overlap_names_the_fix(rank: int, world: int) -> None:
             torch._dynamo.exc.Unsupported, match=r"overlap_param_gather=False\).*fullgraph=False"
         ):
             compiled(local_slice(tokens(0), rank, world))
-        del opt  # one live wrapper per param
+        del opt
 
 
 @pytest.fixture(scope="module", params=[1, 2])

@@ -178,7 +178,7 @@ def trains_like_torch_at_each_stage_and_fraction(rank: int, world: int) -> None:
             clip = 0.05 if stage == 2 else None
             train_both(model, opt, ref, ref_opt, rank, world, range(STEPS),
                        f"{world} ranks, stage {stage}, fraction {fraction}", clip=clip)  # fmt: skip
-            del opt  # one live wrapper per param
+            del opt
 
 
 def ddp_model_trains_like_torch(rank: int, world: int) -> None:
