@@ -429,15 +429,20 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         # Gathers of the last step read the shards this step writes: they must be done (a
         # delayed update's are issued below, after this step's launch completed its writes).
         self._comm.finish()
-        # The ranks' writes are agreed on in the background while the host readies the step.
+        # The ranks' writes are agreed on in the background while the host readies the step;
+        # with nothing to agree on, they are checked at once (a model converted since wrap is
+        # refused there, before its grads are reduced).
         written = self._start_agreeing_on_writes()
+        if written is None:
+            self._check_stale(agree=True)
         for group_index, group in enumerate(self._hybrid.param_groups):
             group.update(self._hyperparams(group_index))
         self._finalize_grads()
         if self._window_norm is not None and self._comm.grads_marker() != self._clipped_marker:
             self._window_norm = None  # grads changed since the clip: its norm is not theirs
         self._read_skips(block=True)  # the last step's verdict, on the host long since
-        self._check_stale(agree=True, written=written)
+        if written is not None:
+            self._check_stale(agree=True, written=written)
         try:
             skip, found_inf = self._check_nonfinite()
             if skip:
