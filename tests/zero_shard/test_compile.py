@@ -172,6 +172,9 @@ def train_against_torch(
     for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert_close(param.detach(), ref_param.detach(), f"{where}: {name}")
     assert counters["stats"]["unique_graphs"] > 0, f"{where}: nothing was compiled"
+    # With overlap the waits are graph breaks, run eagerly; without, they are not in the graphs.
+    waits = sum(n for reason, n in counters["graph_break"].items() if "zero-shard's" in reason)
+    assert (waits > 0) == overlap, f"{where}: {waits} graph breaks at zero-shard's waits"
 
 
 @case
