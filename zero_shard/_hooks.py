@@ -23,8 +23,10 @@ Every hook is marked as zero-shard's: copies of the model leave them out ([Note:
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -38,6 +40,33 @@ from ._units import UnitPlan, runs
 __all__ = ["register_param_waits"]
 
 
+_WARN_AFTER = 3  # forwards after a step with units not run yet, before saying it costs overlap
+
+
+@dataclass
+class _UnitsNotRun:
+    """The units whose forward has not run yet (places in the plan), shared by a model's hooks;
+    while some remain, forwards after a step wait for them early (the root's counts them)."""
+
+    places: set[int]
+    names: dict[int, str]  # every unit's, by place
+    num_early_waits: int = 0
+
+    def note_early_wait(self) -> None:
+        self.num_early_waits += 1
+        if self.num_early_waits == _WARN_AFTER:
+            shown = [self.names[place] for place in sorted(self.places)][:5]
+            warnings.warn(
+                f"zero-shard: units {shown} ({len(self.places)} in all) have not run in "
+                f"{_WARN_AFTER} forwards after a step (their parent calls their children or "
+                "reads their params itself, or they are idle): the modules above them wait for "
+                "their params, so the gathers no longer overlap the forward before them. Pass "
+                "wrap(units=...) modules that run, as one picks fully_shard targets",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
 class _WaitHook:
     """A forward pre-hook: waits for the buckets ``own``, then for those of each unit below the
     module that has not run yet; a unit's (``unit``: its place in the plan) notes that it ran."""
@@ -45,7 +74,7 @@ class _WaitHook:
     _gatherer: weakref.ref[ParamGatherer]  # weakly: the hooks must not keep the optimizer alive
     _own: list[int]  # buckets of the params of its subtree outside the units below it
     _below: list[tuple[int, list[int]]]  # (unit, its buckets) for each unit in its subtree
-    _not_run: set[int]  # shared by all hooks of the model: units whose forward has not run yet
+    _not_run: _UnitsNotRun  # shared by all hooks of the model
     _unit: int | None  # its place in the plan, where the module is a unit
 
     def __init__(
@@ -53,7 +82,7 @@ class _WaitHook:
         gatherer: ParamGatherer,
         own: list[int],
         below: list[tuple[int, list[int]]],
-        not_run: set[int],
+        not_run: _UnitsNotRun,
         unit: int | None,
     ) -> None:
         self._gatherer = weakref.ref(gatherer)
@@ -64,7 +93,7 @@ class _WaitHook:
         mark_hook(self)
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        not_run = self._not_run
+        not_run = self._not_run.places
         if not_run and self._unit is not None:
             not_run.discard(self._unit)
         gatherer = self._gatherer()
@@ -72,6 +101,8 @@ class _WaitHook:
             return
         gatherer.wait_for(self._own)
         if not_run:
+            if self._unit == 0:
+                self._not_run.note_early_wait()
             for unit, indices in self._below:
                 if unit in not_run:
                     gatherer.wait_for(indices)
@@ -127,7 +158,8 @@ def register_param_waits(
 
     unit_indices = [indices_of(unit.param_ids) for unit in plan.units]
     unit_of = {id(unit.module): place for place, unit in enumerate(plan.units) if place}
-    not_run = set(range(1, len(plan.units)))
+    names = {place: unit.name for place, unit in enumerate(plan.units)}
+    not_run = _UnitsNotRun(set(range(1, len(plan.units))), names)
     waits = _subtree_waits(model, unit_of)
     handles = []
     for module in model.modules():

@@ -635,10 +635,14 @@ def containers_that_never_run_are_looked_through(rank: int, world: int) -> None:
 def a_unit_that_never_runs_is_waited_for_by_the_module_above(rank: int, world: int) -> None:
     late = sleepy_all_gather(0.01)
     for units_of in (None, lambda model: list(model.blocks)):
-        train_against_torch(
-            rank, world, CallsAroundBlocks, bucket_mb=ONE_PER_BUCKET, all_gather=late,
-            units_of=units_of,
-        )  # fmt: skip
+        # It costs the overlap, and says so once, after three forwards.
+        with pytest.warns(
+            RuntimeWarning, match=r"units \['blocks.0', 'blocks.1'\] \(2 in all\) have"
+        ):
+            train_against_torch(
+                rank, world, CallsAroundBlocks, bucket_mb=ONE_PER_BUCKET, all_gather=late,
+                units_of=units_of,
+            )  # fmt: skip
 
 
 @case
