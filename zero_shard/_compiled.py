@@ -55,21 +55,38 @@ _run_eagerly_skipped = torch.compiler.disable(_run_eagerly, reason=_BREAK_REASON
 
 
 class CompileAwareHook:
-    """A forward hook (pre or post, any signature) run as [Note: compiled models] says: as it is
-    in eager code; in compiled code through a graph break where the gathers overlap the forward,
-    else not at all."""
+    """A forward hook (pre or post, any signature) run as [Note: compiled models] says: ``run``
+    as it is in eager code; in compiled code through a graph break where the gathers overlap
+    the forward, else not at all. Subclasses define ``run``; :meth:`of` wraps a function."""
 
-    _hook: Callable[..., Any]  # the eager hook
     _overlap: bool  # gathers may be in flight when it runs: compiled code must break to wait
 
-    def __init__(self, hook: Callable[..., Any], *, overlap: bool) -> None:
-        self._hook = hook
+    def __init__(self, *, overlap: bool) -> None:
         self._overlap = overlap
         mark_hook(self)
 
+    def run(self, *args: Any) -> Any:
+        raise NotImplementedError
+
     def __call__(self, *args: Any) -> Any:
         if not torch.compiler.is_compiling():
-            return self._hook(*args)
+            return self.run(*args)
         if self._overlap:
-            return _run_eagerly_skipped(self._hook, *args)
+            return _run_eagerly_skipped(self.run, *args)
         return None
+
+    @staticmethod
+    def of(hook: Callable[..., Any], *, overlap: bool) -> CompileAwareHook:
+        """``hook`` (a function) run as the class says."""
+        return _FunctionHook(hook, overlap=overlap)
+
+
+class _FunctionHook(CompileAwareHook):
+    _hook: Callable[..., Any]  # the eager hook
+
+    def __init__(self, hook: Callable[..., Any], *, overlap: bool) -> None:
+        super().__init__(overlap=overlap)
+        self._hook = hook
+
+    def run(self, *args: Any) -> Any:
+        return self._hook(*args)

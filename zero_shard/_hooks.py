@@ -67,9 +67,10 @@ class _UnitsNotRun:
             )
 
 
-class _WaitHook:
+class _WaitHook(CompileAwareHook):
     """A forward pre-hook: waits for the buckets ``own``, then for those of each unit below the
-    module that has not run yet; a unit's (``unit``: its place in the plan) notes that it ran."""
+    module that has not run yet; a unit's (``unit``: its place in the plan) notes that it ran.
+    Compiled code waits at a graph break, or not at all ([Note: compiled models])."""
 
     _gatherer: weakref.ref[ParamGatherer]  # weakly: the hooks must not keep the optimizer alive
     _own: list[int]  # buckets of the params of its subtree outside the units below it
@@ -85,14 +86,14 @@ class _WaitHook:
         not_run: _UnitsNotRun,
         unit: int | None,
     ) -> None:
+        super().__init__(overlap=gatherer.overlap)
         self._gatherer = weakref.ref(gatherer)
         self._own = own
         self._below = below
         self._not_run = not_run
         self._unit = unit
-        mark_hook(self)
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def run(self, module: nn.Module, args: Any) -> None:
         not_run = self._not_run.places
         if not_run and self._unit is not None:
             not_run.discard(self._unit)
@@ -172,11 +173,11 @@ def register_param_waits(
             below = [(u, unit_indices[u]) for u in units if unit_indices[u]]
         if (own or below) and runs(module):
             hook = _WaitHook(gatherer, own, below, not_run, place)
-            # Compiled code waits at a graph break, or not at all ([Note: compiled models]).
-            wait = CompileAwareHook(hook, overlap=gatherer.overlap)
-            handles.append(module.register_forward_pre_hook(wait, prepend=True))
+            handles.append(module.register_forward_pre_hook(hook, prepend=True))
     finish = _while_pending(gatherer, ParamGatherer.finish)
-    handles.append(model.register_forward_hook(CompileAwareHook(finish, overlap=gatherer.overlap)))
+    handles.append(
+        model.register_forward_hook(CompileAwareHook.of(finish, overlap=gatherer.overlap))
+    )
     before_state_dict = _while_pending(gatherer, ParamGatherer.flush)
     for module in model.modules():
         handles.append(module.register_state_dict_pre_hook(before_state_dict))

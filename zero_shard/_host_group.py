@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["host_group"]
+__all__ = ["default_timeout", "host_group"]
 
 _made: list[dist.ProcessGroup] = []  # the gloo group made, while the groups it was made in live
 
@@ -31,13 +31,14 @@ def _has_cpu_backend(group: dist.ProcessGroup) -> bool:
     return True
 
 
-def _default_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
-    for device_type in ("cuda", "cpu"):
-        try:
-            return group._get_backend(torch.device(device_type)).options._timeout
-        except (RuntimeError, AttributeError):
-            continue
-    return None
+def default_timeout() -> datetime.timedelta:
+    """The default process group's timeout (``init_process_group(timeout=...)``)."""
+    default = distributed_c10d._get_default_group()
+    for device in default._device_types:
+        timeout = getattr(getattr(default._get_backend(device), "options", None), "_timeout", None)
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return dist.default_pg_timeout
 
 
 def host_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
@@ -52,6 +53,5 @@ def host_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
         return default
     alive = distributed_c10d._world.pg_map
     if not _made or _made[0] not in alive:  # none yet, or destroyed with the default group
-        timeout = _default_timeout(default) if default is not None else None
-        _made[:] = [dist.new_group(backend="gloo", timeout=timeout)]
+        _made[:] = [dist.new_group(backend="gloo", timeout=default_timeout())]
     return _made[0]

@@ -45,7 +45,6 @@ import shutil
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -57,6 +56,7 @@ from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.optim.lr_scheduler import LRScheduler
 
+from ._host_group import default_timeout
 from ._optimizer import ZeroShardOptimizer
 from ._reading import read_whole
 from ._snapshots import Snapshotter
@@ -307,16 +307,6 @@ def save(
 _checkpoint_groups: dict[int, dist.ProcessGroup] = {}
 
 
-def _timeout() -> timedelta:
-    """The default process group's timeout (``init_process_group(timeout=...)``)."""
-    default = distributed_c10d._get_default_group()
-    for device in default._device_types:
-        timeout = getattr(getattr(default._get_backend(device), "options", None), "_timeout", None)
-        if isinstance(timeout, timedelta):
-            return timeout
-    return dist.default_pg_timeout
-
-
 def _checkpoint_group() -> dist.ProcessGroup | None:
     """The gloo group ``_meet`` made for this process group, if any yet; no collective."""
     if not dist.is_initialized():
@@ -337,7 +327,7 @@ def _meet(call: str) -> dist.ProcessGroup | None:
     if not dist.is_initialized():
         return None
     _wait_for_pending()  # the last async_save's write uses the group: one user at a time
-    timeout = _timeout()
+    timeout = default_timeout()
     group = _checkpoint_group()
     try:
         if group is None:
