@@ -445,7 +445,7 @@ class ReplicatedComm(_GatheredComm):
                 alive.drop_cleared()
 
         # Compiled code runs it at a graph break, or not at all ([Note: compiled models]).
-        hook = CompileAwareHook.of(before_forward, overlap=self.gatherer.overlap)
+        hook = CompileAwareHook.of(before_forward, self.gatherer)
         aborted = self._module.register_forward_pre_hook(hook)
         return [*handles, aborted, *self.reducer.register_hooks()]
 

@@ -298,6 +298,12 @@ class ParamGatherer:
             run_gathers(job)
             self.finish()
 
+    def stop_overlap(self) -> None:
+        """Waits for the gathers in flight; from now on ``after_step`` gathers before it returns
+        (a model compiled without graph breaks: [Note: compiled models])."""
+        self.finish()
+        self.overlap = False
+
     def wait_for(self, indices: Iterable[int]) -> None:
         """Makes the params of buckets ``indices`` current on the current stream (waits only)."""
         if self._reports is None:

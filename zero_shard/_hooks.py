@@ -86,7 +86,7 @@ class _WaitHook(CompileAwareHook):
         not_run: _UnitsNotRun,
         unit: int | None,
     ) -> None:
-        super().__init__(overlap=gatherer.overlap)
+        super().__init__(gatherer)
         self._gatherer = weakref.ref(gatherer)
         self._own = own
         self._below = below
@@ -175,9 +175,7 @@ def register_param_waits(
             hook = _WaitHook(gatherer, own, below, not_run, place)
             handles.append(module.register_forward_pre_hook(hook, prepend=True))
     finish = _while_pending(gatherer, ParamGatherer.finish)
-    handles.append(
-        model.register_forward_hook(CompileAwareHook.of(finish, overlap=gatherer.overlap))
-    )
+    handles.append(model.register_forward_hook(CompileAwareHook.of(finish, gatherer)))
     before_state_dict = _while_pending(gatherer, ParamGatherer.flush)
     for module in model.modules():
         handles.append(module.register_state_dict_pre_hook(before_state_dict))

@@ -832,9 +832,10 @@ def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> 
             own: ranks may run different modules, or save on rank 0 alone. Params written
             between ``step()`` and their wait raise an error: call ``finish_param_sync()``
             before writing params after a step (weight constraints). Under ``torch.compile``
-            the waits are graph breaks (``fullgraph=True`` refuses them, naming the fix);
-            with ``False`` they stay out of the compiled code: whole graphs ([Note: compiled
-            models] in ``zero_shard/_compiled.py``). Wrap before a compiled model's first call.
+            the waits are graph breaks; where breaks are refused (``fullgraph=True``) the
+            overlap turns off at the first trace, and with ``False`` the waits stay out of the
+            compiled code: whole graphs ([Note: compiled models] in
+            ``zero_shard/_compiled.py``). Wrap before a compiled model's first call.
         bucket_mb: MiB of (unsharded) params reduced and gathered together; default 256
             (docs/benchmarks/zero_step.md). Each bucket in flight holds a full-size buffer.
         nonfinite: a step whose grads hold an inf or NaN is skipped with a warning (``"skip"``,

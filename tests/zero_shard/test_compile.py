@@ -3,10 +3,12 @@
 ``model.compile()``) and each block (``block.compile()``), against single-process torch AdamW on
 the uncompiled model, every step. The gathers are issued late on purpose and a share of the step
 runs on the CPU: a compiled forward that did not wait for them would read the weights of the
-step before ([Note: compiled models] in ``zero_shard/_compiled.py``)."""
+step before ([Note: compiled models] in ``zero_shard/_compiled.py``): it waits at graph breaks
+where breaks are allowed, and with ``fullgraph=True`` the gathers end before ``step()`` returns."""
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -88,9 +90,34 @@ def loss_of(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
 
 
+class _Held:
+    """Holds the first gather of one step on rank 0 until the forward after it has run (or
+    ``HOLD_S`` passed): a forward that did not wait for it reads the weights before the step,
+    however long its trace takes."""
+
+    HOLD_S = 5.0
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.released = threading.Event()
+
+    def arm(self) -> None:
+        self.released.clear()
+        self.armed = True
+
+    def hold(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.released.wait(self.HOLD_S)
+
+
+HELD = _Held()
+
+
 def late_all_gather(shard: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup) -> Any:
     """``wrap(all_gather=...)`` issuing each gather late on rank 0 (so on every rank)."""
     if dist.get_rank() == 0:
+        HELD.hold()
         time.sleep(0.01)
     return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
 
@@ -142,25 +169,34 @@ def train_against_torch(
     *,
     overlap: bool,
     fraction: float = 0.5,
+    eager_steps: int = 0,
+    breaks_refused: bool = False,
     **options: Any,
 ) -> None:
-    """Compiles the wrapped model (before its first call) and trains it beside torch; compares
-    the logits and loss every step and the params after every step."""
+    """Trains the wrapped model beside torch, compiled (``compile_fn``) from the start or after
+    ``eager_steps`` eager steps (the first trace then meets gathers in flight); compares the
+    logits and loss every step and the params after every step. ``breaks_refused``: graph
+    breaks are refused by the caller's context rather than ``fullgraph=True``."""
     forget_compiled()
     model, opt = build(overlap, fraction)
-    compiled = compile_fn(model, **options)
     torch.manual_seed(0)
     ref = Tiny()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     where = f"{compile_fn.__name__}{options}, overlap {overlap}, fraction {fraction}"
-    for step in range(STEPS):
+    run: nn.Module = model
+    for step in range(STEPS + eager_steps):
+        if step == eager_steps:
+            run = compile_fn(model, **options)
         idx = tokens(step)
-        logits = compiled(local_slice(idx, rank, world))
+        logits = run(local_slice(idx, rank, world))
+        HELD.released.set()
         ref_logits = ref(idx)
         expected = local_slice(ref_logits, rank, world).detach()
         assert_close(logits, expected, f"{where}: logits at step {step}")
         loss = loss_of(logits, local_slice(idx, rank, world))
         loss.backward()
+        if step == eager_steps - 1:
+            HELD.arm()  # the first compiled call's trace meets this step's gathers in flight
         opt.step()
         opt.zero_grad()
         ref_loss = loss_of(ref_logits, idx)
@@ -172,9 +208,11 @@ def train_against_torch(
     for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert_close(param.detach(), ref_param.detach(), f"{where}: {name}")
     assert counters["stats"]["unique_graphs"] > 0, f"{where}: nothing was compiled"
-    # With overlap the waits are graph breaks, run eagerly; without, they are not in the graphs.
+    # With overlap and breaks allowed the waits are graph breaks, run eagerly; otherwise they
+    # are not in the graphs.
     waits = sum(n for reason, n in counters["graph_break"].items() if "zero-shard's" in reason)
-    assert (waits > 0) == overlap, f"{where}: {waits} graph breaks at zero-shard's waits"
+    breaks = overlap and not options.get("fullgraph", False) and not breaks_refused
+    assert (waits > 0) == breaks, f"{where}: {waits} graph breaks at zero-shard's waits"
 
 
 @case
@@ -198,16 +236,32 @@ def fullgraph_without_overlap_compiles_whole_graphs(rank: int, world: int) -> No
 
 
 @case
-def fullgraph_with_overlap_names_the_fix(rank: int, world: int) -> None:
-    for compile_fn in (compile_whole, compile_blocks):
-        forget_compiled()
-        model, opt = build(overlap=True, fraction=0.0)
-        compiled = compile_fn(model, fullgraph=True)
-        with pytest.raises(
-            torch._dynamo.exc.Unsupported, match=r"overlap_param_gather=False\).*fullgraph=False"
-        ):
-            compiled(local_slice(tokens(0), rank, world))
-        del opt
+def fullgraph_with_overlap_gathers_before_step_returns(rank: int, world: int) -> None:
+    # The default overlap: the trace waits for the gathers in flight and turns the overlap off,
+    # so the graphs are whole and read current params; compiled from the first call, and after
+    # eager steps (the trace then meets the late gathers of the step before).
+    for compile_fn in (compile_whole, compile_method, compile_blocks):
+        train_against_torch(rank, world, compile_fn, overlap=True, fullgraph=True)
+    for fraction in (0.0, 0.5):
+        train_against_torch(
+            rank,
+            world,
+            compile_whole,
+            overlap=True,
+            fraction=fraction,
+            eager_steps=2,
+            fullgraph=True,
+        )
+
+
+@case
+def no_breaks_by_context_is_fullgraph_too(rank: int, world: int) -> None:
+    # torch._dynamo.error_on_graph_break(True) refuses breaks like fullgraph=True.
+    error_on_graph_break = getattr(torch._dynamo, "error_on_graph_break", None)
+    if error_on_graph_break is None:
+        return  # a torch without it (before 2.9)
+    with error_on_graph_break(True):
+        train_against_torch(rank, world, compile_whole, overlap=True, breaks_refused=True)
 
 
 @pytest.fixture(scope="module", params=[1, 2])
