@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-VOCAB, DIM, HEADS, HIDDEN, SEQ = 10, 8, 2, 6, 4
+VOCAB, DIM, HEADS, HIDDEN, SEQ = 10, 8, 4, 8, 4
 BATCH = 4  # sequences in a global batch: split over the data-parallel ranks
 
 
