@@ -264,6 +264,10 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
         )
         optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
         scaler_type = zero_shard.GradScaler
+    if args.compile:  # after wrap: zero-shard's hooks must be there at the first compiled call
+        blocks = (model.module if isinstance(model, DistributedDataParallel) else model).blocks
+        for block in blocks:
+            block.compile(backend=args.compile)
     schedule = functools.partial(
         lr_factor, num_warmup=max(args.steps // 20, 1), num_steps=args.steps
     )
@@ -729,6 +733,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--optimizer fsdp2-offload shards it (FSDP2's CPUOffloadPolicy: the params on the host); "
         "zero-shard steps them there (--offload-fraction 1)")  # fmt: skip
     add("--checkpoint-activations", action="store_true", help="recompute in backward")
+    add("--compile", nargs="?", const="inductor", metavar="BACKEND", help="torch.compile each "
+        "block, for every --optimizer (BACKEND: inductor by default; aot_eager on a CPU without "
+        "a C++ compiler)")  # fmt: skip
     add("--seed", type=int, default=0)
     add("--eval-every", type=int, help="steps between evals; default a tenth of the run")
     add("--checkpoint-dir", type=Path, help="save checkpoints here (at the end at least)")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -170,3 +171,16 @@ def test_bf16_accumulation_and_async_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is of another run"):
         train_gpt.main([*COMMON, *flags, *folder, "--resume", "--seed", "4",
                         "--out", str(tmp_path / "other")])  # fmt: skip
+
+
+def test_compiled_blocks_follow_the_eager_run(tmp_path: Path) -> None:
+    """``--compile`` (each block compiled; ``aot_eager``, which runs the same aten ops as eager,
+    so the CPU needs no C++ compiler) trains along the eager run, at fraction 0.5 with the
+    gathers overlapping the forward."""
+    flags = [*COMMON, "--steps", "6", "--offload-fraction", "0.5"]
+    eager = train_gpt.main([*flags, "--out", str(tmp_path / "eager")])
+    counters.clear()
+    compiled = train_gpt.main([*flags, "--compile", "aot_eager", "--out", str(tmp_path / "comp")])
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    for step, (got, want) in enumerate(zip(losses(compiled), losses(eager), strict=True)):
+        assert got == pytest.approx(want, rel=LOSS_RTOL), f"step {step + 1}"
