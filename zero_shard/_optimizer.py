@@ -300,10 +300,15 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         staging buffer per chunk: ``host_staging="per_chunk"``, or the default ``"auto"`` on a
         host with room; all but the one reduced last), and the CPU step starts as backward
         ends.
-        Anything that changes or reads the grads otherwise first applies a factor still
-        pending: a reduction (another backward), a second clip, GradScaler's unscale, and a
-        step that does not take it. DDP's and FSDP2's grads are the model's own, which users
-        may read after the clip: there the clip multiplies them at once, as before."""
+        A factor is pending per param (``ShardedParam.grad_factor``): torch's clip on the
+        placeholders multiplies them one by one ([Note: torch's clip on released grads]). The
+        step takes a factor pending alike on every grad it steps; factors that differ (a clip
+        of some params only) are applied to the grads first, in place.
+        Anything that changes or reads the grads otherwise first applies the factors still
+        pending: a reduction (another backward), a second clip, a norm or a clamp of a
+        placeholder, GradScaler's unscale, and a step that does not take them. DDP's and
+        FSDP2's grads are the model's own, which users may read after the clip: there the clip
+        multiplies them at once, as before."""
         self._clips_at_step = True
         apply = weakref.WeakMethod(self._apply_grad_factor)
         hybrid = weakref.ref(self._hybrid)
@@ -853,11 +858,13 @@ def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> 
     Grads behave as in torch: backward adds to them until they are cleared, by ``opt.zero_grad()``,
     ``model.zero_grad()`` or ``p.grad = None``. A plain model's grads are reduced into this
     rank's shards during backward and freed from the model, whose ``.grad`` then holds a
-    placeholder without memory: clip with :meth:`ZeroShardOptimizer.clip_grad_norm_`, read a
-    reduced grad with :meth:`ZeroShardOptimizer.main_grad`; reading the placeholder
-    (``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, ``p.grad.norm()``) raises an
-    error that says so. A DDP or FSDP2 model keeps its reduced grads, and torch's clipping works
-    there too.
+    placeholder without memory. Clip with :meth:`ZeroShardOptimizer.clip_grad_norm_` or with
+    torch's own ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, ``get_total_norm``
+    + ``clip_grads_with_norm_`` or ``clip_grad_value_`` (any norm type, any subset of the
+    params; on every rank: the norms take one all-reduce), which give torch's result on the
+    unsharded model; read a reduced grad with :meth:`ZeroShardOptimizer.main_grad`. Reading the
+    placeholder's values (``p.grad.sum()``, ``p.grad + 1``) raises an error that says so. A DDP
+    or FSDP2 model keeps its reduced grads, and torch's clipping works there as usual.
 
     Args:
         optimizer: a torch optimizer of an elementwise class (AdamW, Adam, SGD, ...) over the

@@ -11,9 +11,12 @@ told from not clearing them, so the next backward's grads would be added to this
 So after each reduction every param of the bucket holds a :class:`ReleasedGrad` instead (whether
 this rank had a grad for it or not: the shard holds the grad of all ranks), a tensor of the
 grad's shape, dtype and device with no memory; at the step, a param no rank had a grad for gets
-``None`` back, as in torch. Any use of it other than clearing (a read, an in-place update) raises
-an error that says where the grad went; dtype and device conversions (``model.half()``) give
-another placeholder.
+``None`` back, as in torch (until then its norm is 0 and scaling it changes nothing, so torch's
+clip, which skips ``None`` grads, gets the same total). torch's clipping works on it: norms,
+multiplies by one number and clamps go to the optimizer it is linked to, which does them on the
+reduced shards ([Note: torch's clip on released grads] in ``_released_ops.py``). Any other use
+(reading values, math with it) raises an error that says where the grad went; dtype and device
+conversions (``model.half()``) give another placeholder, linked to nothing.
 
 A :class:`GradWatch` per param tells whether its ``.grad`` was cleared since the last reduction,
 param by param, as torch's accumulation would see it: it records what ``.grad`` holds if nobody
