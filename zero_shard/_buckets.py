@@ -72,6 +72,8 @@ class ShardedParam:
     watch: GradWatch | None = None  # whether the param's .grad was cleared since its grad was
     #                                 reduced (replicated models; [Note: released grads])
     aliased: bool = False  # the shard is the param's own memory (one rank: no copy of the params)
+    grad_factor: torch.Tensor | None = None  # a clip's factor the shard's grad is still to be
+    #                                          multiplied by ([Note: clip at the step])
     counted: bool = True  # this rank's shard counts in global norms: False where the param is
     #                       replicated over a mesh dim the norm sums over and this rank is not
     #                       that dim's first (tensor parallelism's replicated norms and biases)

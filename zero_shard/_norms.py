@@ -15,7 +15,7 @@ import torch.distributed as dist
 from offload import phase
 from optimizers import scale_grads_  # (re-exported: the clip's and the unscale's multiply)
 
-__all__ = ["clip_coefficient", "global_norm", "nonfinite_flag", "scale_grads_"]
+__all__ = ["clip_coefficient", "global_norm", "nonfinite_flag", "param_norms", "scale_grads_"]
 
 
 # Host tensors of HOST_ROWS_FROM elements or more are reduced by rows of HOST_ROW elements.
@@ -109,6 +109,59 @@ def global_norm(
         if math.isinf(norm_type):
             return term
         return term.pow(1.0 / norm_type)
+
+
+def _local_terms(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """What a rank's piece of a tensor adds to the tensor's ``norm_type``-norm, from the piece's
+    norm: itself where pieces combine by max, min or count (inf, -inf, 0), else its p-th power,
+    which the pieces sum."""
+    if norm_type in (math.inf, -math.inf, 0.0):
+        return norms
+    return norms.pow(norm_type)
+
+
+def param_norms(
+    grads: Sequence[torch.Tensor | None],
+    norm_type: float,
+    groups: Sequence[dist.ProcessGroup],
+    device: torch.device,
+) -> torch.Tensor:
+    """Each entry's ``norm_type``-norm over the pieces all ranks hold of it (``None``: this rank's
+    piece counts nothing), as a 1-D tensor on ``device``, the same on every rank: one all-reduce
+    per group for all of them. Accumulated in fp32 (fp64 where a grad is fp64), as torch's
+    per-grad norms; any ``norm_type`` ``torch.linalg.vector_norm`` takes. A NaN survives the max
+    and min reductions (gloo's MAX may drop it): its flag travels beside the values."""
+    present = [
+        (index, grad) for index, grad in enumerate(grads) if grad is not None and grad.numel()
+    ]
+    dtype = _accumulate_dtype([grad for _, grad in present])
+    # An absent piece: nothing to a sum or a count, 0 to a max, inf to a min.
+    empty = math.inf if norm_type == -math.inf else 0.0
+    with phase("zero_shard::norm"):
+        terms = torch.full((len(grads),), empty, dtype=dtype, device=device)
+        if present:
+            pieces = [grad for _, grad in present]
+            if norm_type == 0.0:  # counts of nonzeros (a norm of row norms would count rows)
+                norms = torch.stack([torch.count_nonzero(grad) for grad in pieces]).to(dtype)
+            else:
+                norms = torch.stack(_norms(pieces, norm_type)).to(dtype)
+            where = torch.tensor([index for index, _ in present], device=device)
+            terms.index_copy_(0, where, _local_terms(norms, norm_type).to(device))
+        if math.isinf(norm_type):
+            op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
+            sign = (
+                1.0 if norm_type > 0 else -1.0
+            )  # a flag the reduction keeps: 1 to a max, -1 to a min
+            both = torch.cat([terms.nan_to_num(nan=empty), terms.isnan().to(dtype) * sign])
+            for group in groups:
+                dist.all_reduce(both, op=op, group=group)
+            values, flags = both.split(len(grads))
+            return torch.where(flags * sign > 0, math.nan, values)
+        for group in groups:
+            dist.all_reduce(terms, op=dist.ReduceOp.SUM, group=group)
+        if norm_type == 0.0:
+            return terms
+        return terms.pow(1.0 / norm_type)
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -31,6 +31,7 @@ from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._host_group import host_group
 from ._norms import clip_coefficient, global_norm, nonfinite_flag, scale_grads_
 from ._owners import claim, is_claimed, live_owners
+from ._released_ops import ReleasedGradOps
 from ._setup import (
     NONFINITE_POLICIES,
     CheckedInputs,
@@ -129,8 +130,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _grad_scale: float | None  # fp16: the loss scale's inverse, applied in fp32 at the step
     _checked_by_scaler: bool  # GradScaler checked these grads for infs already
     _clips_at_step: bool  # a plain model with a CPU share: see [Note: clip at the step]
-    _grad_factor: torch.Tensor | None  # a clip's coefficient the step applies, not yet applied
-    #                                    to the grads (see [Note: clip at the step])
+    _factors_pending: bool  # some record's grad_factor is set (see [Note: clip at the step])
+    _grad_edits: int  # in-place changes zero-shard made to the reduced grads (clips, unscales,
+    #                   clamps): norms computed before one are not theirs
+    _released_ops: ReleasedGradOps | None  # torch's clipping on a plain model's placeholders
 
     def __init__(
         self,
@@ -179,6 +182,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._skips = SkipCount(device)
         self._logged_stale = False
         self._unshared_writes = set()
+        self._factors_pending = False
+        self._grad_edits = 0
         self._end_window()
         self._building = True
         # The wrapped optimizer's own group dicts (add_param_group keeps the dict it is given):
@@ -213,6 +218,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             owner._retire()
         handles = self._comm.install(self.mesh, device=self._device, overlap=overlap_param_gather)
         self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
+        self._released_ops = None
+        if isinstance(self._comm, ReplicatedComm):  # torch's clip on the placeholders it leaves
+            self._released_ops = ReleasedGradOps(self)
+            for index, sharded in enumerate(self._sharded):
+                sharded.watch.placeholder.link(self._released_ops, index)
         self.state = ShardedStateView(self._sharded, self._hybrid)  # type: ignore[assignment]
         for sharded in self._sharded:
             sharded.record_version()
@@ -290,10 +300,15 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         staging buffer per chunk: ``host_staging="per_chunk"``, or the default ``"auto"`` on a
         host with room; all but the one reduced last), and the CPU step starts as backward
         ends.
-        Anything that changes or reads the grads otherwise first applies a factor still
-        pending: a reduction (another backward), a second clip, GradScaler's unscale, and a
-        step that does not take it. DDP's and FSDP2's grads are the model's own, which users
-        may read after the clip: there the clip multiplies them at once, as before."""
+        A factor is pending per param (``ShardedParam.grad_factor``): torch's clip on the
+        placeholders multiplies them one by one ([Note: torch's clip on released grads]). The
+        step takes a factor pending alike on every grad it steps; factors that differ (a clip
+        of some params only) are applied to the grads first, in place.
+        Anything that changes or reads the grads otherwise first applies the factors still
+        pending: a reduction (another backward), a second clip, a norm or a clamp of a
+        placeholder, GradScaler's unscale, and a step that does not take them. DDP's and
+        FSDP2's grads are the model's own, which users may read after the clip: there the clip
+        multiplies them at once, as before."""
         self._clips_at_step = True
         apply = weakref.WeakMethod(self._apply_grad_factor)
         hybrid = weakref.ref(self._hybrid)
@@ -319,12 +334,49 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             comm.reducer.after_reduce = after_reduce
 
     def _apply_grad_factor(self) -> None:
-        """Multiplies the grads in place by a clip's factor still pending ([Note: clip at the
-        step])."""
-        factor, self._grad_factor = self._grad_factor, None
-        grads = shard_grads(self._sharded) if factor is not None else []
-        if grads:
+        """Multiplies the grads in place by the clip's factors still pending ([Note: clip at the
+        step]): one ``scale_grads_`` per factor."""
+        if not self._factors_pending:
+            return
+        self._factors_pending = False
+        by_factor: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        for sharded in self._sharded:
+            factor, sharded.grad_factor = sharded.grad_factor, None
+            if factor is not None and sharded.shard.grad is not None:
+                by_factor.setdefault(id(factor), (factor, []))[1].append(sharded.shard.grad)
+        for factor, grads in by_factor.values():
             scale_grads_(grads, factor)
+            self._grad_edits += 1
+
+    def _defer_grad_factor(self, records: list[ShardedParam], factor: torch.Tensor) -> None:
+        """Notes ``factor`` for the grads of ``records``, for the step to apply ([Note: clip at
+        the step]); a factor already pending on one of them is applied first."""
+        for sharded in records:
+            if sharded.grad_factor is not None:
+                scale_grads_([sharded.shard.grad], sharded.grad_factor)
+                self._grad_edits += 1
+            sharded.grad_factor = factor
+        self._factors_pending = self._factors_pending or bool(records)
+
+    def _take_grad_factor(self) -> torch.Tensor | None:
+        """At the step: the factor pending on every grad alike, for the step to apply; factors
+        that differ between grads (a clip of some params only) are applied here instead."""
+        if not self._factors_pending:
+            return None
+        factors = {
+            id(s.grad_factor): s.grad_factor for s in self._sharded if s.shard.grad is not None
+        }
+        if len(factors) != 1 or None in factors.values():
+            self._apply_grad_factor()
+            return None
+        self._end_factors()
+        return next(iter(factors.values()))
+
+    def _end_factors(self) -> None:
+        if self._factors_pending:
+            for sharded in self._sharded:
+                sharded.grad_factor = None
+        self._factors_pending = False
 
     def _hyperparams(self, group_index: int) -> dict[str, Any]:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
@@ -381,11 +433,14 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             norm = norm * self._grad_scale
         coefficient = clip_coefficient(norm, float(max_norm))
         coefficient = torch.where(torch.isfinite(norm), coefficient, torch.ones_like(coefficient))
-        if grads and self._clips_at_step:
-            self._grad_factor = coefficient  # see [Note: clip at the step]
+        if grads and self._clips_at_step:  # see [Note: clip at the step]
+            self._defer_grad_factor(
+                [s for s in self._sharded if s.shard.grad is not None], coefficient
+            )
         elif grads:
             with self._host_threads():
                 scale_grads_(grads, coefficient)
+            self._grad_edits += 1
         self._window_norm = norm
         self._clipped_marker = self._comm.grads_marker()
         return norm
@@ -447,7 +502,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             skip, found_inf = self._check_nonfinite()
             if skip:
                 return loss
-            grad_factor, self._grad_factor = self._grad_factor, None
+            grad_factor = self._take_grad_factor()
             host_step = self._hybrid.launch_step(
                 grad_scale=self._grad_scale,
                 found_inf=found_inf,
@@ -680,7 +735,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     # -- internals --------------------------------------------------------------------------
 
     def _end_window(self) -> None:
-        self._grad_factor = None  # applied, or the grads are gone
+        self._end_factors()  # applied, or the grads are gone
+        self._grad_edits += 1
         self._window_norm = None
         self._clipped_marker = None
         self._grad_scale = None
@@ -774,6 +830,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         elif grads:
             with self._host_threads():
                 scale_grads_(grads, inv_scale)
+        self._grad_edits += 1
         self._checked_by_scaler = True
         return {found_inf.device: found_inf}
 
@@ -801,11 +858,13 @@ def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> 
     Grads behave as in torch: backward adds to them until they are cleared, by ``opt.zero_grad()``,
     ``model.zero_grad()`` or ``p.grad = None``. A plain model's grads are reduced into this
     rank's shards during backward and freed from the model, whose ``.grad`` then holds a
-    placeholder without memory: clip with :meth:`ZeroShardOptimizer.clip_grad_norm_`, read a
-    reduced grad with :meth:`ZeroShardOptimizer.main_grad`; reading the placeholder
-    (``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, ``p.grad.norm()``) raises an
-    error that says so. A DDP or FSDP2 model keeps its reduced grads, and torch's clipping works
-    there too.
+    placeholder without memory. Clip with :meth:`ZeroShardOptimizer.clip_grad_norm_` or with
+    torch's own ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, ``get_total_norm``
+    + ``clip_grads_with_norm_`` or ``clip_grad_value_`` (any norm type, any subset of the
+    params; on every rank: the norms take one all-reduce), which give torch's result on the
+    unsharded model; read a reduced grad with :meth:`ZeroShardOptimizer.main_grad`. Reading the
+    placeholder's values (``p.grad.sum()``, ``p.grad + 1``) raises an error that says so. A DDP
+    or FSDP2 model keeps its reduced grads, and torch's clipping works there as usual.
 
     Args:
         optimizer: a torch optimizer of an elementwise class (AdamW, Adam, SGD, ...) over the

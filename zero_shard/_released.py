@@ -11,9 +11,12 @@ told from not clearing them, so the next backward's grads would be added to this
 So after each reduction every param of the bucket holds a :class:`ReleasedGrad` instead (whether
 this rank had a grad for it or not: the shard holds the grad of all ranks), a tensor of the
 grad's shape, dtype and device with no memory; at the step, a param no rank had a grad for gets
-``None`` back, as in torch. Any use of it other than clearing (a read, an in-place update) raises
-an error that says where the grad went; dtype and device conversions (``model.half()``) give
-another placeholder.
+``None`` back, as in torch (until then its norm is 0 and scaling it changes nothing, so torch's
+clip, which skips ``None`` grads, gets the same total). torch's clipping works on it: norms,
+multiplies by one number and clamps go to the optimizer it is linked to, which does them on the
+reduced shards ([Note: torch's clip on released grads] in ``_released_ops.py``). Any other use
+(reading values, math with it) raises an error that says where the grad went; dtype and device
+conversions (``model.half()``) give another placeholder, linked to nothing.
 
 A :class:`GradWatch` per param tells whether its ``.grad`` was cleared since the last reduction,
 param by param, as torch's accumulation would see it: it records what ``.grad`` holds if nobody
@@ -28,16 +31,53 @@ accumulator, which runs before autograd accumulates a backward's grad there (and
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["GradWatch", "PlaceholderRemoval", "ReleasedGrad", "Taken", "check_unconverted"]
+__all__ = [
+    "GradWatch",
+    "PlaceholderRemoval",
+    "ReducedGrads",
+    "ReleasedGrad",
+    "Taken",
+    "check_unconverted",
+]
 
-_ZEROING = (torch.ops.aten.zero_.default, torch.ops.aten._foreach_zero_.default)
+aten = torch.ops.aten
+_ZEROING = (aten.zero_.default, aten._foreach_zero_.default)
+# What torch's clipping (clip_grad_norm_, get_total_norm, clip_grads_with_norm_,
+# clip_grad_value_) does to each grad, one by one or in multi-tensor calls.
+_NORMS = (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar)
+_SCALES = (aten.mul_.Tensor, aten.mul_.Scalar, aten._foreach_mul_.Tensor, aten._foreach_mul_.Scalar)
+_CLAMPS = (
+    aten.clamp_.default,
+    aten.clamp_min_.default,
+    aten.clamp_max_.default,
+    aten._foreach_clamp_min_.Scalar,
+    aten._foreach_clamp_max_.Scalar,
+)
+
+
+class ReducedGrads(Protocol):
+    """What holds the reduced grads that placeholders stand in for (the optimizer's), by the
+    index the placeholder was linked with; see [Note: torch's clip on released grads]."""
+
+    def norms(self, indices: list[int], norm_type: float) -> list[torch.Tensor]:
+        """The global ``norm_type``-norm of each grad (collective), fp32 or fp64."""
+        ...
+
+    def scale_(self, indices: list[int], factor: torch.Tensor | float) -> None:
+        """Multiplies the grads by ``factor`` (one element)."""
+        ...
+
+    def clamp_(self, indices: list[int], low: float | None, high: float | None) -> None:
+        """Clamps the grads' elements into ``[low, high]``."""
+        ...
 
 
 class ReleasedGrad(torch.Tensor):
@@ -46,6 +86,9 @@ class ReleasedGrad(torch.Tensor):
 
     fqn: str
     zeroed: bool
+    index: int  # the grad's index in ``owner``
+    owner: weakref.ref[ReducedGrads] | None  # what computes norms of, scales and clamps the
+    #                                          reduced grad; None: nothing does (a conversion's)
 
     @staticmethod
     def __new__(
@@ -58,6 +101,13 @@ class ReleasedGrad(torch.Tensor):
     def __init__(self, param: torch.Tensor, fqn: str, device: torch.device | None = None) -> None:
         self.fqn = fqn
         self.zeroed = False
+        self.index = -1
+        self.owner = None
+
+    def link(self, owner: ReducedGrads, index: int) -> None:
+        """Norms, scaling and clamping of this placeholder go to ``owner``'s grad ``index``."""
+        self.owner = weakref.ref(owner)
+        self.index = index
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -71,7 +121,7 @@ class ReleasedGrad(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        if func is torch.ops.aten._to_copy.default:  # nn.Module._apply converts grads too
+        if func is aten._to_copy.default:  # nn.Module._apply converts grads too
             like = args[0]
             dtype, device = kwargs.get("dtype") or like.dtype, kwargs.get("device") or like.device
             return ReleasedGrad(
@@ -83,21 +133,127 @@ class ReleasedGrad(torch.Tensor):
                     tensor.zeroed = True
                 else:  # a real grad zeroed in the same multi-tensor call
                     tensor.zero_()
-            return args[0] if func is torch.ops.aten.zero_.default else None
+            return args[0] if func is aten.zero_.default else None
+        if func in _NORMS or func in _SCALES or func in _CLAMPS:
+            bound = _bound(func, args, kwargs)
+            if _released_only_in_self(bound):
+                return _on_reduced_grads(func, bound)
         released = next(t for t in tensors if isinstance(t, ReleasedGrad))
-        raise RuntimeError(
-            f"the grad of {released.fqn!r} was reduced over the ranks into zero-shard's shards "
-            f"and freed from the model (attempted: {func}). Clip with opt.clip_grad_norm_("
-            "max_norm) (torch.nn.utils.clip_grad_norm_ cannot see sharded grads), read a reduced "
-            "grad with opt.main_grad(param), and clear grads with opt.zero_grad(), "
-            "model.zero_grad() or p.grad = None"
-        )
+        raise _read_error(released, func)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
             f"ReleasedGrad({self.fqn!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}: reduced into zero-shard's shards; see opt.main_grad)"
         )
+
+
+def _read_error(released: ReleasedGrad, func: Any) -> RuntimeError:
+    return RuntimeError(
+        f"the grad of {released.fqn!r} was reduced over the ranks into zero-shard's shards "
+        f"and freed from the model (attempted: {func}). torch.nn.utils.clip_grad_norm_, "
+        "get_total_norm, clip_grads_with_norm_ and clip_grad_value_ work on it (every rank "
+        "calls them), as do opt.clip_grad_norm_(max_norm); read a reduced grad with "
+        "opt.main_grad(param), and clear grads with opt.zero_grad(), model.zero_grad() or "
+        "p.grad = None"
+    )
+
+
+def _bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The op's arguments by name, defaults filled in."""
+    bound = {}
+    for position, argument in enumerate(func._schema.arguments):
+        if position < len(args):
+            bound[argument.name] = args[position]
+        elif argument.name in kwargs:
+            bound[argument.name] = kwargs[argument.name]
+        else:
+            bound[argument.name] = argument.default_value if argument.has_default_value() else None
+    return bound
+
+
+def _released_only_in_self(bound: dict[str, Any]) -> bool:
+    """Whether placeholders appear only as the grads operated on (not as a factor, a bound)."""
+    others = tree_flatten([value for name, value in bound.items() if name != "self"])[0]
+    return not any(isinstance(value, ReleasedGrad) for value in others)
+
+
+def _on_reduced_grads(func: Any, bound: dict[str, Any]) -> Any:
+    """torch's clipping on placeholders (and real grads beside them in a multi-tensor call): the
+    norms, scaling and clamping of the reduced grads they stand for."""
+    single = not isinstance(bound["self"], (list, tuple))
+    grads = [bound["self"]] if single else list(bound["self"])
+    by_owner: dict[int, tuple[ReducedGrads, list[int], list[int]]] = {}  # positions, indices
+    for position, grad in enumerate(grads):
+        if not isinstance(grad, ReleasedGrad):
+            continue
+        owner = grad.owner() if grad.owner is not None else None
+        if owner is None:
+            raise _read_error(grad, func)
+        entry = by_owner.setdefault(id(owner), (owner, [], []))
+        entry[1].append(position)
+        entry[2].append(grad.index)
+    plain = [grad for grad in grads if not isinstance(grad, ReleasedGrad)]
+    if func in _NORMS:
+        norms = _norms_of(func, bound, grads, by_owner.values(), plain)
+        return norms[0] if single else norms
+    if func in _SCALES:
+        factor = bound["other"] if "other" in bound else bound["scalar"]
+        if isinstance(factor, torch.Tensor) and factor.numel() != 1:
+            raise NotImplementedError(
+                f"multiplying a released grad by a tensor of shape {tuple(factor.shape)} "
+                "(elementwise) is not supported: only by one number (a clip's factor)"
+            )
+        for owner, _, indices in by_owner.values():
+            owner.scale_(indices, factor)
+        for grad in plain:
+            grad.mul_(factor)
+    else:
+        low, high = _clamp_bounds(func, bound)
+        for owner, _, indices in by_owner.values():
+            owner.clamp_(indices, low, high)
+        for grad in plain:
+            grad.clamp_(min=low, max=high)
+    return bound["self"] if single else None
+
+
+def _norms_of(
+    func: Any,
+    bound: dict[str, Any],
+    grads: list[torch.Tensor],
+    owners: Any,
+    plain: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Each grad's norm as torch's op gives it (the grad's dtype unless ``dtype`` says, on its
+    device), a placeholder's over the whole reduced grad."""
+    norm_type, dtype = float(bound["ord"]), bound["dtype"]
+    if bound.get("dim") is not None:
+        raise NotImplementedError(
+            f"a norm of a released grad over dims {bound['dim']} is not supported: only over "
+            "all its elements (as torch's clipping takes it)"
+        )
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    for owner, positions, indices in owners:
+        for position, norm in zip(positions, owner.norms(indices, norm_type), strict=True):
+            grad = grads[position]
+            norms[position] = norm.to(device=grad.device, dtype=dtype or grad.dtype)
+    rest = iter([torch.linalg.vector_norm(grad, norm_type, dtype=dtype) for grad in plain])
+    result = [next(rest) if norm is None else norm for norm in norms]
+    if bound.get("keepdim"):
+        result = [norm.reshape((1,) * grad.dim()) for norm, grad in zip(result, grads, strict=True)]
+    return result
+
+
+def _clamp_bounds(func: Any, bound: dict[str, Any]) -> tuple[float | None, float | None]:
+    if func in (aten.clamp_.default,):
+        return bound["min"], bound["max"]
+    if func is aten.clamp_min_.default:
+        return bound["min"], None
+    if func is aten.clamp_max_.default:
+        return None, bound["max"]
+    if func is aten._foreach_clamp_min_.Scalar:
+        return bound["scalar"], None
+    return None, bound["scalar"]
 
 
 def check_unconverted(

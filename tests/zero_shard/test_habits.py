@@ -400,9 +400,11 @@ def _train_a_stock_transformer(rank: int, world: int, staging: str) -> None:
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(12, 5, 8, generator=gen), torch.randn(12, 5, 8, generator=gen)
         mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-        with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        norm = opt.clip_grad_norm_(0.5)
+        # torch's clip on the placeholders; on odd steps the optimizer's own
+        if step % 2:
+            norm = opt.clip_grad_norm_(0.5)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         model.zero_grad()
         sched.step()
@@ -420,9 +422,7 @@ def _train_a_stock_transformer(rank: int, world: int, staging: str) -> None:
 
 
 @case
-def torch_clipping_of_released_grads_raises_and_names_the_call_that_clips(
-    rank: int, world: int
-) -> None:
+def reading_released_grads_raises_and_names_what_works(rank: int, world: int) -> None:
     model = make_model()
     opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
     x, y = global_batch(0)
@@ -430,14 +430,16 @@ def torch_clipping_of_released_grads_raises_and_names_the_call_that_clips(
     grad = model.inp.weight.grad
     assert grad is not None and grad.shape == model.inp.weight.shape  # a placeholder
     assert "main_grad" in repr(grad)
+    # Norms, scaling and clamping work (tests/zero_shard/test_torch_clip.py); reading the
+    # values or using them in other math does not.
     reads: list[Callable[[], object]] = [
-        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
-        lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0),
-        lambda: model.inp.weight.grad.norm(),
-        lambda: model.inp.weight.grad.mul_(0.5),
+        lambda: model.inp.weight.grad.sum(),
+        lambda: model.inp.weight.grad.add_(1.0),
+        lambda: model.inp.weight.grad * 2,
+        lambda: torch.stack([model.inp.weight.grad]),
     ]
     for read in reads:
-        with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_.*opt\.main_grad"):
+        with pytest.raises(RuntimeError, match=r"clip_grad_norm_.*opt\.main_grad"):
             read()
     # The raising calls changed nothing: the step equals torch's with the clip that works.
     ref = make_model()

@@ -70,12 +70,11 @@ def parity_on_nccl(rank: int, world: int) -> None:
                 )
             loss = mse(output, local_slice(y, rank, world))
             loss.backward()
-            if step == 0:  # released grads: torch's clip raises, and changes nothing
-                with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_"):
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             clip = stage == 1  # without clipping, the step checks the grads for infs itself
-            if clip:
+            if clip and step % 2:
                 opt.clip_grad_norm_(1.0)
+            elif clip:  # torch's own clip on the released grads' placeholders
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             # Each way of clearing grads clears them (the reference's zero_grad is the same).
             clearer = (opt, model, model)[step % 3]

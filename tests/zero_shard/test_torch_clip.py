@@ -1,0 +1,287 @@
+"""torch's own clipping (``torch.nn.utils.clip_grad_norm_``, ``get_total_norm`` +
+``clip_grads_with_norm_``, ``clip_grad_value_``) on models under zero_shard.wrap, on 1, 2 and 3
+CPU processes (gloo), against single-process torch AdamW with the same clipping on the whole
+batch, every step: the norm it returns on every rank and the params after. A plain model's
+params hold placeholders after backward ([Note: released grads]); their norms, scaling and
+clamping are done on the reduced shards ([Note: torch's clip on released grads])."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _harness import check_outcome, run_cases
+from _models import (
+    LOSS_TOL,
+    adamw,
+    assert_params_close,
+    global_batch,
+    local_slice,
+    make_model,
+    mse,
+)
+from torch import nn
+
+import zero_shard
+from zero_shard import OffloadPolicy
+
+CASES = {}
+TINY_BUCKETS = 0.0001  # MiB: several buckets, so that grads reach the host during backward
+MAX_NORM = 0.05  # below the grads' norms: every step clips
+# Each step another norm type and torch code path (foreach None: one by one for a tensor
+# subclass; True: multi-tensor ops; False: one by one), so that every one is met at every
+# fraction and stage without multiplying the runs.
+NORM_STEPS = [(2.0, None), (math.inf, True), (1.0, False), (3.0, None)]
+
+
+def case(function):  # type: ignore[no-untyped-def]
+    CASES[function.__name__] = function
+    return function
+
+
+def offload(fraction: float) -> OffloadPolicy | None:
+    return OffloadPolicy(fraction=fraction, num_threads=1) if fraction else None
+
+
+@contextlib.contextmanager
+def counted_all_reduces() -> Iterator[list[int]]:
+    """Counts ``dist.all_reduce`` calls inside the block."""
+    count = [0]
+    original = dist.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield count
+    finally:
+        dist.all_reduce = original
+
+
+@case
+def clip_grad_norm_equals_torch_at_every_fraction_stage_and_norm_type(
+    rank: int, world: int
+) -> None:
+    for fraction in (0.0, 0.5, 1.0):
+        for stage in (1, 2):
+            model, ref = make_model(), make_model()
+            opt = zero_shard.wrap(
+                adamw(model), model, offload=offload(fraction), stage=stage, bucket_mb=TINY_BUCKETS
+            )
+            ref_opt = adamw(ref)
+            where = f"fraction {fraction}, stage {stage}"
+            for step, (norm_type, foreach) in enumerate(NORM_STEPS):
+                x, y = global_batch(step)
+                mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                with counted_all_reduces() as count:
+                    norm = torch.nn.utils.clip_grad_norm_(
+                        model.parameters(), MAX_NORM, norm_type, error_if_nonfinite=True,
+                        foreach=foreach,
+                    )  # fmt: skip
+                assert count[0] <= 1, f"{where}: {count[0]} all-reduces for one clip"
+                opt.step()
+                model.zero_grad()
+                mse(ref(x), y).backward()
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM, norm_type)
+                ref_opt.step()
+                ref_opt.zero_grad()
+                torch.testing.assert_close(norm, ref_norm, **LOSS_TOL, msg=f"{where} {step}")
+                assert norm.dtype == ref_norm.dtype and norm.shape == ref_norm.shape
+            assert opt.num_skipped_steps == 0
+            opt.finish_param_sync()
+            assert_params_close(model, ref, where)
+
+
+@case
+def total_norm_then_clip_with_it_and_clips_of_some_params(rank: int, world: int) -> None:
+    # get_total_norm + clip_grads_with_norm_; a clip of one layer's params (the norm of those
+    # alone, the others unscaled: factors that differ between grads); max_norm=inf (the norm
+    # only); and a param no rank had a grad for (None in torch: skipped by its clip).
+    for fraction in (0.0, 0.5):
+        model, ref = make_model(with_side=True), make_model(with_side=True)
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+        )
+        ref_opt = adamw(ref)
+        where = f"fraction {fraction}"
+        for step in range(3):
+            x, y = global_batch(step)
+            first_rows = 2 if rank == 0 else 0
+            local = model(local_slice(x, rank, world), first_rows=first_rows)
+            mse(local, local_slice(y, rank, world)).backward()
+            mse(ref(x, first_rows=2), y).backward()
+            norms, ref_norms = [], []
+            for net, out in ((model, norms), (ref, ref_norms)):
+                total = torch.nn.utils.get_total_norm(
+                    [p.grad for p in net.parameters() if p.grad is not None]
+                )
+                torch.nn.utils.clip_grads_with_norm_(net.mid.parameters(), MAX_NORM, total)
+                out.append(total)
+                out.append(torch.nn.utils.clip_grad_norm_(net.out.parameters(), MAX_NORM))
+                out.append(torch.nn.utils.clip_grad_norm_(net.parameters(), math.inf, math.inf))
+            for got, expected in zip(norms, ref_norms, strict=True):
+                torch.testing.assert_close(got, expected, **LOSS_TOL, msg=f"{where} {step}")
+            opt.step()
+            ref_opt.step()
+            assert model.never.weight.grad is None  # as torch's: no rank had one
+            model.zero_grad()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, where)
+
+
+@case
+def clip_grad_value_equals_torch(rank: int, world: int) -> None:
+    # By value, then by norm over the clamped grads (the step checks the clamped grads for
+    # infs itself: a clamp makes an inf finite).
+    for fraction in (0.0, 0.5):
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+        )
+        ref_opt = adamw(ref)
+        for step, foreach in enumerate((None, True, False)):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            mse(ref(x), y).backward()
+            norms = []
+            for net in (model, ref):
+                torch.nn.utils.clip_grad_value_(net.parameters(), 0.01, foreach=foreach)
+                norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.02))
+            torch.testing.assert_close(*norms, **LOSS_TOL)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"clip_grad_value_ at fraction {fraction}")
+
+
+class Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.half_layer = nn.Linear(15, 7).half()
+        self.full_layer = nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.full_layer(torch.tanh(self.half_layer(x.half())).float())
+
+
+@case
+def fp16_grads_give_their_unscaled_norm_after_grad_scaler_unscale(rank: int, world: int) -> None:
+    # zero_shard.GradScaler leaves fp16 grads scaled until the step; torch's clip after
+    # scaler.unscale_ sees the unscaled norms, and clips as opt.clip_grad_norm_ does.
+    models, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Mixed()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        models.append(model)
+        opts.append(zero_shard.wrap(opt, model, offload=offload(0.5), bucket_mb=TINY_BUCKETS))
+    scalers = [zero_shard.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    x, y = global_batch(0)
+    xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+    norms = []
+    for index, (model, opt, scaler) in enumerate(zip(models, opts, scalers, strict=True)):
+        scaler.scale(mse(model(xs), ys)).backward()
+        scaler.unscale_(opt)
+        if index == 0:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        else:
+            norms.append(opt.clip_grad_norm_(0.05))
+        scaler.step(opt)
+        scaler.update()
+        opt.finish_param_sync()
+    # The per-grad norms are fp16 and fp32, as torch's of these grads: combined, they round.
+    torch.testing.assert_close(norms[0], norms[1], rtol=1e-3, atol=0.0)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(
+            getattr(models[0].full_layer, name), getattr(models[1].full_layer, name),
+            rtol=1e-3, atol=1e-5,
+        )  # fmt: skip
+
+
+@case
+def other_reads_of_released_grads_still_raise(rank: int, world: int) -> None:
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    grad = model.inp.weight.grad
+    with pytest.raises(NotImplementedError, match=r"over dims \[0\]"):
+        torch.linalg.vector_norm(grad, dim=0)
+    with pytest.raises(NotImplementedError, match=r"shape \(7, 15\)"):
+        grad.mul_(torch.ones(7, 15))
+    for read in (grad.sum, lambda: grad + 1, lambda: torch.ones(7, 15).mul_(grad), grad.clone):
+        with pytest.raises(RuntimeError, match=r"clip_grad_norm_.*opt\.main_grad"):
+            read()
+    opt.zero_grad()
+
+
+def fsdp2(model: nn.Module, world: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model.inp, model.mid, model.out):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@case
+def ddp_and_fsdp2_grads_take_torch_value_and_norm_clips(rank: int, world: int) -> None:
+    # Their reduced grads are real tensors (FSDP2's DTensors) on the params: torch's clipping
+    # works on them as it does without zero-shard. References: DDP's grads are the whole batch's
+    # (one process); FSDP2 with torch AdamW on the same ranks.
+    for kind in ("ddp", "fsdp2"):
+        # torch's inf-norm of FSDP2 grads fails on a rank whose shard is empty (3 ranks here:
+        # "_foreach_norm cannot compute the infinity norm on an empty tensor"), without zero-shard.
+        norm_type = math.inf if kind == "ddp" else 2.0
+        model, ref = make_model(), make_model()
+        if kind == "ddp":
+            net = nn.parallel.DistributedDataParallel(model)
+        else:
+            net, ref = fsdp2(model, world), fsdp2(ref, world)
+        opt = zero_shard.wrap(adamw(model), net, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        ref_opt = adamw(ref)
+        for step in range(2):
+            x, y = global_batch(step)
+            mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            ref_x, ref_y = (
+                (x, y)
+                if kind == "ddp"
+                else (local_slice(x, rank, world), local_slice(y, rank, world))
+            )
+            mse(ref(ref_x), ref_y).backward()
+            norms = []
+            for each in (net, ref):
+                torch.nn.utils.clip_grad_value_(each.parameters(), 0.01)
+                norms.append(torch.nn.utils.clip_grad_norm_(each.parameters(), 0.02, norm_type))
+            norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+            torch.testing.assert_close(*norms, **LOSS_TOL)
+            opt.step()
+            ref_opt.step()
+            net.zero_grad()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"{kind} with torch's value and norm clips")
+
+
+@pytest.fixture(scope="module", params=[1, 3])
+def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_cases(CASES, request.param)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_clip(outcomes: dict[str, str | None], name: str) -> None:
+    check_outcome(outcomes, name)
