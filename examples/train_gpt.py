@@ -190,7 +190,8 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None  # fp16 only
-    autocast_dtype: torch.dtype | None  # adamw and torchao-offload with --dtype bf16/fp16
+    autocast_dtype: torch.dtype | None  # fp32 params (adamw, torchao-offload, --fp32-params)
+    #                                     with --dtype bf16/fp16
 
     @property
     def zero_shard(self) -> bool:
@@ -213,7 +214,7 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
     with torch.device(ranks.device):  # initialized where it trains: fast for billions of params
         model = GPT(PRESETS[args.preset].model, checkpoint_activations=args.checkpoint_activations)
     dtype = DTYPES[args.dtype]
-    fp32_params = args.optimizer in FP32_PARAMS or args.fsdp2_cpu_offload
+    fp32_params = args.optimizer in FP32_PARAMS or args.fsdp2_cpu_offload or args.fp32_params
     model = model.to(torch.float32 if fp32_params else dtype)
     if args.optimizer == "fsdp2-offload" or args.fsdp2_cpu_offload:
         # Before the groups: sharding replaces the params.
@@ -268,10 +269,9 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
         blocks = (model.module if isinstance(model, DistributedDataParallel) else model).blocks
         for block in blocks:
             block.compile(backend=args.compile)
-    schedule = functools.partial(
-        lr_factor, num_warmup=max(args.steps // 20, 1), num_steps=args.steps
-    )
-    autocast = args.optimizer in ("adamw", "torchao-offload") and dtype != torch.float32
+    schedule = functools.partial(lr_factor, num_warmup=args.warmup, num_steps=args.steps)
+    autocast = args.optimizer in ("adamw", "torchao-offload") or args.fp32_params
+    autocast = autocast and dtype != torch.float32
     return Trainer(
         kind=args.optimizer,
         model=model,
@@ -699,11 +699,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--batch-size", type=int, help="sequences per step over all ranks; default: preset's")
     add("--micro-batches", type=int, default=1, help="per rank and step (grad accumulation)")
     add("--lr", type=float, help="peak learning rate; default: the preset's")
+    add("--warmup", type=int, metavar="STEPS", help="steps of linear warmup to --lr, then cosine "
+        "decay; default: a tenth of the preset's steps, at most a quarter of --steps")  # fmt: skip
     add("--clip", type=float, default=1.0, help="max global grad norm (default 1): of "
         "zero-shard's fp32 main grads; the others clip the model's grads with "
         "torch.nn.utils.clip_grad_norm_, which torchao-offload's host step does not see (the "
         "log's summary says which honour it)")  # fmt: skip
     add("--dtype", choices=list(DTYPES), help="param dtype; default bf16, fp32 on CPU")
+    add("--fp32-params", action="store_true", help="zero-shard with fp32 params and autocast to "
+        "--dtype: plain AdamW's recipe, for comparing the curves")  # fmt: skip
     add("--optimizer", default="zero-shard", choices=["zero-shard", "adamw", "megatron-hdo",
         "torchao-offload", "fsdp2-offload"], help="zero-shard.wrap(AdamW) (default); adamw: "
         "plain torch AdamW, fp32 params, autocast (the reference); megatron-hdo: Megatron-Core's "
@@ -760,14 +764,19 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
     for name in ("steps", "batch_size", "lr"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
+    if args.warmup is None:
+        args.warmup = max(min(preset.steps // 10, args.steps // 4), 1)
     if args.eval_every is None:
         args.eval_every = max(args.steps // 10, 1)
-    for name in ("steps", "batch_size", "micro_batches"):
+    for name in ("steps", "batch_size", "micro_batches", "warmup"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if args.tp < 1 or world_size % args.tp:
         parser.error(f"--tp must be at least 1 and divide the {world_size} rank(s), got {args.tp}")
+    if args.fp32_params and args.optimizer != "zero-shard":
+        parser.error(f"--optimizer {args.optimizer} has a recipe of its own: --fp32-params is "
+                     "for zero-shard (plain AdamW's params are fp32 already)")  # fmt: skip
     if args.tp > 1 and args.optimizer != "zero-shard":
         parser.error("--tp runs with --optimizer zero-shard only")
     if args.delayed_update_warmup and not args.delayed_update:
