@@ -226,7 +226,7 @@ def assert_tp_copies_agree(model: nn.Module, opt: Any, mesh: DeviceMesh, where: 
     state = opt.state_dict()["state"]
     group = mesh["tp"].get_group()
     for name, param in model.named_parameters():
-        if not isinstance(param, DTensor) or param.device_mesh.ndim != 1 or mesh.ndim != 2:
+        if not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names != ("dp",):
             continue
         pieces = [param.to_local(), *(v.to_local() for k, v in state[name].items() if k != "step")]
         for piece in pieces:
