@@ -884,7 +884,10 @@ def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> 
             mesh's accelerator.
         mesh: the 1-D data-parallel ``DeviceMesh``, over all ranks or a dim of a mesh that is
             (``mesh["dp"]``); default: all ranks of the default group, or a DDP model's process
-            group. Under FSDP2 the params' own mesh is used.
+            group. Under FSDP2 the params' own mesh is used: with tensor parallelism the 2-D
+            ``(dp, tp)`` one, and a param the plan left plain, which FSDP2 shards on
+            ``mesh["dp"]`` alone, is taken as replicated over ``tp`` ([Note: FSDP2 params on a
+            sub-mesh]).
         stage: 2 (default) reduce-scatters grads during backward so each rank keeps only its
             shard; 1 all-reduces them and keeps the local shard. A DDP model's grads, reduced by
             DDP, are used as they are.

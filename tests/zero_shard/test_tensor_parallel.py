@@ -264,15 +264,15 @@ def check_state_dict(opt: Any, ref: nn.Module, ref_opt: Any, where: str) -> None
                                            msg=f"{where}: full {fqn} {key}")  # fmt: skip
 
 
-def poison_on_last_rank(model: nn.Module, opt: Any, kind: str, *, fsdp2: bool) -> Any:
-    """An inf in one element of the last rank's grad of a tensor-parallel weight (of the
-    "llama_plain_norms": of a norm, in the last tp rank's copy, which the norm does not count),
-    put in as the grad is made (before any reduction; under FSDP2, after its reduce-scatter).
-    Returns a hook handle, or None."""
+def poison_on_last_rank(model: nn.Module, opt: Any, copy: str | None, *, fsdp2: bool) -> Any:
+    """An inf in one element of the last rank's grad of a tensor-parallel weight, or of the
+    params named ``...{copy}``, which are replicated over tp (the last tp rank's copy: the norm
+    does not count it). Put in as the grad is made (before any reduction; under FSDP2, after its
+    reduce-scatter). Returns a hook handle, or None."""
     last = dist.get_rank() == dist.get_world_size() - 1
     params = [p for group in opt.param_groups for p in group["params"] if p.dim() == 2]
-    if kind == "llama_plain_norms":
-        params = [p for group in opt.param_groups for p in group["params"] if p.dim() == 1]
+    if copy is not None:
+        params = [p for name, p in model.named_parameters() if name.endswith(copy)]
     if fsdp2:
         if last:
             local = next(p.grad.to_local() for p in params if p.grad.to_local().numel())
@@ -288,11 +288,14 @@ def poison_on_last_rank(model: nn.Module, opt: Any, kind: str, *, fsdp2: bool) -
 
 
 def non_finite_grad_on_one_rank_skips_everywhere(
-    mesh: DeviceMesh, composition: str, kind: str = "mlp"
+    mesh: DeviceMesh, composition: str, kind: str = "mlp", copy: str | None = None
 ) -> None:
-    """An inf in one rank's grad: every rank skips the step and keeps its params and state
-    bit-identical; training then goes on with torch."""
-    where = describe(kind, composition, mesh, 0.5)
+    """An inf in one rank's grad (``copy``: in the last tp rank's copy of the params named so,
+    replicated over tp, which the norm does not count): every rank skips the step and keeps its
+    params and state bit-identical; training then goes on with torch."""
+    where = describe(kind, composition, mesh, 0.5) + (
+        f", an inf in a copy of {copy}" if copy else ""
+    )
     ref = fsdp_tp(kind, mesh)
     ref_opt = torch_opt(ref)
     model, opt = ours(kind, mesh, 0.5, composition)
@@ -301,10 +304,10 @@ def non_finite_grad_on_one_rank_skips_everywhere(
     opt.finish_param_sync()
     params_before, state_before = full_params(model, opt), full_state(model, opt)
     fsdp2 = composition == "fsdp2"
-    handle = None if fsdp2 else poison_on_last_rank(model, opt, kind, fsdp2=False)
+    handle = None if fsdp2 else poison_on_last_rank(model, opt, copy, fsdp2=False)
     loss_of(kind, model, *batch(kind, 1, mesh)).backward()
     if fsdp2:
-        poison_on_last_rank(model, opt, kind, fsdp2=True)
+        poison_on_last_rank(model, opt, copy, fsdp2=True)
     if handle is not None:
         handle.remove()
     with warnings.catch_warnings():
@@ -492,6 +495,8 @@ def ddp_at_2x2(rank: int, world: int) -> None:
 def skip_at_2x2(rank: int, world: int) -> None:
     for composition in COMPOSITIONS:
         non_finite_grad_on_one_rank_skips_everywhere(mesh_2d(2, 2), composition)
+    # The row-parallel bias, replicated over tp: an inf in a copy the norm does not count.
+    non_finite_grad_on_one_rank_skips_everywhere(mesh_2d(2, 2), "replicated", copy="down.bias")
 
 
 def resume_at_4x1_and_2x2(rank: int, world: int) -> None:
@@ -532,7 +537,7 @@ def plain_norms_fsdp2_at_2x2(rank: int, world: int) -> None:
     mesh = mesh_2d(2, 2)
     for fraction in (0.0, 0.5, 1.0):
         parity(PLAIN_NORMS, mesh, fraction)
-    non_finite_grad_on_one_rank_skips_everywhere(mesh, "fsdp2", PLAIN_NORMS)
+    non_finite_grad_on_one_rank_skips_everywhere(mesh, "fsdp2", PLAIN_NORMS, copy="norm.weight")
 
 
 def plain_norms_save_at_2x2_resume_at_2x2(rank: int, world: int) -> None:
