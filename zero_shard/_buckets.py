@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from ._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 from ._released import GradWatch, check_unconverted
-from ._tp import StateLayout, dtensor_layout, local_tensor, rows_layout
+from ._tp import StateLayout, dtensor_layout, local_tensor, placements_over, rows_layout
 
 __all__ = [
     "Bucket",
@@ -76,7 +76,9 @@ class ShardedParam:
     #                                          multiplied by ([Note: clip at the step])
     counted: bool = True  # this rank's shard counts in global norms: False where the param is
     #                       replicated over a mesh dim the norm sums over and this rank is not
-    #                       that dim's first (tensor parallelism's replicated norms and biases)
+    #                       that dim's first (tensor parallelism's replicated norms and biases,
+    #                       and FSDP2 params on the dp dim alone: [Note: FSDP2 params on a
+    #                       sub-mesh])
 
     @property
     def local(self) -> torch.Tensor:
@@ -263,14 +265,20 @@ def build_buckets(
 
 
 def fsdp_sharded_param(
-    param: DTensor, fqn: str, group_index: int, reduced_dims: Sequence[int]
+    param: DTensor, fqn: str, group_index: int, mesh: DeviceMesh, reduced_dims: Sequence[int]
 ) -> ShardedParam:
     """The record of an FSDP2 (DTensor) param, whose shard is a leaf sharing the memory of the
     param's local tensor: the sharded storage FSDP2 all-gathers from, never a copy. Any layout
     ``check_fsdp_layout`` accepts: the optimizer is elementwise, so the local tensor steps alone,
-    whatever rows and columns of the param it holds."""
+    whatever rows and columns of the param it holds. ``mesh`` is the model's mesh of most dims
+    (the param's, or one it lies on named dims of: [Note: FSDP2 params on a sub-mesh]), and
+    ``reduced_dims`` those of its dims that global norms sum over."""
     layout = dtensor_layout(param)  # its local tensor is where torch places it: check_fsdp_layout
     shard = param._local_tensor.detach().requires_grad_(True)
+    placements = placements_over(param, mesh)
+    if placements is None:
+        raise AssertionError(f"expected param {fqn!r}'s mesh to be {mesh} or named dims of it")
+    over_mesh = StateLayout(mesh, placements, layout.shape, layout.stride)
     return ShardedParam(
         param=param,
         fqn=fqn,
@@ -278,5 +286,5 @@ def fsdp_sharded_param(
         shard=shard,
         spec=None,
         layout=layout,
-        counted=layout.counted_here(reduced_dims),
+        counted=over_mesh.counted_here(reduced_dims),
     )

@@ -109,10 +109,16 @@ class FSDPComm:
     _module: nn.Module
 
     def __init__(
-        self, module: nn.Module, trainable: Sequence[Trainable], reduced_dims: Sequence[int]
+        self,
+        module: nn.Module,
+        trainable: Sequence[Trainable],
+        mesh: DeviceMesh,
+        reduced_dims: Sequence[int],
     ) -> None:
         self._module = module
-        self.sharded = [fsdp_sharded_param(p, fqn, g, reduced_dims) for p, fqn, g in trainable]
+        self.sharded = [
+            fsdp_sharded_param(p, fqn, g, mesh, reduced_dims) for p, fqn, g in trainable
+        ]
         self.buckets = []
 
     def install(self, mesh: DeviceMesh, *, device: torch.device, overlap: bool) -> list[Any]:

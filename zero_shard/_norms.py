@@ -2,6 +2,16 @@
 
 Each rank holds disjoint shards of the grads (before any copy to the host), so a global norm is
 a local partial result reduced over the groups across which the grads are sharded.
+
+[Note: uncounted copies in the verdict]
+Where a param is replicated over a mesh dim the norms sum over (tensor parallelism's replicated
+norms and biases, an FSDP2 param on the ``dp`` dim alone), each rank holds a copy of its shard's
+grad, and only the dim's first rank counts it (``ShardedParam.counted``). The step reads its
+non-finite verdict from the clip's norm when there is one, so a copy that holds an inf or a NaN
+where the counted one does not must still make the norm non-finite: otherwise that rank would
+step its copy with the inf and the others would not. The copies are screened for non-finite
+values (``copies`` / ``counted``), which then make the norm (or the param's norm) non-finite on
+every rank, in the same all-reduce.
 """
 
 from __future__ import annotations
@@ -95,11 +105,19 @@ def global_norm(
     norm_type: float,
     groups: Sequence[dist.ProcessGroup],
     device: torch.device,
+    *,
+    copies: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
     """The ``norm_type``-norm of all ranks' ``grads`` together, as a 0-dim fp32 tensor on
-    ``device`` (the same value on every rank); ``groups`` are those the grads are sharded over."""
+    ``device`` (the same value on every rank); ``groups`` are those the grads are sharded over.
+    ``copies``: grads this rank holds that another rank counts; they add nothing, but an inf or
+    a NaN in one makes the norm inf (see [Note: uncounted copies in the verdict])."""
     with phase("zero_shard::norm"):
         term = _local_term(grads, norm_type, device).to(device)  # host grads: on the mesh's
+        copies = [copy for copy in copies if copy.numel()]
+        if copies:
+            finite = _all_finite(copies).to(device)
+            term = torch.where(finite, term, torch.full_like(term, math.inf))
         if math.isinf(norm_type):
             # A MAX reduction may drop a NaN (gloo keeps the other rank's value); inf survives.
             term = torch.nan_to_num(term, nan=math.inf)
@@ -125,15 +143,20 @@ def param_norms(
     norm_type: float,
     groups: Sequence[dist.ProcessGroup],
     device: torch.device,
+    *,
+    counted: Sequence[bool] | None = None,
 ) -> torch.Tensor:
-    """Each entry's ``norm_type``-norm over the pieces all ranks hold of it (``None``: this rank's
-    piece counts nothing), as a 1-D tensor on ``device``, the same on every rank: one all-reduce
-    per group for all of them. Accumulated in fp32 (fp64 where a grad is fp64), as torch's
-    per-grad norms; any ``norm_type`` ``torch.linalg.vector_norm`` takes. A NaN survives the max
-    and min reductions (gloo's MAX may drop it): its flag travels beside the values."""
-    present = [
-        (index, grad) for index, grad in enumerate(grads) if grad is not None and grad.numel()
-    ]
+    """Each entry's ``norm_type``-norm over the pieces all ranks hold of it (``None``: this rank
+    holds no piece), as a 1-D tensor on ``device``, the same on every rank: one all-reduce per
+    group for all of them. Accumulated in fp32 (fp64 where a grad is fp64), as torch's per-grad
+    norms; any ``norm_type`` ``torch.linalg.vector_norm`` takes. A NaN survives the max and min
+    reductions (gloo's MAX may drop it): its flag travels beside the values. ``counted[i]``
+    false: this rank's piece is a copy another rank counts; it adds nothing, but an inf or a NaN
+    in it makes the entry's norm NaN (see [Note: uncounted copies in the verdict])."""
+    counts = [True] * len(grads) if counted is None else list(counted)
+    held = [(index, grad) for index, grad in enumerate(grads) if grad is not None and grad.numel()]
+    present = [(index, grad) for index, grad in held if counts[index]]
+    copies = [(index, grad) for index, grad in held if not counts[index]]
     dtype = _accumulate_dtype([grad for _, grad in present])
     # An absent piece: nothing to a sum or a count, 0 to a max, inf to a min.
     empty = math.inf if norm_type == -math.inf else 0.0
@@ -147,6 +170,11 @@ def param_norms(
                 norms = torch.stack(_norms(pieces, norm_type)).to(dtype)
             where = torch.tensor([index for index, _ in present], device=device)
             terms.index_copy_(0, where, _local_terms(norms, norm_type).to(device))
+        if copies:  # no host wait: the flags stay on the device
+            where = torch.tensor([index for index, _ in copies], device=device)
+            finite = torch.stack([torch.isfinite(copy).all().to(device) for _, copy in copies])
+            nan = torch.full_like(finite, math.nan, dtype=dtype)
+            terms.index_copy_(0, where, torch.where(finite, terms[where], nan))
         if math.isinf(norm_type):
             op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
             sign = (

@@ -245,7 +245,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                     "stage=1 has no effect on an FSDP2 model: FSDP2 reduce-scatters its grads",
                     stacklevel=4,
                 )
-            return FSDPComm(self._module, checked.trainable, self._meshes.sum_dims)
+            return FSDPComm(
+                self._module, checked.trainable, self._meshes.mesh, self._meshes.sum_dims
+            )
         plan = plan_units(self._module, checked.units)
         meshes = self._meshes
         if self.kind is ModelKind.DDP:
@@ -425,10 +427,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._finalize_grads()
         self._apply_grad_factor()  # a clip before: these grads are the clipped ones
         grads = shard_grads(self._sharded)
+        copies = [s.shard.grad for s in self._sharded if not s.counted and s.shard.grad is not None]
         with self._host_threads():
             norm = global_norm(
-                norm_grads(self._sharded), norm_type, self._groups, self._reduce_device
-            )
+                norm_grads(self._sharded), norm_type, self._groups, self._reduce_device,
+                copies=copies,
+            )  # fmt: skip
         if self._grad_scale is not None:  # fp16 grads still carry the loss scale
             norm = norm * self._grad_scale
         coefficient = clip_coefficient(norm, float(max_norm))
@@ -880,7 +884,10 @@ def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> 
             mesh's accelerator.
         mesh: the 1-D data-parallel ``DeviceMesh``, over all ranks or a dim of a mesh that is
             (``mesh["dp"]``); default: all ranks of the default group, or a DDP model's process
-            group. Under FSDP2 the params' own mesh is used.
+            group. Under FSDP2 the params' own mesh is used: with tensor parallelism the 2-D
+            ``(dp, tp)`` one, and a param the plan left plain, which FSDP2 shards on
+            ``mesh["dp"]`` alone, is taken as replicated over ``tp`` ([Note: FSDP2 params on a
+            sub-mesh]).
         stage: 2 (default) reduce-scatters grads during backward so each rank keeps only its
             shard; 1 all-reduces them and keeps the local shard. A DDP model's grads, reduced by
             DDP, are used as they are.

@@ -85,9 +85,12 @@ class ReleasedGradOps:
         optimizer._apply_grad_factor()
         key = (norm_type, optimizer._comm.grads_marker(), optimizer._grad_edits)
         if self._cached is None or self._cached.key != key:
-            grads = [s.shard.grad if s.counted else None for s in optimizer._sharded]
+            grads = [s.shard.grad for s in optimizer._sharded]
+            counted = [s.counted for s in optimizer._sharded]
             with optimizer._host_threads():
-                norms = param_norms(grads, norm_type, optimizer._groups, optimizer._reduce_device)
+                norms = param_norms(
+                    grads, norm_type, optimizer._groups, optimizer._reduce_device, counted=counted
+                )
             if optimizer._grad_scale is not None and norm_type != 0:  # fp16: still scaled
                 norms = norms * optimizer._grad_scale
             self._cached = _Norms(key, norms)

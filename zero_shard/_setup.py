@@ -18,7 +18,14 @@ from torch.distributed.tensor import DTensor
 
 from optimizers import OffloadPolicy, check_elementwise, check_param_kind
 
-from ._tp import dtensor_layout, joint_mesh, local_tensor, tp_mesh_of, tp_spec
+from ._tp import (
+    dtensor_layout,
+    joint_mesh,
+    local_tensor,
+    placements_over,
+    tp_mesh_of,
+    tp_spec,
+)
 from ._units import Units, resolve_units
 from ._verdict import Summary, on_every_rank
 
@@ -280,7 +287,8 @@ class Meshes(NamedTuple):
     joint: DeviceMesh | None  # with tensor parallelism under zero-shard's sharding: the 2-D
     #                           (dp, tp) mesh the state lies on
     sum_dims: tuple[int, ...]  # dims of verdict_mesh that global norms and non-finite checks
-    #                            reduce over: those some param is sharded over
+    #                            reduce over: those some param is sharded over (or, under FSDP2,
+    #                            holds copies over: summed_dims)
 
     @property
     def verdict_mesh(self) -> DeviceMesh:
@@ -314,7 +322,7 @@ def resolve_mesh(model: nn.Module, kind: ModelKind, mesh: Any, device: torch.dev
     trained = [(p, name) for name, p in model.named_parameters() if p.requires_grad]
     if kind is ModelKind.FSDP:
         # The mesh of most dims: FSDP2 puts a param the tensor-parallel plan left plain on the
-        # data-parallel dim alone, and check_fsdp_layout then names it.
+        # data-parallel dim alone ([Note: FSDP2 params on a sub-mesh]).
         first = max((p for p, _ in trained), key=lambda p: p.device_mesh.ndim, default=None)
         if first is None:
             raise ValueError("the model has no param that requires grad: nothing to shard")
@@ -324,7 +332,7 @@ def resolve_mesh(model: nn.Module, kind: ModelKind, mesh: Any, device: torch.dev
                 "(with tensor parallelism too: the params' data x tensor-parallel mesh is used)"
             )
         mesh = first.device_mesh
-        return Meshes(mesh, None, tuple(sharded_dims(model, mesh)))
+        return Meshes(mesh, None, tuple(summed_dims(model, mesh)))
     tp_mesh = tp_mesh_of(trained)
     ddp_group = model.process_group if kind is ModelKind.DDP else None
     if mesh is None and kind is ModelKind.DDP:
@@ -387,17 +395,20 @@ def trainable_params(
 
 def check_fsdp_layout(trainable: list[Trainable], mesh: DeviceMesh) -> None:
     """Every FSDP2 param on ``mesh`` (1-D, HSDP's 2-D, or FSDP2's data-parallel dim with tensor
-    parallelism's), none partial, each local tensor contiguous where torch places it."""
+    parallelism's) or on named dims of it (a param the tensor-parallel plan left plain, on
+    ``mesh["dp"]`` alone: [Note: FSDP2 params on a sub-mesh]), none partial, each local tensor
+    contiguous where torch places it."""
     first, first_fqn, _ = next(item for item in trainable if item[0].device_mesh == mesh)
     for param, fqn, _ in trainable:
-        if param.device_mesh != mesh:
+        if placements_over(param, mesh) is None:
             raise ValueError(
                 f"param {fqn!r} has {_layout(param)}, but param {first_fqn!r} has "
                 f"{_layout(first)}: zero-shard expects every param on one mesh (FSDP2's, or the "
-                "2-D data x tensor-parallel mesh that fully_shard and parallelize_module share). "
-                "Under tensor parallelism give every param a layout on the tensor-parallel mesh "
-                "too: a plan entry for its module (SequenceParallel for a norm), or replicate it "
-                "with distribute_module"
+                "2-D data x tensor-parallel mesh that fully_shard and parallelize_module share), "
+                "or on named dims of it (fully_shard over mesh['dp'] of a param the "
+                "tensor-parallel plan left plain). Build every mesh from one "
+                "init_device_mesh(..., mesh_dim_names=...) and slice it by name (mesh['dp'], "
+                "mesh['tp'])"
             )
         if any(placement.is_partial() for placement in param.placements):
             raise ValueError(
@@ -416,18 +427,21 @@ def check_fsdp_layout(trainable: list[Trainable], mesh: DeviceMesh) -> None:
             )
 
 
-def sharded_dims(model: nn.Module, mesh: DeviceMesh) -> list[int]:
-    """The dims of ``mesh`` over which some trainable param of ``model`` is sharded: global norms
-    and non-finite checks are reduced over them (the others hold copies)."""
-    return sorted(
-        {
-            dim
-            for param in model.parameters()
-            if param.requires_grad and isinstance(param, DTensor) and param.device_mesh == mesh
-            for dim, placement in enumerate(param.placements)
-            if not placement.is_replicate()
-        }
-    )
+def summed_dims(model: nn.Module, mesh: DeviceMesh) -> list[int]:
+    """The dims of ``mesh`` that global norms and non-finite checks reduce over: those over which
+    some trainable param of ``model`` is sharded (the others hold copies of every param), and
+    those a param on named dims of ``mesh`` lacks, whose ranks hold copies of it that must skip
+    together ([Note: FSDP2 params on a sub-mesh]; the norms count each copy once)."""
+    dims = set()
+    names = mesh.mesh_dim_names or ()
+    for param in model.parameters():
+        if not param.requires_grad or not isinstance(param, DTensor):
+            continue
+        own = () if param.device_mesh == mesh else (param.device_mesh.mesh_dim_names or ())
+        for dim, placement in enumerate(placements_over(param, mesh) or ()):
+            if not placement.is_replicate() or (own and names[dim] not in own):
+                dims.add(dim)
+    return sorted(dims)
 
 
 def check_dense_grads(module: nn.Module, trainable: list[Trainable]) -> None:

@@ -18,6 +18,23 @@ split by ``torch.chunk``, so DTensor places each rank's rows where zero-shard ho
 checks it.
 
 Global norms sum each element once: a shard replicated over ``tp`` counts on ``tp``'s first rank.
+
+[Note: FSDP2 params on a sub-mesh]
+Under FSDP2 + TP a param the tensor-parallel plan left plain (torchtitan's norms with sequence
+parallelism off) is sharded by ``fully_shard(..., mesh=mesh["dp"])`` on the 1-D ``dp`` mesh alone,
+while the planned params lie on the 2-D ``(dp, tp)`` mesh. Such a param is a DTensor on named dims
+of the 2-D mesh: each coordinate of the other dims (each ``tp`` rank) holds its own copy of the
+same shard and steps it with its own grads, which FSDP2 reduced over ``dp`` only. zero-shard reads
+it as replicated over the dims its mesh lacks (``placements_over``): its shard is stepped where
+it lies, as torch AdamW steps it; it counts in global norms on those dims' first rank alone (as a
+``Replicate()`` placement does, see ``StateLayout.counted_here``); the non-finite checks read every
+copy and reduce over the whole 2-D mesh, so an inf in one ``tp`` rank's copy skips the step on
+every rank; and its state keeps the param's own 1-D layout, as ``get_optimizer_state_dict`` gives
+it for FSDP2 + TP + a torch optimizer (DCP writes one copy). The copies then stay bit-identical
+whenever their grads are: the step is elementwise, and the clip's factor and the verdict are the
+same on every rank (the device's share and the CPU kernel give the same bits). torch's own
+``clip_grad_norm_`` refuses such a model (``torch.stack`` of norms on two meshes); per mesh,
+``get_total_norm(...).full_tensor()`` combined, gives the norm ``clip_grad_norm_`` returns here.
 """
 
 from __future__ import annotations
@@ -41,6 +58,7 @@ __all__ = [
     "dtensor_layout",
     "joint_mesh",
     "local_tensor",
+    "placements_over",
     "rows_layout",
     "tp_mesh_of",
     "tp_spec",
@@ -104,6 +122,25 @@ class StateLayout:
 def dtensor_layout(param: DTensor) -> StateLayout:
     """The layout of an FSDP2 param's state: the param's own."""
     return StateLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+
+
+def placements_over(param: DTensor, mesh: DeviceMesh) -> tuple[Placement, ...] | None:
+    """The param's placements over each dim of ``mesh``, where its own mesh is ``mesh`` or named
+    dims of it (``mesh["dp"]``): its own on those dims, ``Replicate()`` on the others (see
+    [Note: FSDP2 params on a sub-mesh]); ``None`` where its mesh is neither."""
+    own = param.device_mesh
+    if own == mesh:
+        return tuple(param.placements)
+    names, all_names = own.mesh_dim_names, mesh.mesh_dim_names
+    if not names or not all_names or not set(names) <= set(all_names) or own.ndim >= mesh.ndim:
+        return None
+    dims = [all_names.index(name) for name in names]
+    if dims != sorted(dims) or mesh[tuple(names)] != own:
+        return None
+    placements: list[Placement] = [Replicate()] * mesh.ndim
+    for dim, placement in zip(dims, param.placements, strict=True):
+        placements[dim] = placement
+    return tuple(placements)
 
 
 def tp_mesh_of(params: Sequence[tuple[torch.Tensor, str]]) -> DeviceMesh | None:

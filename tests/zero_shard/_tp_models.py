@@ -1,6 +1,8 @@
 """Tensor-parallel models for the 2-D mesh tests: a small Llama-shaped transformer with the tensor-
 parallel plan torchtitan applies to Llama (column-parallel q/k/v and w1/w3, row-parallel wo and
-w2, sequence-parallel norms, a row-parallel embedding), and an MLP whose shards are uneven or
+w2, sequence-parallel norms, a row-parallel embedding), the same plan without sequence
+parallelism ("llama_plain_norms": the norms are left out of the plan and stay plain params, which
+FSDP2 then shards over ``dp`` alone, on the 1-D mesh), and an MLP whose shards are uneven or
 empty. Written here from the plan's description, not copied.
 
 The Llama's sizes keep every tensor-parallel split even (torch's row-parallel input needs it) and
@@ -120,6 +122,31 @@ def parallelize_llama(model: Llama, tp_mesh: DeviceMesh) -> Llama:
     return model
 
 
+def parallelize_llama_plain_norms(model: Llama, tp_mesh: DeviceMesh) -> Llama:
+    """torchtitan's Llama plan with sequence parallelism off: replicated activations between the
+    blocks' matmuls, and the norms not in the plan (plain params)."""
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    block_plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, block_plan)
+    return model
+
+
 class MLP(nn.Module):
     """A column-parallel layer of 2 rows (1 per tensor-parallel rank: an empty data-parallel
     shard at dp 2), then a row-parallel one with a replicated bias."""
@@ -144,10 +171,13 @@ def mesh_2d(dp: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
 def tp_model(
     kind: str, mesh: DeviceMesh, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> nn.Module:
-    """The model ``kind`` ("llama" or "mlp") in ``dtype``, tensor-parallel over ``mesh["tp"]``."""
+    """The model ``kind`` ("llama", "llama_plain_norms" or "mlp") in ``dtype``, tensor-parallel
+    over ``mesh["tp"]``."""
     torch.manual_seed(seed)
     if kind == "llama":
         return parallelize_llama(Llama().to(dtype), mesh["tp"])
+    if kind == "llama_plain_norms":
+        return parallelize_llama_plain_norms(Llama().to(dtype), mesh["tp"])
     return parallelize_mlp(MLP().to(dtype), mesh["tp"])
 
 
@@ -175,7 +205,7 @@ def batch(kind: str, step: int, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.T
     """This data-parallel rank's slice of step ``step``'s global batch (the tensor-parallel ranks
     of one data-parallel rank take the same)."""
     gen = torch.Generator().manual_seed(100 + step)
-    if kind == "llama":
+    if kind.startswith("llama"):
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
     else:
@@ -191,6 +221,6 @@ def loss_of(
     kind: str, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
     out = model(inputs).float()
-    if kind == "llama":
+    if kind.startswith("llama"):
         return F.cross_entropy(out.reshape(-1, VOCAB), targets.reshape(-1))
     return F.mse_loss(out, targets)

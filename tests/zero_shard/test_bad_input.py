@@ -100,10 +100,13 @@ def tensor_parallel_layouts_zero_shard_cannot_take(rank: int, world: int) -> Non
         )
         return model
 
-    def fsdp_with_a_plain_param() -> nn.Module:
+    def fsdp_on_a_mesh_of_its_own() -> nn.Module:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4))
         parallelize_module(model, mesh["tp"], pair)  # the LayerNorm stays plain
+        # Its own "dp" mesh over every rank: not mesh["dp"] (a plan-less param on mesh["dp"]
+        # trains: test_tensor_parallel.py).
+        fully_shard(model[3], mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
         return fully_shard(model, mesh=mesh["dp"])
 
     refused = {
@@ -128,11 +131,11 @@ def tensor_parallel_layouts_zero_shard_cannot_take(rank: int, world: int) -> Non
             mesh["tp"],
             r"mesh is the tensor-parallel dim 'tp' itself; pass the data-parallel dim",
         ),
-        "FSDP2 + TP with a param the plan left plain": (
-            fsdp_with_a_plain_param,
+        "FSDP2 + TP with a param on a mesh of its own": (
+            fsdp_on_a_mesh_of_its_own,
             None,
-            r"param '3\.weight' has placements \(Shard\(dim=0\),\) on a mesh of shape \(1,\) "
-            r"\('dp',\), but param '0\.weight' has .*: a plan entry",
+            r"param '3\.weight' has placements \(Shard\(dim=0\),\) on a mesh of shape "
+            rf"\({world},\) \('dp',\), but param '0\.weight' has .*or on named dims of it",
         ),
         "a param split over both dims": (
             over_both_dims,

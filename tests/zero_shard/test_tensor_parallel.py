@@ -10,6 +10,13 @@ a non-finite grad on one rank skips the step on all; the state dict has the keys
 tp 1, dp 1 x tp 2 and dp 2 x tp 1 on the uninterrupted trajectory, and interchange with FSDP2 +
 TP + torch AdamW both ways. Meshes: 2 x 2 on 4 ranks, 1 x 2 and 2 x 1 on 2.
 
+The Llama without sequence parallelism ("llama_plain_norms": its norms are plain params, which
+FSDP2 shards on the 1-D ``dp`` mesh while the planned ones lie on the 2-D mesh) goes the same way
+under FSDP2: parity at the three fractions, the skip (an inf in a copy of a norm's grad that the
+norm does not count), checkpoints both ways; and every ``tp`` rank's copy of those params and
+their state stays bit-identical. torch's ``clip_grad_norm_`` refuses that model (it stacks norms
+of two meshes), so the reference clips by the norm of the per-mesh norms (``torch_clip``).
+
 The phases share a folder through ZERO_SHARD_TEST_DIR: the 4-rank spawn saves, the 2-rank one
 loads.
 """
@@ -152,6 +159,23 @@ def assert_params_close(model: nn.Module, opt: Any, ref: nn.Module, where: str) 
         torch.testing.assert_close(value, expected[name], **PARAM_TOL, msg=f"{where}: {name}")
 
 
+def torch_clip(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_``, and where the params lie on several meshes (FSDP2 + TP with
+    plain norms, which it refuses) torch's pieces: each mesh's ``get_total_norm`` made whole,
+    their norm, and ``clip_grads_with_norm_`` by it."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for param in params:
+        by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    if len(by_mesh) == 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = [full(torch.nn.utils.get_total_norm([p.grad for p in ps])) for ps in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for ps in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    return total
+
+
 def train_step(kind: str, model: nn.Module, opt: Any, step: int, mesh: DeviceMesh) -> torch.Tensor:
     """One step with clipping: zero-shard's clip on a ZeroShardOptimizer, torch's otherwise."""
     loss = loss_of(kind, model, *batch(kind, step, mesh))
@@ -159,7 +183,7 @@ def train_step(kind: str, model: nn.Module, opt: Any, step: int, mesh: DeviceMes
     if isinstance(opt, zero_shard.ZeroShardOptimizer):
         norm = opt.clip_grad_norm_(CLIP)
     else:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norm = torch_clip(model, CLIP)
     opt.step()
     opt.zero_grad()
     return torch.stack([loss.detach(), full(norm)])
@@ -193,6 +217,22 @@ def parity(
         opt.finish_param_sync()
         assert_params_close(model, opt, ref, f"{where}, step {step}")
     check_state_dict(opt, ref, ref_opt, where)
+    assert_tp_copies_agree(model, opt, mesh, where)
+
+
+def assert_tp_copies_agree(model: nn.Module, opt: Any, mesh: DeviceMesh, where: str) -> None:
+    """Every tp rank's copy of an FSDP2 param on the 1-D dp mesh, and of its state, is the same
+    to the bit."""
+    state = opt.state_dict()["state"]
+    group = mesh["tp"].get_group()
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor) or param.device_mesh.mesh_dim_names != ("dp",):
+            continue
+        pieces = [param.to_local(), *(v.to_local() for k, v in state[name].items() if k != "step")]
+        for piece in pieces:
+            copies = [torch.empty_like(piece) for _ in range(mesh["tp"].size())]
+            dist.all_gather(copies, piece.contiguous(), group=group)
+            assert all(torch.equal(c, copies[0]) for c in copies), f"{where}: {name}"
 
 
 def check_state_dict(opt: Any, ref: nn.Module, ref_opt: Any, where: str) -> None:
@@ -224,13 +264,16 @@ def check_state_dict(opt: Any, ref: nn.Module, ref_opt: Any, where: str) -> None
                                            msg=f"{where}: full {fqn} {key}")  # fmt: skip
 
 
-def poison_on_last_rank(model: nn.Module, opt: Any) -> Any:
-    """An inf in one element of the last rank's grad of a tensor-parallel weight, put in as the
-    grad is made (before any reduction; under FSDP2, after its reduce-scatter). Returns a hook
-    handle, or None."""
+def poison_on_last_rank(model: nn.Module, opt: Any, copy: str | None, *, fsdp2: bool) -> Any:
+    """An inf in one element of the last rank's grad of a tensor-parallel weight, or of the
+    params named ``...{copy}``, which are replicated over tp (the last tp rank's copy: the norm
+    does not count it). Put in as the grad is made (before any reduction; under FSDP2, after its
+    reduce-scatter). Returns a hook handle, or None."""
     last = dist.get_rank() == dist.get_world_size() - 1
     params = [p for group in opt.param_groups for p in group["params"] if p.dim() == 2]
-    if isinstance(params[0], DTensor) and params[0].device_mesh.ndim == 2:  # FSDP2's
+    if copy is not None:
+        params = [p for name, p in model.named_parameters() if name.endswith(copy)]
+    if fsdp2:
         if last:
             local = next(p.grad.to_local() for p in params if p.grad.to_local().numel())
             local.view(-1)[0] = float("inf")
@@ -244,21 +287,27 @@ def poison_on_last_rank(model: nn.Module, opt: Any) -> Any:
     return params[0].register_hook(poison) if last else None
 
 
-def non_finite_grad_on_one_rank_skips_everywhere(mesh: DeviceMesh, composition: str) -> None:
-    """An inf in one rank's grad: every rank skips the step and keeps its params and state
-    bit-identical; training then goes on with torch."""
-    where = describe("mlp", composition, mesh, 0.5)
-    ref = fsdp_tp("mlp", mesh)
+def non_finite_grad_on_one_rank_skips_everywhere(
+    mesh: DeviceMesh, composition: str, kind: str = "mlp", copy: str | None = None
+) -> None:
+    """An inf in one rank's grad (``copy``: in the last tp rank's copy of the params named so,
+    replicated over tp, which the norm does not count): every rank skips the step and keeps its
+    params and state bit-identical; training then goes on with torch."""
+    where = describe(kind, composition, mesh, 0.5) + (
+        f", an inf in a copy of {copy}" if copy else ""
+    )
+    ref = fsdp_tp(kind, mesh)
     ref_opt = torch_opt(ref)
-    model, opt = ours("mlp", mesh, 0.5, composition)
-    train_step("mlp", ref, ref_opt, 0, mesh)
-    train_step("mlp", model, opt, 0, mesh)
+    model, opt = ours(kind, mesh, 0.5, composition)
+    train_step(kind, ref, ref_opt, 0, mesh)
+    train_step(kind, model, opt, 0, mesh)
     opt.finish_param_sync()
     params_before, state_before = full_params(model, opt), full_state(model, opt)
-    handle = None if composition == "fsdp2" else poison_on_last_rank(model, opt)
-    loss_of("mlp", model, *batch("mlp", 1, mesh)).backward()
-    if composition == "fsdp2":
-        poison_on_last_rank(model, opt)
+    fsdp2 = composition == "fsdp2"
+    handle = None if fsdp2 else poison_on_last_rank(model, opt, copy, fsdp2=False)
+    loss_of(kind, model, *batch(kind, 1, mesh)).backward()
+    if fsdp2:
+        poison_on_last_rank(model, opt, copy, fsdp2=True)
     if handle is not None:
         handle.remove()
     with warnings.catch_warnings():
@@ -274,10 +323,11 @@ def non_finite_grad_on_one_rank_skips_everywhere(mesh: DeviceMesh, composition: 
         assert torch.equal(state["exp_avg"], state_before[name]["exp_avg"]), f"{where}: {name}"
         assert int(state["step"]) == 1, where
     for step in (2, 3):
-        train_step("mlp", ref, ref_opt, step, mesh)
-        train_step("mlp", model, opt, step, mesh)
+        train_step(kind, ref, ref_opt, step, mesh)
+        train_step(kind, model, opt, step, mesh)
         opt.finish_param_sync()
         assert_params_close(model, opt, ref, f"{where}, step {step} after the skip")
+    assert_tp_copies_agree(model, opt, mesh, where)
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -290,19 +340,24 @@ def train_steps(kind: str, model: nn.Module, opt: Any, steps: range, mesh: Devic
         opt.finish_param_sync()
 
 
-def save_at_2x2_then_go_on(rank: int, world: int) -> None:
+def saved(kind: str, name: str) -> Path:
+    """Where the checkpoint phases of ``kind`` keep ``name``."""
+    return folder() / (name if kind == "llama" else f"{kind}_{name}")
+
+
+def save_at_2x2_then_go_on(rank: int, world: int, kind: str = "llama") -> None:
     """zero-shard (FSDP2 + TP, fraction 0.5) and FSDP2 + TP + torch AdamW each save at step
     SAVE_AT; zero-shard then goes on uninterrupted, and its params and state are the reference."""
     mesh = grid(2, 2)
-    model, opt = ours("llama", mesh, 0.5)
-    train_steps("llama", model, opt, range(SAVE_AT), mesh)
-    zero_shard.checkpoint.save(folder() / "ours", model=model, optimizer=opt)
-    ref = fsdp_tp("llama", mesh)
+    model, opt = ours(kind, mesh, 0.5)
+    train_steps(kind, model, opt, range(SAVE_AT), mesh)
+    zero_shard.checkpoint.save(saved(kind, "ours"), model=model, optimizer=opt)
+    ref = fsdp_tp(kind, mesh)
     ref_opt = torch_opt(ref)
-    train_steps("llama", ref, ref_opt, range(SAVE_AT), mesh)
+    train_steps(kind, ref, ref_opt, range(SAVE_AT), mesh)
     model_sd, optim_sd = get_state_dict(ref, ref_opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder() / "torch"))
-    train_steps("llama", model, opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(saved(kind, "torch")))
+    train_steps(kind, model, opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
     on_host = {name: value.cpu() for name, value in full_params(model, opt).items()}
     state = {
         fqn: {k: v.cpu() for k, v in values.items()}
@@ -310,12 +365,12 @@ def save_at_2x2_then_go_on(rank: int, world: int) -> None:
     }
     reference = {"params": on_host, "state": state}
     if rank == 0:
-        torch.save(reference, folder() / "reference.pt")
+        torch.save(reference, saved(kind, "reference.pt"))
     dist.barrier()
 
 
-def assert_on_reference(model: nn.Module, opt: Any, where: str) -> None:
-    reference = torch.load(folder() / "reference.pt")
+def assert_on_reference(model: nn.Module, opt: Any, where: str, kind: str = "llama") -> None:
+    reference = torch.load(saved(kind, "reference.pt"))
     for name, value in full_params(model, opt).items():
         torch.testing.assert_close(value.cpu(), reference["params"][name], **PARAM_TOL,
                                    msg=f"{where}: {name}")  # fmt: skip
@@ -326,15 +381,15 @@ def assert_on_reference(model: nn.Module, opt: Any, where: str) -> None:
                                        **PARAM_TOL, msg=f"{where}: {name} {key}")  # fmt: skip
 
 
-def resume(dp: int, tp: int, fraction: float, composition: str) -> None:
+def resume(dp: int, tp: int, fraction: float, composition: str, kind: str = "llama") -> None:
     """Loads zero-shard's dp 2 x tp 2 checkpoint at dp x tp into ``composition`` and goes on to
     the reference."""
     mesh = grid(dp, tp)
-    where = "zero-shard's checkpoint resumed: " + describe("llama", composition, mesh, fraction)
-    model, opt = ours("llama", mesh, fraction, composition, seed=1)
-    zero_shard.checkpoint.load(folder() / "ours", model=unwrapped(model), optimizer=opt)
-    train_steps("llama", model, opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
-    assert_on_reference(model, opt, where)
+    where = "zero-shard's checkpoint resumed: " + describe(kind, composition, mesh, fraction)
+    model, opt = ours(kind, mesh, fraction, composition, seed=1)
+    zero_shard.checkpoint.load(saved(kind, "ours"), model=unwrapped(model), optimizer=opt)
+    train_steps(kind, model, opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
+    assert_on_reference(model, opt, where, kind)
     if composition == "ddp":  # saved after forwards, when DDP's module no longer lists its params
         zero_shard.checkpoint.save(folder() / "from_ddp", model=unwrapped(model), optimizer=opt)
         again, again_opt = ours("llama", mesh, 0.0, "replicated", seed=2)
@@ -342,29 +397,32 @@ def resume(dp: int, tp: int, fraction: float, composition: str) -> None:
         assert_on_reference(again, again_opt, where + ", saved again, loaded into a plain model")
 
 
-def interchange(dp: int, tp: int, composition: str) -> None:
+def interchange(
+    dp: int, tp: int, composition: str, kind: str = "llama", fraction: float = 1.0
+) -> None:
     """FSDP2 + TP + torch AdamW at dp x tp resumes zero-shard's checkpoint; zero-shard on
     ``composition`` resumes torch's (plain DCP): both go on to the reference. (Under DDP + TP
     ``model.state_dict()`` is torch's, wrong: zero_shard.checkpoint saves and loads it right.)"""
     mesh = grid(dp, tp)
-    theirs = fsdp_tp("llama", mesh, seed=1)
+    theirs = fsdp_tp(kind, mesh, seed=1)
     theirs_opt = torch_opt(theirs)
     model_sd, optim_sd = get_state_dict(theirs, theirs_opt)
     target = {"model": model_sd, "optim": optim_sd}
-    dcp.load(target, checkpoint_id=str(folder() / "ours"))
+    dcp.load(target, checkpoint_id=str(saved(kind, "ours")))
     set_state_dict(theirs, theirs_opt, model_state_dict=target["model"],
                    optim_state_dict=target["optim"])  # fmt: skip
-    train_steps("llama", theirs, theirs_opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
-    assert_on_reference(theirs, theirs_opt, f"torch resumed zero-shard's at dp {dp} x tp {tp}")
+    train_steps(kind, theirs, theirs_opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
+    where = f"torch resumed zero-shard's at dp {dp} x tp {tp}"
+    assert_on_reference(theirs, theirs_opt, where, kind)
 
-    model, opt = ours("llama", mesh, 1.0, composition, seed=1)
+    model, opt = ours(kind, mesh, fraction, composition, seed=1)
     target = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(target, checkpoint_id=str(folder() / "torch"))
+    dcp.load(target, checkpoint_id=str(saved(kind, "torch")))
     model.load_state_dict(target["model"])
     opt.load_state_dict(target["optim"])
-    train_steps("llama", model, opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
-    where = "zero-shard resumed torch's: " + describe("llama", composition, mesh, 1.0)
-    assert_on_reference(model, opt, where)
+    train_steps(kind, model, opt, range(SAVE_AT, SAVE_AT + CONTINUE), mesh)
+    where = "zero-shard resumed torch's: " + describe(kind, composition, mesh, fraction)
+    assert_on_reference(model, opt, where, kind)
 
 
 def bf16_resumes_bit_for_bit(rank: int, world: int) -> None:
@@ -437,6 +495,8 @@ def ddp_at_2x2(rank: int, world: int) -> None:
 def skip_at_2x2(rank: int, world: int) -> None:
     for composition in COMPOSITIONS:
         non_finite_grad_on_one_rank_skips_everywhere(mesh_2d(2, 2), composition)
+    # The row-parallel bias, replicated over tp: an inf in a copy the norm does not count.
+    non_finite_grad_on_one_rank_skips_everywhere(mesh_2d(2, 2), "replicated", copy="down.bias")
 
 
 def resume_at_4x1_and_2x2(rank: int, world: int) -> None:
@@ -470,6 +530,27 @@ def interchange_at_1x2_and_2x1(rank: int, world: int) -> None:
     interchange(2, 1, "replicated")
 
 
+PLAIN_NORMS = "llama_plain_norms"  # FSDP2 + TP without sequence parallelism
+
+
+def plain_norms_fsdp2_at_2x2(rank: int, world: int) -> None:
+    mesh = mesh_2d(2, 2)
+    for fraction in (0.0, 0.5, 1.0):
+        parity(PLAIN_NORMS, mesh, fraction)
+    non_finite_grad_on_one_rank_skips_everywhere(mesh, "fsdp2", PLAIN_NORMS, copy="norm.weight")
+
+
+def plain_norms_save_at_2x2_resume_at_2x2(rank: int, world: int) -> None:
+    save_at_2x2_then_go_on(rank, world, PLAIN_NORMS)
+    resume(2, 2, 1.0, "fsdp2", PLAIN_NORMS)
+    interchange(2, 2, "fsdp2", PLAIN_NORMS, fraction=0.0)
+
+
+def plain_norms_resume_at_1x2_and_2x1(rank: int, world: int) -> None:
+    resume(1, 2, 0.5, "fsdp2", PLAIN_NORMS)
+    resume(2, 1, 0.0, "replicated", PLAIN_NORMS)
+
+
 def resume_at_1x1(rank: int, world: int) -> None:
     resume(1, 1, 0.5, "fsdp2")
     resume(1, 1, 1.0, "replicated")
@@ -485,12 +566,15 @@ CASES_BY_WORLD = {
         "bf16_resumes_bit_for_bit": bf16_resumes_bit_for_bit,
         "model_only_dcp_load_in_place": model_only_dcp_load_in_place,
         "resume_at_4x1_and_2x2": resume_at_4x1_and_2x2,
+        "plain_norms_fsdp2_at_2x2": plain_norms_fsdp2_at_2x2,
+        "plain_norms_save_at_2x2_resume_at_2x2": plain_norms_save_at_2x2_resume_at_2x2,
     },
     2: {
         "at_1x2_and_2x1": at_1x2_and_2x1,
         "skip_at_1x2_and_2x1": skip_at_1x2_and_2x1,
         "resume_at_1x2_and_2x1": resume_at_1x2_and_2x1,
         "interchange_at_1x2_and_2x1": interchange_at_1x2_and_2x1,
+        "plain_norms_resume_at_1x2_and_2x1": plain_norms_resume_at_1x2_and_2x1,
     },
     1: {"resume_at_1x1": resume_at_1x1},
 }
