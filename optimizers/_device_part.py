@@ -186,7 +186,7 @@ class DevicePart:
                 piece.main.grad = None  # no grad, no update: like torch
                 continue
             start, numel = piece.spec.start, piece.spec.numel
-            source = grad[start : start + numel]
+            source = grad if numel == grad.numel() else grad[start : start + numel]  # whole: as is
             if record.param.dtype == torch.float32:
                 piece.main.grad = source
                 in_place.append(source)

@@ -406,9 +406,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             grad = record.param.grad
             if grad is None:
                 continue
-            # Inline where the grad is dense and contiguous, as in training's every step.
-            dense = grad.layout is torch.strided and grad.is_contiguous()
-            grad = grad.view(-1) if dense else flat_grad(record.param)
+            # Inline where the grad is dense and contiguous, as in training's every step; a 1-D
+            # one is its own flat view.
+            if grad.layout is not torch.strided or not grad.is_contiguous():
+                grad = flat_grad(record.param)
+            elif grad.dim() != 1:
+                grad = grad.view(-1)
             if not record.pieces:  # record.ignored, read inline at every step
                 if not self._warned_ignored:
                     self._warned_ignored = True

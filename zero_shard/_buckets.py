@@ -230,7 +230,10 @@ class Bucket:
         self.grad_buffer = buffer
         pieces = buffer.split_with_sizes(self.slot_cuts.sizes)
         for sharded, place in zip(self.params, self.slot_cuts.places, strict=True):
-            sharded.grad_slot = pieces[place].view(sharded.shard.shape)
+            shard = sharded.shard
+            sharded.grad_slot = (
+                pieces[place] if shard.dim() == 1 else pieces[place].view(shard.shape)
+            )
 
     def drop_grads(self) -> None:
         """Frees the grad buffer (the grads were cleared) and the shards' ``.grad`` views of it,

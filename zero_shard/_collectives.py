@@ -144,13 +144,14 @@ def pack_grads(
     """Writes ``grads`` (full-size, one per bucket parameter; ``None``: no grad on this rank)
     into ``out``, zero-filled, ``world_size`` segments of ``layout.segment_numel`` (``copies``
     planned for them); sets each parameter's flag in every segment to 1 where this rank has its
-    grad."""
+    grad. A param in one piece (one rank, or rows for one) is copied whole, with no split."""
     pieces = out.split_with_sizes(copies.buffer_sizes)
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     for sizes, places, grad in zip(copies.param_sizes, copies.places, grads, strict=True):
         if grad is not None:
-            srcs += grad.reshape(-1).split_with_sizes(sizes)
+            flat = grad if grad.dim() == 1 else grad.reshape(-1)
+            srcs += [flat] if len(sizes) == 1 else flat.split_with_sizes(sizes)
             dsts += map(pieces.__getitem__, places)
     _copy_all(dsts, srcs)
     flags = out.view(world_size, layout.segment_numel)[:, layout.shard_numel :]
@@ -173,7 +174,8 @@ def unpack_params(
     srcs: list[torch.Tensor] = []
     for sizes, places, param in zip(copies.param_sizes, copies.places, params, strict=True):
         if param is not None:
-            dsts += param.detach().view(-1).split_with_sizes(sizes)
+            flat = param.detach().view(-1)
+            dsts += [flat] if len(sizes) == 1 else flat.split_with_sizes(sizes)
             srcs += map(pieces.__getitem__, places)
     _copy_all(dsts, srcs)
 

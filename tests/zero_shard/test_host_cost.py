@@ -7,8 +7,8 @@ zero-shard's packages (``zero_shard``, ``optimizers``, ``offload``: a profile fu
 thread) and the aten ops dispatched on the main thread, per phase of an iteration, for a model
 of ``L`` and of ``2 L`` blocks in one bucket. What grows with the params is held to its bounds:
 
-- ``clip_grad_norm_``, ``step()`` and ``zero_grad()``: calls per bucket only (none per param);
-  a few aten ops per param (the views of fresh grads that the step hands to torch's kernels);
+- ``clip_grad_norm_``, ``step()`` and ``zero_grad()``: calls per bucket only (none per param),
+  and one aten op per param at most (the flat view of a fresh grad handed to torch's kernels);
 - backward: the two autograd hooks of each param and the reduction's ``take`` / ``release``;
 - forward: the wait hook of each module.
 
@@ -41,7 +41,7 @@ SLACK = 8  # calls a step may vary by: a wait finds its gather done or not (thre
 BACKWARD_CALLS_PER_PARAM = 6  # before_accumulate, ready, after_accumulate, on_grad_ready,
 #                               take, release
 FORWARD_CALLS_PER_MODULE = 3  # the hook, its run, the gatherer's pending
-STEP_OPS_PER_PARAM = 2  # in clip + step + zero_grad: a fresh grad's flat view and its piece
+STEP_OPS_PER_PARAM = 1  # in clip + step + zero_grad: a fresh 2-D grad's flat view
 
 
 class _Block(nn.Module):
