@@ -5,7 +5,7 @@ at small models it is what sets zero-shard apart from torch's AdamW (docs/benchm
 Timing it here would be noise, so the work is counted instead: the Python calls into
 zero-shard's packages (``zero_shard``, ``optimizers``, ``offload``: a profile function, on every
 thread) and the aten ops dispatched on the main thread, per phase of an iteration, for a model
-of ``L`` and of ``2 L`` blocks in one bucket. What grows with the params is held to its bounds:
+of ``L`` and of ``2 L`` blocks in one bucket, bf16. What grows with the params is held to its bounds:
 
 - ``clip_grad_norm_``, ``step()`` and ``zero_grad()``: calls per bucket only (none per param),
   and one aten op per param at most (the flat view of a fresh grad handed to torch's kernels);
@@ -55,8 +55,8 @@ class _Block(nn.Module):
 
 
 def _model(num_blocks: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(*(_Block() for _ in range(num_blocks)))
+    torch.manual_seed(0)  # bf16 params, as trained on GPUs: the step casts grads and weights
+    return nn.Sequential(*(_Block() for _ in range(num_blocks))).to(torch.bfloat16)
 
 
 class _Calls:
@@ -102,7 +102,7 @@ def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int]:
 
     model = _model(num_blocks)
     opt = zero_shard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
     calls, ops = _Calls(), _Ops()
 
     def phase(name: str, action: Callable[[], Any], counted: bool) -> Any:
