@@ -36,8 +36,16 @@ after every run, so a cut-off run keeps what it measured)::
     python benchmarks/e2e_gpt.py largest --out $OUT/largest   # biggest preset per fraction
     python benchmarks/e2e_gpt.py converge --preset small --steps 300 --out $OUT/converge
     PYTHONPATH=/tmp/site:$PWD python benchmarks/e2e_gpt.py peers --preset 1b --out $OUT/peers
+    python benchmarks/e2e_gpt.py overhead --nproc 2 --steps 20 --repeats 3 --out $OUT/overhead2
     python benchmarks/e2e_gpt.py speed --device cpu --preset tiny --steps 4 --out runs/e2e  # smoke
     python benchmarks/e2e_gpt.py peers --device cpu --preset tiny --steps 3 --repeats 1 --out runs/p
+
+``overhead`` measures zero-shard's fixed cost per step where it shows, at small models: for
+each of ``--presets`` (default small, medium and 1b), ``--repeats`` rounds of fresh runs that
+alternate the reference (plain AdamW at ``--nproc 1``; DDP + AdamW at more, as the example wraps
+it) and zero-shard at each of ``--fractions`` (default 0 and 0.5); per preset the median
+iteration and step of each, the spread (slowest / median) and zero-shard's ratio to the
+reference (of the medians, and the least and most of the rounds' ratios).
 
 ``converge`` trains zero-shard (fraction 0.5) and plain AdamW (fp32 params, bf16 autocast) from
 the same seed and plots both loss curves.
@@ -336,6 +344,90 @@ def print_peers_table(report: dict[str, Any]) -> None:
         print(f"{name}: {value} (target <= {ratio['target']}, met: {ratio['met']})")
 
 
+def overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """zero-shard's iteration over the reference's at each of ``--presets``: ``--repeats`` rounds
+    of fresh runs, alternating the reference (plain AdamW at one rank; the example wraps it in
+    DDP at more) and zero-shard at each of ``--fractions``; per preset and system the median
+    iteration and step and the spread (slowest / median), and zero-shard's ratios to the
+    reference: of the medians, and the least and most of the rounds' ratios."""
+    presets = args.presets.split(",")
+    unknown = sorted(set(presets) - set(PRESETS))
+    if unknown:
+        raise SystemExit(f"--presets: unknown {unknown}; choose from {list(PRESETS)}")
+    systems = {"reference": ["--optimizer", "adamw"]}
+    for fraction in args.fractions:
+        systems[f"zero_shard_f{fraction:g}"] = ["--offload-fraction", str(fraction), *args.extra]
+    for index in range(args.repeats):
+        for preset in presets:
+            common = ["--preset", preset, "--steps", str(args.steps), "--eval-every", "0"]
+            for name, flags in systems.items():
+                run = run_example(f"{name}_{preset}_r{index}_x{args.nproc}", common + flags, args)
+                report["runs"].append({**run, "system": name, "preset": preset, "round": index})
+                save(report, args)
+    report["reference"] = "plain AdamW" if args.nproc == 1 else "DDP + AdamW"
+    report["presets"] = {preset: summarize_overhead(report["runs"], preset) for preset in presets}
+    save(report, args)
+    print_overhead_table(report)
+
+
+def summarize_overhead(runs: list[dict[str, Any]], preset: str) -> dict[str, Any]:
+    """One preset's runs: per system the medians and spread; per zero-shard system its ratios
+    to the reference (None where a run is missing)."""
+    done = [run for run in runs if run["preset"] == preset and "summary" in run]
+    systems: dict[str, Any] = {}
+    for name in dict.fromkeys(run["system"] for run in runs):
+        mine = [run["summary"] for run in done if run["system"] == name]
+        if not mine:
+            systems[name] = {"failed": [run["name"] for run in runs if run["preset"] == preset
+                                        and run["system"] == name]}  # fmt: skip
+            continue
+        times = [summary["iteration_ms"] for summary in mine]
+        median = statistics.median(times)
+        systems[name] = {
+            "iteration_ms": times, "median_ms": median, "spread": max(times) / median,
+            "step_ms": statistics.median(summary["step_ms"] for summary in mine),
+        }  # fmt: skip
+    reference = systems.get("reference", {})
+    by_round = {(run["system"], run["round"]): run["summary"]["iteration_ms"] for run in done}
+    ratios: dict[str, Any] = {}
+    for name, system in systems.items():
+        if name == "reference":
+            continue
+        if "median_ms" not in system or "median_ms" not in reference:
+            ratios[name] = None
+            continue
+        paired = [
+            ms / by_round["reference", number]
+            for (system_name, number), ms in by_round.items()
+            if system_name == name and ("reference", number) in by_round
+        ]
+        ratios[name] = {
+            "of_medians": system["median_ms"] / reference["median_ms"],
+            "rounds": paired, "least": min(paired), "most": max(paired),
+        }  # fmt: skip
+    return {"systems": systems, "ratios": ratios}
+
+
+def print_overhead_table(report: dict[str, Any]) -> None:
+    """The overhead rows as a markdown table: per preset and system, the medians, the spread and
+    the ratio to the reference (the rounds' least and most in brackets)."""
+    print(f"| preset | system | iteration ms | step ms | spread | over {report['reference']} |")
+    print("|---|---|---|---|---|---|")
+    for preset, result in report["presets"].items():
+        for name, system in result["systems"].items():
+            if "median_ms" not in system:
+                print(f"| {preset} | {name} | failed | | | |")
+                continue
+            ratio = result["ratios"].get(name)
+            shown = "" if ratio is None else (
+                f"{ratio['of_medians']:.3f} ({ratio['least']:.3f}-{ratio['most']:.3f})"
+            )  # fmt: skip
+            print(
+                f"| {preset} | {name} | {system['median_ms']:.1f} | {system['step_ms']:.1f} | "
+                f"{system['spread']:.2f} | {shown} |"
+            )
+
+
 def largest(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """For each of ``--fractions`` (default 0 and 1), the presets in ascending size until one
     fails (activation checkpointing on, micro-batches of one sequence per rank, a few steps)."""
@@ -392,17 +484,20 @@ def plot_curves(logs: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=["speed", "largest", "converge", "peers"])
+    parser.add_argument("part", choices=["speed", "largest", "converge", "peers", "overhead"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--preset", default="1b", choices=list(PRESETS))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=1, help="ranks (GPUs)")
-    parser.add_argument("--fractions", help="speed: default 0,0.5,1; largest: 0,1")
+    parser.add_argument("--fractions", help="speed: default 0,0.5,1; largest: 0,1; overhead: 0,0.5")
+    parser.add_argument("--presets", default="small,medium,1b", help="overhead: presets to run")
     parser.add_argument("--megatron-fractions", default="", help="speed: Megatron-Core "
                         "HybridDeviceOptimizer rows at these fractions (one GPU), e.g. 0.5,1")  # fmt: skip
     parser.add_argument("--candidates", default="1b,3b,5b,7b,9b,10b",
                         help="largest: presets to try, in ascending size")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=3, help="peers: rounds of fresh runs")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="peers, overhead: rounds of fresh runs"
+    )
     parser.add_argument(
         "--systems",
         type=lambda text: text.split(","),
@@ -419,7 +514,7 @@ def main() -> None:
     own, extra = split_at_dashes(sys.argv[1:])
     args = parser.parse_args(own)
     args.extra = extra
-    fractions = args.fractions or ("0,1" if args.part == "largest" else "0,0.5,1")
+    fractions = args.fractions or {"largest": "0,1", "overhead": "0,0.5"}.get(args.part, "0,0.5,1")
     args.fractions = [float(f) for f in fractions.split(",")]
     args.megatron_fractions = [float(f) for f in args.megatron_fractions.split(",") if f]
     if args.megatron_fractions and args.nproc != 1:
@@ -434,7 +529,10 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "runs": [],
     }
-    parts = {"speed": speed, "largest": largest, "converge": converge, "peers": peers}
+    parts = {
+        "speed": speed, "largest": largest, "converge": converge, "peers": peers,
+        "overhead": overhead,
+    }  # fmt: skip
     parts[args.part](args, report)
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
 

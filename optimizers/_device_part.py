@@ -28,6 +28,20 @@ class Round(NamedTuple):
     optimizer: torch.optim.Optimizer
     pieces: list[tuple[ParamRecord, Piece]]  # in parameter order
     group_map: list[int]  # sub-optimizer group i steps the user's group group_map[i]
+    # Per piece, the views a step of a low-precision piece takes, made once (None: fp32)
+    views: list[PieceViews | None]
+
+
+class PieceViews(NamedTuple):
+    """A low-precision piece's views for the step, made when the scratch is: so that a step takes
+    no slice per piece. Each is used only where it still holds: the cast grad's place where
+    every earlier piece of the round had a grad, the param's elements while the param has the
+    memory it had then (``param.data = t`` gives a param other memory)."""
+
+    scratch: torch.Tensor  # the piece's cast grad in the scratch, at ``offset``
+    offset: int  # in the scratch, where every piece of the round before it has a grad
+    weights: torch.Tensor  # the piece's elements of the param, 1-D: the new weights go there
+    param_ptr: int  # the param's data_ptr() when ``weights`` was taken
 
 
 class DevicePart:
@@ -84,10 +98,12 @@ class DevicePart:
                     record.pieces.insert(0, piece)
                     pieces.append((record, piece))
             pieces.sort(key=lambda pair: pair[0].index)
-            self.rounds.append(Round(optimizer, pieces, [index for index, _ in ordered]))
+            self.rounds.append(Round(optimizer, pieces, [index for index, _ in ordered], []))
             self.pieces += pieces
             scratch_numel = max(scratch_numel, _low_numel(records, round_specs))
         self._grad_scratch = torch.empty(scratch_numel, dtype=torch.float32, device=device)
+        for round_ in self.rounds:
+            round_.views.extend(_piece_views(round_.pieces, self._grad_scratch))
 
     def _make_mains(
         self, records: Sequence[ParamRecord], specs: Sequence[PieceSpec], device: torch.device
@@ -180,24 +196,30 @@ class DevicePart:
     ) -> None:
         cast_dst, cast_src, written_params, written_mains, in_place = [], [], [], [], []
         offset = 0
-        for record, piece in round_.pieces:
+        for (record, piece), views in zip(round_.pieces, round_.views, strict=True):
             grad = grads.get(record.index)
             if grad is None:
                 piece.main.grad = None  # no grad, no update: like torch
                 continue
             start, numel = piece.spec.start, piece.spec.numel
-            source = grad[start : start + numel]
-            if record.param.dtype == torch.float32:
+            source = grad if numel == grad.numel() else grad[start : start + numel]  # whole: as is
+            if views is None:  # fp32
                 piece.main.grad = source
                 in_place.append(source)
                 continue
             # The scratch is free here: the last round's kernels that read it come first on
             # this stream ([Note: main grads]).
-            piece.main.grad = self._grad_scratch[offset : offset + numel]
+            if views.offset == offset:
+                piece.main.grad = views.scratch
+            else:  # an earlier piece had no grad
+                piece.main.grad = self._grad_scratch[offset : offset + numel]
             offset += numel
             cast_dst.append(piece.main.grad)
             cast_src.append(source)
-            written_params.append(flat_param(record.param)[start : start + numel])
+            if views.param_ptr == record.param.data_ptr():
+                written_params.append(views.weights)
+            else:  # the param was given other memory
+                written_params.append(flat_param(record.param)[start : start + numel])
             written_mains.append(piece.main)
         if not cast_dst and not in_place:
             return
@@ -226,6 +248,22 @@ class DevicePart:
             if low and (indices is None or record.index in indices):
                 start = piece.spec.start
                 piece.main.copy_(flat_param(record.param)[start : start + piece.spec.numel])
+
+
+def _piece_views(
+    pieces: Sequence[tuple[ParamRecord, Piece]], scratch: torch.Tensor
+) -> Iterator[PieceViews | None]:
+    """Each piece's views for the step, in order (see ``PieceViews``)."""
+    offset = 0
+    for record, piece in pieces:
+        if record.param.dtype == torch.float32:
+            yield None
+            continue
+        start, numel = piece.spec.start, piece.spec.numel
+        weights = flat_param(record.param)[start : start + numel]
+        scratch_view = scratch[offset : offset + numel]
+        yield PieceViews(scratch_view, offset, weights, record.param.data_ptr())
+        offset += numel
 
 
 def _low_numel(records: Sequence[ParamRecord], specs: Iterable[PieceSpec]) -> int:

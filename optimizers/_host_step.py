@@ -158,7 +158,8 @@ class HostStep:
         return self._num_completed == len(self._jobs)
 
     def _last_position(self, indices: Iterable[int]) -> int:
-        return max((self._last_job_of.get(index, -1) for index in indices), default=-1)
+        last_job_of = self._last_job_of  # (a list, not a generator: no call per index)
+        return max([last_job_of.get(index, -1) for index in indices], default=-1)
 
     def wait_for(self, indices: Iterable[int]) -> None:
         """Completes the chunks up to the last one holding a param with one of these record

@@ -403,10 +403,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _collect_grads(self) -> dict[int, torch.Tensor]:
         grads = {}
         for record in self._records:
-            grad = flat_grad(record.param)
+            grad = record.param.grad
             if grad is None:
                 continue
-            if record.ignored:
+            # Inline where the grad is dense and contiguous, as in training's every step; a 1-D
+            # one is its own flat view.
+            if grad.layout is not torch.strided or not grad.is_contiguous():
+                grad = flat_grad(record.param)
+            elif grad.dim() != 1:
+                grad = grad.view(-1)
+            if not record.pieces:  # record.ignored, read inline at every step
                 if not self._warned_ignored:
                     self._warned_ignored = True
                     warnings.warn(
@@ -552,7 +558,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._mark_stepped()
         self._sync_hyperparams()
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
-        prepare_amsgrad_state(self._records[index] for index in grads)
+        prepare_amsgrad_state([self._records[index] for index in grads])
         pending = self._host.start(
             grads,
             grad_scale,

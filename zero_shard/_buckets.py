@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
+from ._collectives import RowCopies, plan_row_copies
 from ._released import GradWatch, check_unconverted
 from ._tp import StateLayout, dtensor_layout, local_tensor, placements_over, rows_layout
 
@@ -20,8 +22,11 @@ __all__ = [
     "ShardedParam",
     "build_buckets",
     "fsdp_sharded_param",
+    "local_tensors",
+    "model_versions",
     "norm_grads",
     "shard_grads",
+    "stale_flags",
 ]
 
 
@@ -127,6 +132,33 @@ class ShardedParam:
         self.param.data = self.shard.detach()
 
 
+def model_versions(records: Sequence[ShardedParam]) -> list[int]:
+    """Each record's ``watched._version``, with no call per plain param."""
+    return [
+        s.watched._version if isinstance(s.param, DTensor) else s.param._version for s in records
+    ]
+
+
+def local_tensors(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
+    """Each record's ``local``, with no call per plain param."""
+    return [s.local if isinstance(s.param, DTensor) else s.param for s in records]
+
+
+def stale_flags(records: Sequence[ShardedParam]) -> list[bool]:
+    """Each record's ``is_stale()``, read at every step: a plain param's inline (no call per
+    param), a DTensor's through its two counters."""
+    return [
+        s.is_stale()
+        if isinstance(s.param, DTensor)
+        else (
+            s.changed
+            or s.param._version != s.version
+            or (s.aliased and s.param.data_ptr() != s.shard.data_ptr())
+        )
+        for s in records
+    ]
+
+
 def shard_grads(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
     """The shards' grads, where they have one."""
     return [s.shard.grad for s in records if s.shard.grad is not None]
@@ -144,6 +176,28 @@ class FlagsBefore(Enum):
     ALL_PRESENT = "every param had a grad"
 
 
+class SlotCuts(NamedTuple):
+    """A grad buffer cut by ``split_with_sizes`` into this rank's shards and the gaps between,
+    planned at wrap: the buffer is new at each backward after the grads were cleared."""
+
+    sizes: tuple[int, ...]  # in memory order: shards, gaps, the flags
+    places: tuple[int, ...]  # each param's piece
+
+
+def _slot_cuts(layout: BucketLayout, specs: Sequence[ShardSpec]) -> SlotCuts:
+    sizes: list[int] = []
+    places = []
+    end = 0
+    for offset, spec in zip(layout.offsets, specs, strict=True):
+        if offset > end:
+            sizes.append(offset - end)
+        places.append(len(sizes))
+        sizes.append(spec.numel)
+        end = offset + spec.numel
+    sizes.append(layout.segment_numel - end)
+    return SlotCuts(tuple(sizes), tuple(places))
+
+
 @dataclass
 class Bucket:
     """Parameters whose grads are reduced and whose shards are gathered together."""
@@ -152,6 +206,9 @@ class Bucket:
     params: list[ShardedParam]
     shard_buffer: torch.Tensor  # 1-D, model dtype, layout.shard_numel: the all-gather input; the
     #                             shards are views of it
+    reduce_copies: RowCopies  # the params' rows in a reduction's packed grads
+    gather_copies: RowCopies  # the params' rows in an all-gather's output
+    slot_cuts: SlotCuts  # the params' shards in the grad buffer
     grad_buffer: torch.Tensor | None = None  # 1-D, layout.segment_numel: this rank's reduced
     #   grads, then one flag per param; held from the first reduction after zero_grad until the
     #   grads are cleared ([Note: reduced grads held]); always None when grads arrive reduced (DDP)
@@ -161,10 +218,6 @@ class Bucket:
     ready: set[int] = field(default_factory=set)  # positions whose grad hook fired this backward
     aliased: bool = False  # its params are their own shards (one rank): nothing to gather
     missing: bool = False  # since the grads were last written whole, some param lacked one here
-
-    @property
-    def specs(self) -> list[ShardSpec]:
-        return [sharded.spec for sharded in self.params]
 
     @property
     def has_grads(self) -> bool:
@@ -179,9 +232,12 @@ class Bucket:
     def hold_grads(self, buffer: torch.Tensor) -> None:
         """Takes ``buffer`` as the grad buffer: each param's slot becomes a view of it."""
         self.grad_buffer = buffer
-        for sharded, offset in zip(self.params, self.layout.offsets, strict=True):
-            numel = sharded.spec.numel
-            sharded.grad_slot = buffer[offset : offset + numel].view(sharded.shard.shape)
+        pieces = buffer.split_with_sizes(self.slot_cuts.sizes)
+        for sharded, place in zip(self.params, self.slot_cuts.places, strict=True):
+            shard = sharded.shard
+            sharded.grad_slot = (
+                pieces[place] if shard.dim() == 1 else pieces[place].view(shard.shape)
+            )
 
     def drop_grads(self) -> None:
         """Frees the grad buffer (the grads were cleared) and the shards' ``.grad`` views of it,
@@ -260,7 +316,15 @@ def build_buckets(
             )
             sharded[index] = record
             members.append(record)
-        buckets.append(Bucket(layout, members, shard_buffer))
+        members_specs = [specs[index] for index in layout.param_indices]
+        reduce_copies, gather_copies = (
+            plan_row_copies(layout, members_specs, world_size=world_size, segment_numel=numel)
+            for numel in (layout.segment_numel, layout.shard_numel)
+        )
+        slot_cuts = _slot_cuts(layout, members_specs)
+        buckets.append(
+            Bucket(layout, members, shard_buffer, reduce_copies, gather_copies, slot_cuts)
+        )
     return sharded, buckets
 
 

@@ -18,13 +18,13 @@ from ._bucket_layout import BucketLayout, ShardSpec
 __all__ = [
     "AllGather",
     "ReduceScaling",
+    "RowCopies",
     "broadcast_tensors",
     "choose_reduce_scaling",
     "launch_all_gather",
     "launch_reduction",
-    "num_row_pieces",
     "pack_grads",
-    "padded_rows",
+    "plan_row_copies",
     "replicated_grads",
     "unpack_params",
     "write_replicated",
@@ -76,50 +76,57 @@ def choose_reduce_scaling(
     return ReduceScaling(dist.ReduceOp.SUM, None, float(world_size))
 
 
-def padded_rows(
-    buffer: torch.Tensor,
-    layout: BucketLayout,
-    position: int,
-    spec: ShardSpec,
-    *,
-    world_size: int,
-    segment_numel: int,
-) -> torch.Tensor:
-    """The padded shards of the bucket's ``position``-th parameter in ``buffer`` (``world_size``
-    segments of ``segment_numel``), as a (world_size, rows_per_rank, row_numel) view."""
-    offset = layout.offsets[position]
-    segments = buffer.view(world_size, segment_numel)
-    return segments[:, offset : offset + spec.padded_numel].view(
-        world_size, spec.rows_per_rank, spec.row_numel
-    )
+class RowCopies(NamedTuple):
+    """Where each rank's rows of a bucket's params lie in a buffer of ``world_size`` segments
+    (a reduction's packed grads, or an all-gather's output), planned once at wrap so that a
+    step cuts the buffer and each param with one ``split_with_sizes`` each, with no work per
+    param and rank on the host (see [Note: bucket layout])."""
+
+    buffer_sizes: tuple[int, ...]  # the flat buffer cut in memory order: the rows, the gaps
+    param_sizes: tuple[tuple[int, ...], ...]  # per param, its flat elements cut by rank (the
+    #                                           ranks with rows: full shards, then a partial one)
+    places: tuple[tuple[int, ...], ...]  # per param, the buffer piece each of its pieces goes to
 
 
-def _full_ranks(spec: ShardSpec) -> tuple[int, int]:
-    """(ranks whose shard has all ``rows_per_rank`` rows, rows of the next rank's shard)."""
-    if spec.rows_per_rank == 0:
-        return 0, 0
-    full = spec.dim0 // spec.rows_per_rank
-    return full, spec.dim0 - full * spec.rows_per_rank
-
-
-def num_row_pieces(spec: ShardSpec) -> int:
-    """How many ranks hold rows of the parameter: the pieces ``unpack_params`` copies into it (a
-    multi-tensor copy bumps its version counter once a piece)."""
-    full, rest = _full_ranks(spec)
-    return full + (1 if rest else 0)
-
-
-def _row_pairs(
-    padded: torch.Tensor, rows: torch.Tensor, spec: ShardSpec
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(a rank's padded shard, the same rows of the parameter) for every rank with rows: both
-    contiguous, so that a whole bucket's pairs go into one multi-tensor copy."""
-    full, rest = _full_ranks(spec)
-    per = spec.rows_per_rank
-    pairs = [(padded[rank], rows[rank * per : (rank + 1) * per]) for rank in range(full)]
-    if rest:
-        pairs.append((padded[full, :rest], rows[full * per :]))
-    return pairs
+def plan_row_copies(
+    layout: BucketLayout, specs: Sequence[ShardSpec], *, world_size: int, segment_numel: int
+) -> RowCopies:
+    """The copies between the bucket's params and a buffer of ``world_size`` segments of
+    ``segment_numel`` elements: rank ``r``'s rows of the ``p``-th param at ``offsets[p]`` of
+    segment ``r``, padded to ``rows_per_rank`` rows. Every rank with rows is one piece, so that
+    a whole bucket's pieces go into one multi-tensor copy, each contiguous."""
+    param_sizes = []
+    at: dict[tuple[int, int], int] = {}  # (rank, position) -> the piece's start in the buffer
+    for position, (spec, offset) in enumerate(zip(specs, layout.offsets, strict=True)):
+        per = spec.rows_per_rank
+        full = spec.dim0 // per if per else 0  # ranks whose shard has all rows_per_rank rows
+        rest = spec.dim0 - full * per  # rows of the next rank's shard
+        sizes = [per * spec.row_numel] * full + ([rest * spec.row_numel] if rest else [])
+        param_sizes.append(tuple(sizes))
+        for rank in range(len(sizes)):
+            at[rank, position] = rank * segment_numel + offset
+    buffer_sizes: list[int] = []
+    index_of: dict[tuple[int, int], int] = {}
+    end = 0  # of the pieces cut so far
+    # In memory order; an empty piece (a param with no elements) before one at its start.
+    for key in sorted(at, key=lambda key: (at[key], param_sizes[key[1]][key[0]])):
+        if at[key] > end:
+            buffer_sizes.append(at[key] - end)
+        index_of[key] = len(buffer_sizes)
+        numel = param_sizes[key[1]][key[0]]
+        buffer_sizes.append(numel)
+        end = at[key] + numel
+    if world_size * segment_numel > end:
+        buffer_sizes.append(world_size * segment_numel - end)
+    if sum(buffer_sizes) != world_size * segment_numel:
+        raise AssertionError(
+            f"expected pieces of {world_size} x {segment_numel}, got {buffer_sizes}"
+        )
+    places = [
+        tuple(index_of[rank, position] for rank in range(len(sizes)))
+        for position, sizes in enumerate(param_sizes)
+    ]
+    return RowCopies(tuple(buffer_sizes), tuple(param_sizes), tuple(places))
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -130,27 +137,25 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 def pack_grads(
     out: torch.Tensor,
     layout: BucketLayout,
-    specs: Sequence[ShardSpec],
+    copies: RowCopies,
     grads: Sequence[torch.Tensor | None],
     world_size: int,
 ) -> None:
     """Writes ``grads`` (full-size, one per bucket parameter; ``None``: no grad on this rank)
-    into ``out``, zero-filled, ``world_size`` segments of ``layout.segment_numel``; sets each
-    parameter's flag in every segment to 1 where this rank has its grad."""
-    segment = layout.segment_numel
-    dsts, srcs = [], []
-    for position, (spec, grad) in enumerate(zip(specs, grads, strict=True)):
-        if grad is None:
-            continue
-        padded = padded_rows(
-            out, layout, position, spec, world_size=world_size, segment_numel=segment
-        )
-        for in_padded, in_rows in _row_pairs(padded, grad.reshape(spec.dim0, spec.row_numel), spec):
-            dsts.append(in_padded)
-            srcs.append(in_rows)
+    into ``out``, zero-filled, ``world_size`` segments of ``layout.segment_numel`` (``copies``
+    planned for them); sets each parameter's flag in every segment to 1 where this rank has its
+    grad. A param in one piece (one rank, or rows for one) is copied whole, with no split."""
+    pieces = out.split_with_sizes(copies.buffer_sizes)
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for sizes, places, grad in zip(copies.param_sizes, copies.places, grads, strict=True):
+        if grad is not None:
+            flat = grad if grad.dim() == 1 else grad.reshape(-1)
+            srcs += [flat] if len(sizes) == 1 else flat.split_with_sizes(sizes)
+            dsts += map(pieces.__getitem__, places)
     _copy_all(dsts, srcs)
-    flags = out.view(world_size, segment)[:, layout.shard_numel :]
-    if all(grad is not None for grad in grads):
+    flags = out.view(world_size, layout.segment_numel)[:, layout.shard_numel :]
+    if all([grad is not None for grad in grads]):
         flags.fill_(1)
     else:
         for position, grad in enumerate(grads):
@@ -159,30 +164,19 @@ def pack_grads(
 
 
 def unpack_params(
-    gathered: torch.Tensor,
-    layout: BucketLayout,
-    specs: Sequence[ShardSpec],
-    params: Sequence[torch.Tensor | None],
-    world_size: int,
+    gathered: torch.Tensor, copies: RowCopies, params: Sequence[torch.Tensor | None]
 ) -> None:
-    """Copies every rank's shards from an all-gather output into the full parameters (a
-    ``None`` param is left as it is), in one multi-tensor copy."""
-    dsts, srcs = [], []
-    for position, (spec, param) in enumerate(zip(specs, params, strict=True)):
-        if param is None:
-            continue
-        padded = padded_rows(
-            gathered,
-            layout,
-            position,
-            spec,
-            world_size=world_size,
-            segment_numel=layout.shard_numel,
-        )
-        rows = param.detach().view(spec.dim0, spec.row_numel)
-        for in_padded, in_rows in _row_pairs(padded, rows, spec):
-            dsts.append(in_rows)
-            srcs.append(in_padded)
+    """Copies every rank's shards from an all-gather output (``copies`` planned for its
+    segments) into the full parameters (a ``None`` param is left as it is), in one multi-tensor
+    copy: a param's version counter counts one write a piece (``copies.param_sizes``)."""
+    pieces = gathered.split_with_sizes(copies.buffer_sizes)
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for sizes, places, param in zip(copies.param_sizes, copies.places, params, strict=True):
+        if param is not None:
+            flat = param.detach().view(-1)
+            dsts += [flat] if len(sizes) == 1 else flat.split_with_sizes(sizes)
+            srcs += map(pieces.__getitem__, places)
     _copy_all(dsts, srcs)
 
 

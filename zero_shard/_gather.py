@@ -59,8 +59,8 @@ import torch.distributed as dist
 from offload import current_stream, phase, record_event, side_stream, use_device, use_stream
 from optimizers import HostStep
 
-from ._buckets import Bucket
-from ._collectives import AllGather, launch_all_gather, num_row_pieces, unpack_params
+from ._buckets import Bucket, local_tensors, model_versions, stale_flags
+from ._collectives import AllGather, launch_all_gather, unpack_params
 
 __all__ = ["HostWrites", "ParamGatherer", "PendingWrites"]
 
@@ -122,23 +122,24 @@ class _Job:
     all_gather: AllGather
 
 
-def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, world_size: int) -> list[str]:
+def _copy_into_params(bucket: Bucket, gathered: torch.Tensor) -> list[str]:
     """Copies the gathered bucket into the params not written since the step; returns the FQNs
     of those that were, or were written while being copied (another thread, see the note)."""
     # One read of each counter decides: a write between a check and the copy would be missed.
-    before = [s.watched._version for s in bucket.params]
+    before = model_versions(bucket.params)
     # By position, not by `in`: records compare their tensors (dataclass equality).
     written = [s.changed or v != s.version for s, v in zip(bucket.params, before, strict=True)]
-    targets = [None if w else s.local for s, w in zip(bucket.params, written, strict=True)]
+    locals_ = local_tensors(bucket.params)
+    targets = [None if w else local for local, w in zip(locals_, written, strict=True)]
     with phase("zero_shard::unpack"):
-        unpack_params(gathered, bucket.layout, bucket.specs, targets, world_size)
-    for position, (sharded, version, target) in enumerate(
-        zip(bucket.params, before, targets, strict=True)
+        unpack_params(gathered, bucket.gather_copies, targets)
+    after = model_versions(bucket.params)
+    for position, (sharded, version, now, target, pieces) in enumerate(
+        zip(bucket.params, before, after, targets, bucket.gather_copies.param_sizes, strict=True)
     ):
         if target is None:
             continue
-        now = sharded.watched._version
-        if now != version + num_row_pieces(sharded.spec):
+        if now != version + len(pieces):  # one write a piece copied
             written[position] = True
         else:
             sharded.version = now
@@ -147,7 +148,8 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, world_size: int) -
 
 def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
     if bucket.aliased:  # one rank, the params are the shards: the writes were all there is
-        report.written = [s.fqn for s in bucket.params if s.changed or s.is_stale()]
+        stale = stale_flags(bucket.params)  # (which counts `changed`)
+        report.written = [s.fqn for s, w in zip(bucket.params, stale, strict=True) if w]
         report.event = record_event(job.stream)
         return
     shard = bucket.shard_buffer
@@ -160,7 +162,7 @@ def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
                 "what dist.all_gather_into_tensor(..., async_op=True) returns, or one like it"
             )
         work.wait()
-    report.written = _copy_into_params(bucket, out, job.world_size)
+    report.written = _copy_into_params(bucket, out)
     report.event = record_event(job.stream)
 
 
@@ -330,7 +332,10 @@ class ParamGatherer:
         if self._num_waited == len(self.buckets):
             self._reports = None
         bucket = self.buckets[index]
-        written = set(report.written) | {s.fqn for s in bucket.params if s.is_stale()}
+        stale = stale_flags(bucket.params)
+        written = set(report.written) | {
+            s.fqn for s, w in zip(bucket.params, stale, strict=True) if w
+        }
         for sharded in bucket.params:
             if sharded.fqn in written:
                 sharded.changed = True  # whatever it holds now, the next step reloads from it

@@ -41,7 +41,7 @@ HOST_ROWS_FROM = 1 << 20
 def _accumulate_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     """fp32, or fp64 where a tensor is: sums of powers of fp16 grads would overflow in fp16, and
     fp64 ones must not be narrowed."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.float64 if any([t.dtype == torch.float64 for t in tensors]) else torch.float32
 
 
 def _host_rows(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -71,12 +71,13 @@ def _norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tens
     """Each tensor's ``norm_type``-norm, accumulated in fp32 (fp64 where a tensor is fp64);
     large host tensors by rows."""
     dtype = _accumulate_dtype(tensors)
-    if all(tensor.device.type != "cpu" for tensor in tensors):  # the accelerator's: one call
+    if all([tensor.device.type != "cpu" for tensor in tensors]):  # the accelerator's: one call
         return list(torch._foreach_norm(tensors, norm_type, dtype=dtype))
     norms: list[torch.Tensor | None] = [None] * len(tensors)
     rest = []
-    for index, tensor in enumerate(tensors):
-        if _by_rows(tensor):
+    large = [tensor.numel() >= HOST_ROWS_FROM for tensor in tensors]  # few: ask only these
+    for index, (tensor, maybe) in enumerate(zip(tensors, large, strict=True)):
+        if maybe and _by_rows(tensor):
             norms[index] = _host_norm(tensor, norm_type, dtype)
         else:
             rest.append(index)

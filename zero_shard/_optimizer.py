@@ -25,7 +25,7 @@ from optimizers import (
     constructor_defaults,
 )
 
-from ._buckets import Bucket, ShardedParam, norm_grads, shard_grads
+from ._buckets import Bucket, ShardedParam, norm_grads, shard_grads, stale_flags
 from ._collectives import AllGather, broadcast_tensors
 from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._host_group import host_group
@@ -568,7 +568,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _written_here(self) -> list[bool]:
         """Per sharded param, whether this rank saw it written since zero-shard last set it."""
-        return [s.is_stale() or s.fqn in self._unshared_writes for s in self._sharded]
+        here = stale_flags(self._sharded)
+        if self._unshared_writes:
+            unshared = self._unshared_writes
+            here = [w or s.fqn in unshared for s, w in zip(self._sharded, here, strict=True)]
+        return here
 
     def _start_agreeing_on_writes(self) -> Callable[[], list[bool]] | None:
         """At ``step()``, where the ranks hold replicas (a plain or DDP model at more than one
@@ -600,7 +604,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             here = written()
             self._unshared_writes.clear()  # told to every rank now
         else:
-            here = [s.is_stale() for s in self._sharded]
+            here = stale_flags(self._sharded)
         raises = self.stale_params == "error"
         if raises and agree and self.kind is ModelKind.FSDP:
             mesh, device = self._meshes.verdict_mesh, self._reduce_device

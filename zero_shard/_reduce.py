@@ -62,7 +62,7 @@ from ._collectives import (
     replicated_grads,
     write_replicated,
 )
-from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad, Taken
+from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad, Taken, forget_all
 
 __all__ = ["GradReducer"]
 
@@ -134,16 +134,13 @@ class GradReducer:
                     accumulator = sharded.param.view_as(sharded.param).grad_fn.next_functions[0][0]
                 self._accumulators.append(accumulator)
 
-                def incoming(grad_outputs: Any, watch: GradWatch = watch) -> None:
-                    watch.before_accumulate()
-
                 def ready(param: torch.Tensor, sharded: ShardedParam = sharded) -> None:
                     sharded.watch.after_accumulate()
                     reducer = this()
                     if reducer is not None:
                         reducer.on_grad_ready(sharded)
 
-                handles.append(accumulator.register_prehook(incoming))
+                handles.append(accumulator.register_prehook(watch.before_accumulate))
                 handles.append(sharded.param.register_post_accumulate_grad_hook(ready))
         handles.append(PlaceholderRemoval([s.watch for b in self.buckets for s in b.params]))
         return handles
@@ -171,7 +168,7 @@ class GradReducer:
         self.buckets[sharded.bucket].ready.add(sharded.position)
         while self._next >= 0:
             bucket = self.buckets[self._next]
-            if len(bucket.ready) < bucket.layout.num_params:
+            if len(bucket.ready) < len(bucket.params):
                 break
             self._reduce(bucket)
             self._next -= 1
@@ -197,9 +194,13 @@ class GradReducer:
             self.before_reduce()
         taken = [sharded.watch.take() for sharded in bucket.params]
         grads = [
-            _local_grad(each, sharded) for each, sharded in zip(taken, bucket.params, strict=True)
+            _local_grad(each, sharded)
+            if each.zeroed or isinstance(each.grad, DTensor)
+            else each.grad
+            for each, sharded in zip(taken, bucket.params, strict=True)
         ]
-        kept = [bucket.has_grads and each.kept for each in taken]
+        has_grads = bucket.has_grads
+        kept = [has_grads and each.kept for each in taken]
         zeroed = [each.zeroed for each in taken]
         for sharded, grad in zip(bucket.params, grads, strict=True):
             if grad is not None and (grad.is_sparse or grad.device != self._device):
@@ -234,7 +235,7 @@ class GradReducer:
                     world * layout.segment_numel, dtype=layout.dtype, device=self._device
                 )
             with phase("zero_shard::pack"):
-                pack_grads(packed, layout, bucket.specs, grads, world)
+                pack_grads(packed, layout, bucket.reduce_copies, grads, world)
                 if any(zeroed):
                     _flag_zeroed_as_before(packed, bucket, zeroed, before, world)
             for sharded, grad in zip(bucket.params, grads, strict=True):
@@ -254,7 +255,7 @@ class GradReducer:
             if self.after_reduce is not None:
                 self.after_reduce(bucket)
         # A rewritten bucket forgets what was missing before: its flags are this reduction's.
-        missing_now = any(g is None for g in grads) or any(zeroed)
+        missing_now = any([grad is None for grad in grads]) or any(zeroed)
         bucket.missing = (bucket.missing and adds) or missing_now
         self.num_changes += 1
         self._reduced_in_window = True
@@ -303,15 +304,18 @@ class GradReducer:
             if self.before_first is not None:  # as before a backward's first reduction
                 self.before_first()
             self._reduce_rest()
-        self._warn_late_grads()
+        untouched = [_untouched(bucket) for bucket in self.buckets]
+        self._warn_late_grads(untouched)
         self._wait_reductions()
-        for bucket in self.buckets:
+        for bucket, as_reduced in zip(self.buckets, untouched, strict=True):
             if not bucket.has_grads:  # none reduced since the grads were cleared
                 for sharded in bucket.params:
                     sharded.shard.grad = None
                 continue
-            dropped, changed = _clear_after_reduction(bucket)
-            self.num_changes += changed
+            dropped = [False] * bucket.layout.num_params
+            if not as_reduced:
+                dropped, changed = _clear_after_reduction(bucket)
+                self.num_changes += changed
             present = [True] * bucket.layout.num_params
             if bucket.missing:
                 # Some rank may have lacked a grad: a param is stepped iff any rank had one. Ranks
@@ -324,10 +328,16 @@ class GradReducer:
                 if not has_grad:
                     sharded.watch.drop()  # no rank had one: None, as torch's .grad
 
-    def _warn_late_grads(self) -> None:
+    def _warn_late_grads(self, untouched: list[bool]) -> None:
         if self._warned_late_grads:
             return
-        late = [s.fqn for b in self.buckets for s in b.params if s.watch.holds_unreduced_grad()]
+        late = [
+            s.fqn
+            for b, as_reduced in zip(self.buckets, untouched, strict=True)
+            if not as_reduced
+            for s in b.params
+            if s.watch.holds_unreduced_grad()
+        ]
         if late:
             self._warned_late_grads = True
             warnings.warn(
@@ -347,8 +357,7 @@ class GradReducer:
     def _drop_grads(self, bucket: Bucket) -> None:
         bucket.drop_grads()  # on the current stream, which waited for the reductions
         bucket.missing = False
-        for sharded in bucket.params:
-            sharded.watch.forget()
+        forget_all([sharded.watch for sharded in bucket.params])
 
     def reset(self) -> None:
         """``zero_grad``: the reduced grads are dropped (their memory freed); the next reduction
@@ -382,6 +391,21 @@ class GradReducer:
         """A step took the reduced grads: the next ``finish`` reduces again unless a backward
         does first."""
         self._reduced_in_window = False
+
+
+def _untouched(bucket: Bucket) -> bool:
+    """Whether every param of the bucket holds its placeholder as the last reduction left it
+    (not cleared, not zeroed, no grad set since): then no watch has anything to report
+    (``cleared_after_reduction`` is None, ``holds_unreduced_grad`` False), and the step skips
+    asking each, param by param."""
+    return all(
+        [
+            s.param.grad is s.watch.placeholder
+            and s.watch.expected is s.watch.placeholder
+            and not s.watch.placeholder.zeroed
+            for s in bucket.params
+        ]
+    )
 
 
 def _local_grad(taken: Taken, sharded: ShardedParam) -> torch.Tensor | None:

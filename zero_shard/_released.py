@@ -46,6 +46,7 @@ __all__ = [
     "ReleasedGrad",
     "Taken",
     "check_unconverted",
+    "forget_all",
 ]
 
 aten = torch.ops.aten
@@ -311,17 +312,20 @@ class GradWatch:
             return not grad.zeroed
         return _version_of(grad) == self.expected_version
 
-    def before_accumulate(self) -> None:
-        """A backward is about to accumulate into ``.grad``: judge it, take the placeholder off."""
+    def before_accumulate(self, grad_outputs: Any = None) -> None:
+        """A backward is about to accumulate into ``.grad``: judge it, take the placeholder off.
+        (A pre-hook on the param's grad accumulator: ``grad_outputs`` is unused.)"""
         self.kept = self.kept and self._intact()
         if isinstance(self.param.grad, ReleasedGrad):
             self.param.grad = None
 
     def after_accumulate(self) -> None:
         """A backward accumulated into ``.grad`` (inside ``no_sync()``, it stays there)."""
-        check_unconverted(self.param, self.placeholder.fqn, self.dtype, self.device)
-        self.expected = self.param.grad
-        self.expected_version = _version_of(self.expected)
+        param = self.param
+        if param.dtype != self.dtype or param.device != self.device:  # inline: every backward
+            check_unconverted(param, self.placeholder.fqn, self.dtype, self.device)
+        grad = self.expected = param.grad
+        self.expected_version = grad._version if type(grad) is torch.Tensor else _version_of(grad)
 
     def take(self) -> Taken:
         """At the reduction: the grad to reduce and whether to add it to the reduced one. A
@@ -369,6 +373,13 @@ class GradWatch:
         """Whether ``.grad`` holds a grad no reduction took (accumulated inside ``no_sync()``, or
         set by hand)."""
         return self.param.grad is not None and not isinstance(self.param.grad, ReleasedGrad)
+
+
+def forget_all(watches: list[GradWatch]) -> None:
+    """``forget`` for each of ``watches`` (a bucket's, at ``zero_grad``), in one call."""
+    for watch in watches:
+        watch.expected = None
+        watch.kept = False
 
 
 class PlaceholderRemoval:

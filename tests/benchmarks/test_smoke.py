@@ -156,6 +156,41 @@ def test_e2e_peers_smoke(tmp_path: Path) -> None:
     assert report["cpu_adamw_floor_ms"] > 0
 
 
+def test_e2e_overhead_smoke(tmp_path: Path) -> None:
+    """The reference (plain AdamW at one rank) and zero-shard alternate per preset; the ratios
+    are zero-shard's medians over the reference's, and the rounds' own."""
+    run_script("e2e_gpt.py", "overhead", "--device", "cpu", "--presets", "tiny", "--steps", "3",
+               "--repeats", "1", "--fractions", "0", "--out", str(tmp_path))  # fmt: skip
+    report = json.loads((tmp_path / "results.json").read_text())
+    names = [(run["system"], run["preset"], run["round"]) for run in report["runs"]]
+    assert names == [("reference", "tiny", 0), ("zero_shard_f0", "tiny", 0)]
+    assert report["reference"] == "plain AdamW"
+    systems = report["presets"]["tiny"]["systems"]
+    ours, reference = systems["zero_shard_f0"], systems["reference"]
+    assert reference["median_ms"] > 0 and reference["spread"] == 1.0 and ours["step_ms"] > 0
+    ratio = report["presets"]["tiny"]["ratios"]["zero_shard_f0"]
+    assert ratio["of_medians"] == pytest.approx(ours["median_ms"] / reference["median_ms"])
+    assert ratio["least"] == ratio["most"] == pytest.approx(ratio["of_medians"])
+
+
+def test_overhead_summary_pairs_each_round_with_its_reference() -> None:
+    def run(system: str, round_: int, ms: float | None) -> dict:
+        record = {"name": f"{system}_small_r{round_}_x2", "system": system, "preset": "small"}
+        record["round"] = round_
+        return record if ms is None else {**record, "summary": {"iteration_ms": ms,
+                                                                 "step_ms": ms / 10}}  # fmt: skip
+
+    runs = [run("reference", 0, 10.0), run("zero_shard_f0", 0, 12.0),
+            run("reference", 1, 20.0), run("zero_shard_f0", 1, 22.0),
+            run("zero_shard_f0.5", 0, None)]  # fmt: skip
+    result = e2e_gpt.summarize_overhead(runs, "small")
+    ratio = result["ratios"]["zero_shard_f0"]
+    assert ratio["rounds"] == [1.2, 1.1] and (ratio["least"], ratio["most"]) == (1.1, 1.2)
+    assert ratio["of_medians"] == pytest.approx(17.0 / 15.0)
+    assert result["systems"]["zero_shard_f0.5"] == {"failed": ["zero_shard_f0.5_small_r0_x2"]}
+    assert result["ratios"]["zero_shard_f0.5"] is None
+
+
 def test_torchao_skip_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "needs CUDA, not --device cpu" in e2e_gpt.torchao_unavailable("cpu", 1)
     assert "one GPU, not --nproc 2" in e2e_gpt.torchao_unavailable("cuda", 2)

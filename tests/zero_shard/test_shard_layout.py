@@ -7,10 +7,22 @@ import itertools
 import pytest
 import torch
 
-from zero_shard._bucket_layout import plan_buckets, shard_spec
+from zero_shard._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 
 # Private free functions, unit-tested: the public API shows neither the layout nor the packing.
-from zero_shard._collectives import choose_reduce_scaling, pack_grads, unpack_params
+from zero_shard._collectives import (
+    RowCopies,
+    choose_reduce_scaling,
+    pack_grads,
+    plan_row_copies,
+    unpack_params,
+)
+
+
+def _copies(layout: BucketLayout, specs: list[ShardSpec], world: int, *, reduce: bool) -> RowCopies:
+    segment_numel = layout.segment_numel if reduce else layout.shard_numel
+    return plan_row_copies(layout, specs, world_size=world, segment_numel=segment_numel)
+
 
 SHAPES = [(7, 15), (3,), (2, 5), (0, 4), (1,), (16, 16), (5,)]
 
@@ -44,14 +56,14 @@ def test_zero_dim_params_are_held_whole_by_every_rank(world: int) -> None:
     # the gathered param comes from there.
     packed = torch.zeros(world * layout.segment_numel)
     grads = [torch.tensor(2.0), torch.ones(3), torch.tensor(-1.0)]
-    pack_grads(packed, layout, specs, grads, world)
+    pack_grads(packed, layout, _copies(layout, specs, world, reduce=True), grads, world)
     segments = packed.view(world, layout.segment_numel)
     assert segments[0, layout.offsets[0]] == 2.0 and segments[0, layout.offsets[2]] == -1.0
     assert segments[1:, layout.offsets[0]].eq(0).all()
     gathered = torch.full((world * layout.shard_numel,), 7.0)  # the other ranks' copies: 7
     gathered[layout.offsets[0]], gathered[layout.offsets[2]] = 5.0, 6.0  # rank 0's
     targets = [torch.tensor(0.0), torch.zeros(3), torch.tensor(0.0)]
-    unpack_params(gathered, layout, specs, targets, world)
+    unpack_params(gathered, _copies(layout, specs, world, reduce=False), targets)
     assert targets[0] == 5.0 and targets[2] == 6.0
 
 
@@ -69,14 +81,14 @@ def test_buckets_keep_order_split_by_size_and_dtype() -> None:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_pack_and_unpack_round_trip(world: int) -> None:
-    shapes = [(7, 15), (3,), (2, 5), (0, 4)]
+    shapes = [(7, 15), (3,), (2, 5), (5, 0), (0, 4)]
     params = [torch.randn(shape) for shape in shapes]
     specs_by_rank = [[shard_spec(s, r, world) for s in shapes] for r in range(world)]
     layout = plan_buckets(specs_by_rank[0], [torch.float32] * len(shapes), world, 1 << 20)[0]
     # Packing grads lays out, for each destination rank, that rank's rows of every param.
     packed = torch.zeros(world * layout.segment_numel)
     grads = [p.clone() for p in params[:-1]] + [None]
-    pack_grads(packed, layout, specs_by_rank[0], grads, world)
+    pack_grads(packed, layout, _copies(layout, specs_by_rank[0], world, reduce=True), grads, world)
     segments = packed.view(world, layout.segment_numel)
     for rank in range(world):
         for position, param in enumerate(params[:-1]):
@@ -84,7 +96,7 @@ def test_pack_and_unpack_round_trip(world: int) -> None:
             got = segments[rank, layout.offsets[position] : layout.offsets[position] + spec.numel]
             assert torch.equal(got, param.reshape(-1)[spec.start : spec.start + spec.numel])
         flags = segments[rank, layout.shard_numel :]
-        assert flags.tolist() == [1.0, 1.0, 1.0, 0.0]
+        assert flags.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0]
     # An all-gather output (every rank's shard segment) unpacks into the full params.
     gathered = torch.zeros(world * layout.shard_numel)
     for rank in range(world):
@@ -96,7 +108,7 @@ def test_pack_and_unpack_round_trip(world: int) -> None:
                 spec.start : spec.start + spec.numel
             ]
     targets = [torch.zeros_like(p) for p in params]
-    unpack_params(gathered, layout, specs_by_rank[0], targets, world)
+    unpack_params(gathered, _copies(layout, specs_by_rank[0], world, reduce=False), targets)
     for target, param in zip(targets, params, strict=True):
         assert torch.equal(target, param)
 

@@ -1,0 +1,159 @@
+"""The host's work per training step, counted: zero-shard's fixed cost stays per bucket.
+
+On a GPU every Python call and every op dispatched is host time the kernels may wait for, and
+at small models it is what sets zero-shard apart from torch's AdamW (docs/benchmarks/e2e.md).
+Timing it here would be noise, so the work is counted instead: the Python calls into
+zero-shard's packages (``zero_shard``, ``optimizers``, ``offload``: a profile function, on every
+thread) and the aten ops dispatched on the main thread, per phase of an iteration, for a model
+of ``L`` and of ``2 L`` blocks in one bucket, bf16. What grows with the params is held to its bounds:
+
+- ``clip_grad_norm_``, ``step()`` and ``zero_grad()``: calls per bucket only (none per param),
+  and one aten op per param at most (the flat view of a fresh grad handed to torch's kernels);
+- backward: the two autograd hooks of each param and the reduction's ``take`` / ``release``;
+- forward: the wait hook of each module.
+
+A per-param call or op added to a step makes the larger model's count exceed these.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _harness import check_outcome, run_cases
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = tuple(str(ROOT / package) + "/" for package in ("zero_shard", "optimizers", "offload"))
+PHASES = ("forward", "backward", "clip", "step", "zero_grad", "threads")
+NUM_STEPS = 3  # counted, after 2 untimed steps
+SLACK = 8  # calls a step may vary by: a wait finds its gather done or not (threads)
+
+# Added calls per param (backward) and per module (forward) at most: see the module docstring.
+BACKWARD_CALLS_PER_PARAM = 6  # before_accumulate, ready, after_accumulate, on_grad_ready,
+#                               take, release
+FORWARD_CALLS_PER_MODULE = 3  # the hook, its run, the gatherer's pending
+STEP_OPS_PER_PARAM = 1  # in clip + step + zero_grad: a fresh 2-D grad's flat view
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.linear(x))
+
+
+def _model(num_blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)  # bf16 params, as trained on GPUs: the step casts grads and weights
+    return nn.Sequential(*(_Block() for _ in range(num_blocks))).to(torch.bfloat16)
+
+
+class _Calls:
+    """A profile function counting calls into zero-shard's packages by phase of the main
+    thread; the other threads' (the param gathers') go to ``threads``, whatever the phase."""
+
+    def __init__(self) -> None:
+        self.phase: str | None = None
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._main = threading.get_ident()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and self.phase and frame.f_code.co_filename.startswith(OURS):
+            main = threading.get_ident() == self._main
+            self.counts[self.phase if main else "threads"] += 1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _profiled(calls: _Calls) -> Iterator[None]:
+    sys.setprofile(calls)
+    threading.setprofile(calls)  # the gather thread, started at the first step
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+
+
+def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int]:
+    """Per step: the calls by phase, the aten ops of clip + step + zero_grad; the params and
+    modules of the model."""
+    import zero_shard
+
+    model = _model(num_blocks)
+    opt = zero_shard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+    calls, ops = _Calls(), _Ops()
+
+    def phase(name: str, action: Callable[[], Any], counted: bool) -> Any:
+        calls.phase = name if counted else None
+        if counted and name in ("clip", "step", "zero_grad"):
+            with ops:
+                return action()
+        return action()
+
+    with _profiled(calls):
+        for step in range(2 + NUM_STEPS):
+            counted = step >= 2
+            out = phase("forward", lambda: model(x), counted)
+            phase("backward", lambda: out.square().mean().backward(), counted)  # noqa: B023
+            phase("clip", lambda: opt.clip_grad_norm_(1.0), counted)
+            phase("step", opt.step, counted)
+            phase("zero_grad", opt.zero_grad, counted)
+        calls.phase = None
+    opt.finish_param_sync()
+    if len(opt._comm.buckets) != 1:
+        raise AssertionError(f"expected one bucket, got {len(opt._comm.buckets)}")
+    per_step = {name: calls.counts[name] // NUM_STEPS for name in PHASES}
+    num_params = len(list(model.parameters()))
+    return per_step, ops.count // NUM_STEPS, num_params, len(list(model.modules()))
+
+
+def _case_per_bucket(rank: int, world_size: int) -> None:
+    small, small_ops, small_params, small_modules = _count(6)
+    large, large_ops, large_params, large_modules = _count(12)
+    added_params, added_modules = large_params - small_params, large_modules - small_modules
+    shown = f"{small} -> {large} calls per step, +{added_params} params"
+    for name in ("clip", "step", "zero_grad", "threads"):
+        assert large[name] <= small[name] + SLACK, f"{name}: {shown}"
+    bound = BACKWARD_CALLS_PER_PARAM * added_params + SLACK
+    assert large["backward"] - small["backward"] <= bound, f"backward: {shown}"
+    bound = FORWARD_CALLS_PER_MODULE * added_modules + SLACK
+    assert large["forward"] - small["forward"] <= bound, f"forward: {shown}"
+    ops_bound = STEP_OPS_PER_PARAM * added_params + SLACK
+    shown = f"{small_ops} -> {large_ops}, +{added_params} params"
+    assert large_ops - small_ops <= ops_bound, f"aten ops of clip + step + zero_grad: {shown}"
+
+
+CASES = {"per_bucket": _case_per_bucket}
+
+
+@pytest.fixture(scope="module", params=[1, 2])
+def outcomes(request: pytest.FixtureRequest) -> tuple[int, dict[str, str | None]]:
+    return request.param, run_cases(CASES, request.param)
+
+
+def test_host_work_per_step_grows_with_buckets_not_params(
+    outcomes: tuple[int, dict[str, str | None]],
+) -> None:
+    check_outcome(outcomes[1], "per_bucket")
