@@ -1,7 +1,7 @@
 """torch.compile of a model under zero_shard.wrap on 1 and 2 CPU processes (gloo), backend
 "aot_eager": the whole model (``torch.compile(model)``, with and without ``fullgraph``, and
-``model.compile()``) and each block (``block.compile()``), against single-process torch AdamW on
-the uncompiled model, every step. The gathers are issued late on purpose and a share of the step
+``model.compile()``) and each block (``block.compile()``), plain, under DDP and under FSDP2,
+against single-process torch AdamW on the uncompiled model, every step. The gathers are issued late on purpose and a share of the step
 runs on the CPU: a compiled forward that did not wait for them would read the weights of the
 step before ([Note: compiled models] in ``zero_shard/_compiled.py``): it waits at graph breaks
 where breaks are allowed, and with ``fullgraph=True`` the gathers end before ``step()`` returns."""
@@ -23,6 +23,8 @@ from _harness import check_outcome, run_cases
 from _models import GLOBAL_BATCH, PARAM_TOL, local_slice, mean_over_ranks
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import zero_shard
 from zero_shard import OffloadPolicy
@@ -262,6 +264,58 @@ def no_breaks_by_context_is_fullgraph_too(rank: int, world: int) -> None:
         return  # a torch without it (before 2.9)
     with error_on_graph_break(True):
         train_against_torch(rank, world, compile_whole, overlap=True, breaks_refused=True)
+
+
+def train_kind_against_torch(rank: int, world: int, kind: str, per_block: bool) -> None:
+    """A DDP or FSDP2 model under wrap (half the step on the CPU), compiled whole or per block,
+    against torch AdamW on the uncompiled model, every step."""
+    forget_compiled()
+    torch.manual_seed(0)
+    tiny = Tiny()
+    options: dict[str, Any] = {}
+    if kind == "ddp":  # zero-shard gathers the params after DDP reduced the grads
+        model: nn.Module = nn.parallel.DistributedDataParallel(tiny)
+        options = {"bucket_mb": ONE_PER_BUCKET, "all_gather": late_all_gather}
+    else:
+        for block in tiny.layers:
+            fully_shard(block)
+        model = fully_shard(tiny)
+    offload = OffloadPolicy(fraction=0.5, num_threads=1, chunk_numel=64)
+    opt = zero_shard.wrap(
+        torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, offload=offload, **options
+    )
+    if per_block:
+        for block in tiny.layers:
+            block.compile(backend="aot_eager")
+    run = model if per_block else torch.compile(model, backend="aot_eager")
+    torch.manual_seed(0)
+    ref = Tiny()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    where = f"{kind}, compiled {'per block' if per_block else 'whole'}"
+    for step in range(STEPS):
+        idx = tokens(step)
+        logits = run(local_slice(idx, rank, world))
+        ref_logits = ref(idx)
+        expected = local_slice(ref_logits, rank, world).detach()
+        assert_close(logits, expected, f"{where}: logits at step {step}")
+        loss_of(logits, local_slice(idx, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(ref_logits, idx).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    for (name, param), ref_param in zip(tiny.named_parameters(), ref.parameters(), strict=True):
+        whole = param.full_tensor() if isinstance(param, DTensor) else param
+        assert_close(whole.detach(), ref_param.detach(), f"{where}: {name}")
+    assert counters["stats"]["unique_graphs"] > 0, f"{where}: nothing was compiled"
+
+
+@case
+def ddp_and_fsdp2_models_compiled(rank: int, world: int) -> None:
+    for kind in ("ddp", "fsdp2"):
+        for per_block in (True, False):
+            train_kind_against_torch(rank, world, kind, per_block)
 
 
 @pytest.fixture(scope="module", params=[1, 2])
