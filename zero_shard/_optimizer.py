@@ -31,7 +31,7 @@ from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
 from ._host_group import host_group
 from ._norms import clip_coefficient, global_norm, nonfinite_flag, scale_grads_
 from ._owners import claim, is_claimed, live_owners
-from ._released_ops import ReleasedGradOps
+from ._released_ops import ReleasedGradOps, edited
 from ._setup import (
     NONFINITE_POLICIES,
     CheckedInputs,
@@ -348,6 +348,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 by_factor.setdefault(id(factor), (factor, []))[1].append(sharded.shard.grad)
         for factor, grads in by_factor.values():
             scale_grads_(grads, factor)
+            edited(grads)
             self._grad_edits += 1
 
     def _defer_grad_factor(self, records: list[ShardedParam], factor: torch.Tensor) -> None:
@@ -356,6 +357,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         for sharded in records:
             if sharded.grad_factor is not None:
                 scale_grads_([sharded.shard.grad], sharded.grad_factor)
+                edited([sharded.shard.grad])
                 self._grad_edits += 1
             sharded.grad_factor = factor
         self._factors_pending = self._factors_pending or bool(records)

@@ -25,9 +25,15 @@ which the placeholder hands to the optimizer that reduced its grad (``link``):
 - a clamp in place (``clip_grad_value_``) clamps the shard; the verdict is dropped, since a
   clamp makes infs finite, and the step checks again.
 
-All three first finalize the grads (``finish``: at most the reductions no backward made) and,
-but for a deferred multiply, apply the factors pending. fp16 grads that still carry the loss
-scale (``zero_shard.GradScaler``'s unscale) give their unscaled norms. Anything else on a
+These run inside the placeholder's ``__torch_dispatch__``, below autograd, where an in-place op
+does not advance the version counter of what it writes; each edit of a grad advances it itself
+(``edited``), or an early copy of the grad to the host would be taken for current.
+
+All three first finalize the grads (``finish``: at most the reductions no backward made), unless
+no reduction ran since the last finalize and the grads asked for are as it left them, and, but
+for a deferred multiply, apply the factors pending. fp16 grads that still carry the loss scale
+(``zero_shard.GradScaler``'s unscale) give their unscaled norms, and a clamp's bounds are scaled
+alike. Anything else on a
 placeholder (reading values, elementwise math with it) raises, as before.
 """
 
@@ -40,12 +46,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._norms import param_norms, scale_grads_
+from ._released import ReleasedGrad
 
 if TYPE_CHECKING:
     from ._buckets import ShardedParam
     from ._optimizer import ZeroShardOptimizer
 
-__all__ = ["ReleasedGradOps"]
+__all__ = ["ReleasedGradOps", "edited"]
+
+
+@dataclass
+class _Finalized:
+    """The grads as the last finalize left them: unchanged, the next op need not finalize again
+    (torch's one-by-one path makes an op per grad; a finalize per op would cost a pass over every
+    param, and a read of the presence flags, each time)."""
+
+    marker: Any  # the comm's grads marker after it
+    grads: list[Any]  # each param's ``.grad`` after it (its placeholder, or None)
 
 
 @dataclass
@@ -62,16 +79,37 @@ class ReleasedGradOps:
 
     _optimizer: weakref.ref[ZeroShardOptimizer]
     _cached: _Norms | None
+    _finalized: _Finalized | None
+    _factor: tuple[torch.Tensor, torch.Tensor] | None  # the last factor given, and its 0-dim
+    #   form: torch's one-by-one path gives every grad the same factor, which the step must see
+    #   as one ([Note: clip at the step])
 
     def __init__(self, optimizer: ZeroShardOptimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._cached = None
+        self._finalized = None
+        self._factor = None
 
     def _live(self) -> ZeroShardOptimizer:
         optimizer = self._optimizer()
         if optimizer is None:
             raise RuntimeError("the optimizer that reduced these grads is gone")
         return optimizer
+
+    def _finalize(self, optimizer: ZeroShardOptimizer, indices: list[int]) -> None:
+        """Finalizes the grads, unless no reduction ran and the grads of ``indices`` are as the
+        last finalize left them (a clear of others is seen when they are asked for, or at the
+        step)."""
+        last = self._finalized
+        if (
+            last is not None
+            and last.marker == optimizer._comm.grads_marker()
+            and all(_as_left(optimizer._sharded[i].param.grad, last.grads[i]) for i in indices)
+        ):
+            return
+        optimizer._finalize_grads()
+        grads = [sharded.param.grad for sharded in optimizer._sharded]
+        self._finalized = _Finalized(optimizer._comm.grads_marker(), grads)
 
     def _records(self, optimizer: ZeroShardOptimizer, indices: list[int]) -> list[ShardedParam]:
         """The records of ``indices`` that hold a reduced grad (others: no rank had one)."""
@@ -81,7 +119,7 @@ class ReleasedGradOps:
     @torch.no_grad()
     def norms(self, indices: list[int], norm_type: float) -> list[torch.Tensor]:
         optimizer = self._live()
-        optimizer._finalize_grads()
+        self._finalize(optimizer, indices)
         optimizer._apply_grad_factor()
         key = (norm_type, optimizer._comm.grads_marker(), optimizer._grad_edits)
         if self._cached is None or self._cached.key != key:
@@ -102,10 +140,12 @@ class ReleasedGradOps:
     @torch.no_grad()
     def scale_(self, indices: list[int], factor: torch.Tensor | float) -> None:
         optimizer = self._live()
-        optimizer._finalize_grads()
+        self._finalize(optimizer, indices)
         records = self._records(optimizer, indices)
         if isinstance(factor, torch.Tensor):
-            factor = factor.detach().reshape(())
+            if self._factor is None or self._factor[0] is not factor:
+                self._factor = (factor, factor.detach().reshape(()))
+            factor = self._factor[1]
         if isinstance(factor, torch.Tensor) and optimizer._clips_at_step:
             optimizer._defer_grad_factor(records, factor)
         else:
@@ -115,6 +155,7 @@ class ReleasedGradOps:
                 scale_grads_(grads, factor)
             elif grads:
                 torch._foreach_mul_(grads, factor)  # a Python number: torch's own op
+            edited(grads)
             optimizer._grad_edits += 1
         window = optimizer._window_norm
         if window is not None:
@@ -124,9 +165,31 @@ class ReleasedGradOps:
     @torch.no_grad()
     def clamp_(self, indices: list[int], low: float | None, high: float | None) -> None:
         optimizer = self._live()
-        optimizer._finalize_grads()
+        self._finalize(optimizer, indices)
         optimizer._apply_grad_factor()
-        for sharded in self._records(optimizer, indices):
-            sharded.shard.grad.clamp_(min=low, max=high)
+        scale = optimizer._grad_scale  # fp16: the grads still carry the loss scale; so do bounds
+        if scale is not None:
+            low = None if low is None else low / scale
+            high = None if high is None else high / scale
+        grads = [sharded.shard.grad for sharded in self._records(optimizer, indices)]
+        for grad in grads:
+            grad.clamp_(min=low, max=high)
+        edited(grads)
         optimizer._grad_edits += 1
         optimizer._window_norm = None  # a clamp makes infs finite: the step checks again
+
+
+def _as_left(grad: Any, left: Any) -> bool:
+    """Whether a ``.grad`` is what the last finalize left there, untouched."""
+    if grad is not left:
+        return False
+    return grad is None or (isinstance(grad, ReleasedGrad) and not grad.zeroed)
+
+
+def edited(grads: list[torch.Tensor]) -> None:
+    """Advances the version counters of grads edited in place. Ops run inside a placeholder's
+    ``__torch_dispatch__`` run below autograd, where in-place ops leave the counters as they
+    are; but an early copy of a grad to the host is trusted only while its counter stands
+    ([Note: early grad copies] in ``optimizers/_early.py``)."""
+    for grad in grads:
+        torch.autograd.graph.increment_version(grad)

@@ -46,7 +46,10 @@ def case(function):  # type: ignore[no-untyped-def]
 
 
 def offload(fraction: float) -> OffloadPolicy | None:
-    return OffloadPolicy(fraction=fraction, num_threads=1) if fraction else None
+    """A CPU share with a staging buffer per chunk: grads copied early, as they are reduced."""
+    if not fraction:
+        return None
+    return OffloadPolicy(fraction=fraction, num_threads=1, host_staging="per_chunk")
 
 
 @contextlib.contextmanager
@@ -141,7 +144,8 @@ def total_norm_then_clip_with_it_and_clips_of_some_params(rank: int, world: int)
 @case
 def clip_grad_value_equals_torch(rank: int, world: int) -> None:
     # By value, then by norm over the clamped grads (the step checks the clamped grads for
-    # infs itself: a clamp makes an inf finite).
+    # infs itself: a clamp makes an inf finite). With a staging buffer per chunk the grads go to
+    # the host early, as they are reduced: the clamp must be seen to change them.
     for fraction in (0.0, 0.5):
         model, ref = make_model(), make_model()
         opt = zero_shard.wrap(
@@ -155,7 +159,13 @@ def clip_grad_value_equals_torch(rank: int, world: int) -> None:
             norms = []
             for net in (model, ref):
                 torch.nn.utils.clip_grad_value_(net.parameters(), 0.01, foreach=foreach)
-                norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.02))
+                if net is model and step == 2:  # zero-shard's own clip over the clamped grads
+                    norms.append(opt.clip_grad_norm_(0.02))
+                else:  # one by one, then in one multi-tensor call
+                    clip_foreach = None if step == 0 else True
+                    norms.append(
+                        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.02, foreach=clip_foreach)
+                    )
             torch.testing.assert_close(*norms, **LOSS_TOL)
             opt.step()
             ref_opt.step()
@@ -207,6 +217,73 @@ def fp16_grads_give_their_unscaled_norm_after_grad_scaler_unscale(rank: int, wor
             getattr(models[0].full_layer, name), getattr(models[1].full_layer, name),
             rtol=1e-3, atol=1e-5,
         )  # fmt: skip
+
+
+@case
+def fp16_value_clip_after_grad_scaler_unscale_clamps_the_unscaled_grads(
+    rank: int, world: int
+) -> None:
+    # The clamp's bounds are the unscaled grads': scaled alike while the grads still carry the
+    # loss scale (clamped at the raw bounds, every param would move 1/1024 of its due). torch's
+    # GradScaler refuses fp16 grads, so the reference is the same run without loss scaling: a
+    # scale of 2**10 is exact on these grads.
+    models = []
+    for scaler in (zero_shard.GradScaler("cpu", init_scale=2.0**10), None):
+        torch.manual_seed(0)
+        model = Mixed()
+        opt = zero_shard.wrap(
+            torch.optim.SGD(model.parameters(), lr=1.0), model, offload=offload(0.5),
+            bucket_mb=TINY_BUCKETS,
+        )  # fmt: skip
+        for step in range(2):
+            x, y = global_batch(step)
+            loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+        opt.finish_param_sync()
+        models.append(model)
+    for (name, param), unscaled in zip(
+        models[0].named_parameters(), models[1].parameters(), strict=True
+    ):
+        torch.testing.assert_close(param, unscaled, rtol=1e-3, atol=1e-4, msg=name)
+
+
+@case
+def torch_one_by_one_clip_finalizes_once_and_defers_one_factor(rank: int, world: int) -> None:
+    # torch's path for a tensor subclass is one norm and one multiply per grad: the grads are
+    # finalized once for all of them (not a pass over every param per grad), and the factor
+    # they share is one pending factor, which the step applies (the grads' early host copies
+    # stay valid).
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    calls = [0]
+    finalize = opt._finalize_grads
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        finalize(*args, **kwargs)
+
+    opt._finalize_grads = counted  # type: ignore[method-assign]
+    for step in range(2):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        calls[0] = 0
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3, foreach=False)
+        assert calls[0] == 1, f"step {step}: {calls[0]} finalizes for one clip"
+        pending = {id(s.grad_factor) for s in opt._sharded if s.grad_factor is not None}
+        assert len(pending) == 1, f"step {step}: {len(pending)} pending factors"
+        opt.step()
+        opt.zero_grad()
 
 
 @case
