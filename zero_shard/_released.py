@@ -150,13 +150,22 @@ class ReleasedGrad(torch.Tensor):
 
 
 def _read_error(released: ReleasedGrad, func: Any) -> RuntimeError:
+    during_backward = ""
+    if torch._C._current_graph_task_id() != -1:  # read by backward itself: a second reducer
+        during_backward = (
+            " It was read during backward, after zero-shard had reduced it: by a hook, or by a "
+            "DistributedDataParallel wrapped around the model after zero_shard.wrap (as HF "
+            "Trainer and accelerate do on more than one process), which would reduce the grads "
+            "a second time. Do not wrap the model after zero_shard.wrap; for DDP, wrap the "
+            "model in DDP first and give zero_shard.wrap the DDP model."
+        )
     return RuntimeError(
         f"the grad of {released.fqn!r} was reduced over the ranks into zero-shard's shards "
-        f"and freed from the model (attempted: {func}). torch.nn.utils.clip_grad_norm_, "
-        "get_total_norm, clip_grads_with_norm_ and clip_grad_value_ work on it (every rank "
-        "calls them), as do opt.clip_grad_norm_(max_norm); read a reduced grad with "
-        "opt.main_grad(param), and clear grads with opt.zero_grad(), model.zero_grad() or "
-        "p.grad = None"
+        f"and freed from the model (attempted: {func}).{during_backward} "
+        "torch.nn.utils.clip_grad_norm_, get_total_norm, clip_grads_with_norm_ and "
+        "clip_grad_value_ work on it (every rank calls them), as do "
+        "opt.clip_grad_norm_(max_norm); read a reduced grad with opt.main_grad(param), and "
+        "clear grads with opt.zero_grad(), model.zero_grad() or p.grad = None"
     )
 
 

@@ -869,6 +869,22 @@ def a_state_dict_saved_on_rank_0_is_refused_on_every_rank(rank: int, world: int)
         assert torch.equal(loaded_state[key].full_tensor(), ref_state[key]), key
 
 
+@case
+def ddp_wrapped_after_wrap_names_the_fix(rank: int, world: int) -> None:
+    # HF Trainer and accelerate wrap the model in DDP after the optimizer is built: DDP's
+    # reduction then reads the placeholders zero-shard left; the error says so, on every rank.
+    # (The first backward finds no placeholder yet: zero-shard leaves them as it reduces.)
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(RuntimeError, match=r"DistributedDataParallel wrapped around the model"):
+        for step in range(2):
+            x, y = global_batch(step)
+            mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
 def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
     return run_cases(CASES, request.param)
