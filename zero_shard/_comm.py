@@ -40,6 +40,7 @@ from ._compiled import CompileAwareHook
 from ._copies import mark_hook
 from ._gather import HostWrites, ParamGatherer
 from ._hooks import register_param_waits
+from ._outer_ddp import register_outer_ddp_check
 from ._reduce import GradReducer
 from ._units import UnitPlan
 
@@ -453,7 +454,8 @@ class ReplicatedComm(_GatheredComm):
         # Compiled code runs it at a graph break, or not at all ([Note: compiled models]).
         hook = CompileAwareHook.of(before_forward, self.gatherer)
         aborted = self._module.register_forward_pre_hook(hook)
-        return [*handles, aborted, *self.reducer.register_hooks()]
+        outer_ddp = register_outer_ddp_check(self._module, (s.param for s in self.sharded))
+        return [*handles, aborted, outer_ddp, *self.reducer.register_hooks()]
 
     def finalize_grads(self, *, reduce: bool = True) -> None:
         self.reducer.finish(reduce=reduce)

@@ -154,9 +154,10 @@ def _read_error(released: ReleasedGrad, func: Any) -> RuntimeError:
     if torch._C._current_graph_task_id() != -1:  # read by backward itself: a second reducer
         during_backward = (
             " It was read during backward, after zero-shard had reduced it: by a hook, or by a "
-            "DistributedDataParallel wrapped around the model after zero_shard.wrap (as HF "
-            "Trainer and accelerate do on more than one process), which would reduce the grads "
-            "a second time. Do not wrap the model after zero_shard.wrap; for DDP, wrap the "
+            "DistributedDataParallel wrapped around the model after zero_shard.wrap over params "
+            "some of which zero-shard does not step (a DDP over zero-shard's params alone, as HF "
+            "Trainer and accelerate make, has its sync turned off), which would reduce the "
+            "grads a second time. Give the wrapped optimizer all of DDP's params, or wrap the "
             "model in DDP first and give zero_shard.wrap the DDP model."
         )
     return RuntimeError(

@@ -870,12 +870,44 @@ def a_state_dict_saved_on_rank_0_is_refused_on_every_rank(rank: int, world: int)
 
 
 @case
-def ddp_wrapped_after_wrap_names_the_fix(rank: int, world: int) -> None:
-    # HF Trainer and accelerate wrap the model in DDP after the optimizer is built: DDP's
-    # reduction then reads the placeholders zero-shard left; the error says so, on every rank.
-    # (The first backward finds no placeholder yet: zero-shard leaves them as it reduces.)
+def ddp_wrapped_after_wrap_trains_as_ddp(rank: int, world: int) -> None:
+    # HF Trainer and accelerate wrap the model in DDP after the optimizer is built: zero-shard
+    # already reduces the grads, so that DDP's sync is turned off ([Note: DDP around a wrapped
+    # model]); the run is DDP's (reference: one process, torch AdamW, whole batch), with
+    # torch's clip, DDP's no_sync accumulation and model.zero_grad() as Trainer uses them.
+    model, ref = make_model(), make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ref_opt = adamw(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        x_local, y_local = local_slice(x, rank, world), local_slice(y, rank, world)
+        half = x_local.shape[0] // 2  # two micro-batches, the first under no_sync
+        with ddp.no_sync():
+            (mse(ddp(x_local[:half]), y_local[:half]) / 2).backward()
+        (mse(ddp(x_local[half:]), y_local[half:]) / 2).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+        opt.step()
+        ddp.zero_grad()
+        mse(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(norm, ref_norm, **LOSS_TOL)
+    assert not ddp.require_backward_grad_sync
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "DDP wrapped after zero_shard.wrap")
+
+
+@case
+def ddp_wrapped_after_wrap_keeps_its_sync_for_params_zero_shard_does_not_own(
+    rank: int, world: int
+) -> None:
+    # A param another optimizer steps needs DDP's reduction: DDP keeps it, and its reduction
+    # then meets zero-shard's placeholders, with an error that names DDP, on every rank.
     model = make_model()
-    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    owned = [p for name, p in model.named_parameters() if not name.startswith("out.")]
+    opt = zero_shard.wrap(torch.optim.AdamW(owned, lr=LR), model, bucket_mb=TINY_BUCKETS)
     ddp = nn.parallel.DistributedDataParallel(model)
     with pytest.raises(RuntimeError, match=r"DistributedDataParallel wrapped around the model"):
         for step in range(2):
@@ -883,6 +915,7 @@ def ddp_wrapped_after_wrap_names_the_fix(rank: int, world: int) -> None:
             mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
             opt.step()
             opt.zero_grad()
+    assert ddp.require_backward_grad_sync
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")

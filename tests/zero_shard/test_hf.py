@@ -3,13 +3,21 @@ under zero_shard.wrap (offload fraction 0.5), against the same loop with plain t
 params after every run and the grad norms the loops clip by and log, equal. Both clip with
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on the model's placeholders
 ([Note: torch's clip on released grads]). A tiny ``LlamaForCausalLM`` built from a config:
-nothing is downloaded. One process, in a spawn of its own: both libraries keep process-wide
-state."""
+nothing is downloaded. One process, in a spawn of its own (both libraries keep process-wide
+state), and 2 ranks under ``torchrun``, where both wrap the model in DDP after the optimizer
+was wrapped ([Note: DDP around a wrapped model]) and each rank trains on its share of the
+batches."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tempfile
+import traceback
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,9 +77,11 @@ def finish(opt: Any) -> None:
         inner.finish_param_sync()
 
 
-def assert_same_training(runs: dict[bool, tuple[torch.nn.Module, list[float]]], where: str) -> None:
+def assert_same_training(
+    runs: dict[bool, tuple[torch.nn.Module, list[float]]], where: str, *, steps: int = STEPS
+) -> None:
     (ref, ref_norms), (model, norms) = runs[False], runs[True]
-    assert len(norms) == STEPS and max(ref_norms) > 1.0, (where, ref_norms)  # the clip bites
+    assert len(norms) == steps and max(ref_norms) > 1.0, (where, ref_norms)  # the clip bites
     torch.testing.assert_close(
         torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0.0, msg=where
     )
@@ -131,7 +141,7 @@ def accelerate_prepare_and_clip_grad_norm_train_as_with_torch_adamw(rank: int, w
             opt.zero_grad()
         finish(opt)
         runs[wrapped] = (accelerator.unwrap_model(model), norms)
-    assert_same_training(runs, "accelerate")
+    assert_same_training(runs, "accelerate", steps=STEPS // world)  # the loader's share
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +154,47 @@ def outcomes() -> dict[str, str | None]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_hf(outcomes: dict[str, str | None], name: str) -> None:
     check_outcome(outcomes, name)
+
+
+@pytest.fixture(scope="module")
+def outcomes_under_torchrun(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    """Every case at 2 ranks, launched as users launch them: ``torchrun``, which leaves the
+    process group to the libraries (this file's ``__main__``)."""
+    out = tmp_path_factory.mktemp("torchrun")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        __file__, str(out),
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=420)
+    outcomes: dict[str, str | None] = {name: None for name in CASES}
+    for rank in range(2):
+        path = out / f"rank{rank}.json"
+        found = json.loads(path.read_text()) if path.exists() else {}
+        for name in CASES:
+            failure = found.get(name, f"rank {rank} did not finish (rc {result.returncode})")
+            if failure is not None and outcomes[name] is None:
+                outcomes[name] = f"rank {rank}: {failure}\n{result.stderr[-3000:]}"
+    return outcomes
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hf_under_torchrun(outcomes_under_torchrun: dict[str, str | None], name: str) -> None:
+    check_outcome(outcomes_under_torchrun, name)
+
+
+if __name__ == "__main__":  # one rank of outcomes_under_torchrun
+    warnings.simplefilter("ignore")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results: dict[str, str | None] = {}
+    for name, function in CASES.items():
+        try:
+            function(rank, world)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(results))

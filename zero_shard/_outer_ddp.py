@@ -1,0 +1,80 @@
+"""A ``DistributedDataParallel`` wrapped around a plain model after ``zero_shard.wrap``.
+
+[Note: DDP around a wrapped model]
+HF Trainer and accelerate build the optimizer first and wrap the model in DDP afterwards
+(``accelerator.prepare``) whenever they run on more than one process. zero-shard already
+reduces a plain model's grads over the ranks; DDP's reducer would reduce them a second time,
+reading the placeholders zero-shard leaves in ``.grad``. When such a DDP runs the model, the
+model's forward hook turns DDP's gradient sync off (``require_backward_grad_sync``: what
+``DDP.no_sync()`` sets, and restores to the value it found), before DDP's forward ends and
+arms its reducer for backward: the grads then reach zero-shard alone, as they would without
+DDP. DDP still broadcast the params from its first rank when it was built, as zero-shard did
+at wrap. Only a DDP whose reduced params are all zero-shard's is quieted: a param another
+optimizer steps needs DDP's reduction, and keeps it (the placeholders then raise a clear
+error if DDP reads them). Compiled code leaves the check out: a compiled root under such a DDP
+meets that error.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._copies import mark_hook
+
+__all__ = ["register_outer_ddp_check"]
+
+logger = logging.getLogger("zero_shard")
+
+
+class _QuietOuterDDP:
+    """The model's forward hook of [Note: DDP around a wrapped model]."""
+
+    _model: weakref.ref[nn.Module]
+    _param_ids: frozenset[int]  # the params zero-shard reduces
+    _seen: weakref.WeakKeyDictionary[nn.Module, bool]  # per DDP: whether zero-shard owns it
+
+    def __init__(self, model: nn.Module, params: Iterable[torch.Tensor]) -> None:
+        self._model = weakref.ref(model)
+        self._param_ids = frozenset(id(p) for p in params)
+        self._seen = weakref.WeakKeyDictionary()
+        mark_hook(self)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        ddp = nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        if ddp is None or not ddp.require_backward_grad_sync:
+            return
+        owned = self._seen.get(ddp)
+        if owned is None:
+            owned = self._seen[ddp] = self._owns(ddp)
+        if owned:
+            ddp.require_backward_grad_sync = False
+
+    def _owns(self, ddp: nn.parallel.DistributedDataParallel) -> bool:
+        """Whether ``ddp`` runs this model and every param it reduces is zero-shard's."""
+        inner = ddp.module
+        if self._model() not in (inner, getattr(inner, "_orig_mod", None)):
+            return False
+        ignored = ddp.parameters_to_ignore
+        reduced = [p for n, p in inner.named_parameters() if p.requires_grad and n not in ignored]
+        owned = all(id(p) in self._param_ids for p in reduced)
+        if owned:
+            logger.info(
+                "zero-shard: a DistributedDataParallel wraps the model after zero_shard.wrap "
+                "(as HF Trainer and accelerate do); zero-shard reduces the grads, so DDP's "
+                "gradient sync is turned off"
+            )
+        return owned
+
+
+def register_outer_ddp_check(model: nn.Module, params: Iterable[torch.Tensor]) -> Any:
+    """Registers the hook of [Note: DDP around a wrapped model] on ``model``, for the ``params``
+    zero-shard reduces; returns its handle."""
+    return model.register_forward_hook(_QuietOuterDDP(model, params))
