@@ -11,7 +11,7 @@ which the placeholder hands to the optimizer that reduced its grad (``link``):
   per-grad norms itself, so its total, clip factor and checks (``error_if_nonfinite``) are its
   own. The norms of all of the optimizer's params are computed together, from each rank's shard
   slices (partial sums of ``|g|^p``; the max for inf) and one all-reduce, on the first request
-  after the grads changed, and kept until they change again (``_grad_edits``, the comm's marker):
+  after the grads changed, and kept until they change again (``GradEdits``, the kind's marker):
   torch's one-by-one path (``foreach=False``, and the default for a tensor subclass) still makes
   one collective. Every rank must ask, as every rank calls torch's clip. The norm of the whole
   set, for a positive ``norm_type``, becomes the step's non-finite verdict, as
@@ -61,7 +61,7 @@ class _Finalized:
     (torch's one-by-one path makes an op per grad; a finalize per op would cost a pass over every
     param, and a read of the presence flags, each time)."""
 
-    marker: Any  # the comm's grads marker after it
+    marker: Any  # the kind's grads marker after it
     grads: list[Any]  # each param's ``.grad`` after it (its placeholder, or None)
 
 
@@ -69,7 +69,7 @@ class _Finalized:
 class _Norms:
     """The global norms of every reduced grad, as of ``key``."""
 
-    key: tuple[float, Any, int]  # (norm_type, the comm's grads marker, the optimizer's edits)
+    key: tuple[float, Any, int]  # (norm_type, the kind's grads marker, the optimizer's edits)
     norms: torch.Tensor  # 1-D, one per sharded param (in the optimizer's order), fp32 or fp64
 
 
@@ -103,13 +103,13 @@ class ReleasedGradOps:
         last = self._finalized
         if (
             last is not None
-            and last.marker == optimizer._comm.grads_marker()
+            and last.marker == optimizer.kind.grads_marker()
             and all(_as_left(optimizer._sharded[i].param.grad, last.grads[i]) for i in indices)
         ):
             return
         optimizer._finalize_grads()
         grads = [sharded.param.grad for sharded in optimizer._sharded]
-        self._finalized = _Finalized(optimizer._comm.grads_marker(), grads)
+        self._finalized = _Finalized(optimizer.kind.grads_marker(), grads)
 
     def _records(self, optimizer: ZeroShardOptimizer, indices: list[int]) -> list[ShardedParam]:
         """The records of ``indices`` that hold a reduced grad (others: no rank had one)."""
@@ -120,12 +120,14 @@ class ReleasedGradOps:
     def norms(self, indices: list[int], norm_type: float) -> list[torch.Tensor]:
         optimizer = self._live()
         self._finalize(optimizer, indices)
-        optimizer._apply_grad_factor()
-        key = (norm_type, optimizer._comm.grads_marker(), optimizer._grad_edits)
+        clip = optimizer.kind.clip
+        if clip is not None:
+            clip.apply()
+        key = (norm_type, optimizer.kind.grads_marker(), optimizer._edits.count)
         if self._cached is None or self._cached.key != key:
             grads = [s.shard.grad for s in optimizer._sharded]
             counted = [s.counted for s in optimizer._sharded]
-            with optimizer._host_threads():
+            with optimizer.kind.host_threads():
                 norms = param_norms(
                     grads, norm_type, optimizer._groups, optimizer._reduce_device, counted=counted
                 )
@@ -134,7 +136,7 @@ class ReleasedGradOps:
             self._cached = _Norms(key, norms)
             if norm_type > 0:  # the step's verdict (a count or a min would miss an inf)
                 optimizer._window_norm = torch.linalg.vector_norm(norms, norm_type).float()
-                optimizer._clipped_marker = optimizer._comm.grads_marker()
+                optimizer._clipped_marker = optimizer.kind.grads_marker()
         return list(self._cached.norms[indices].unbind())
 
     @torch.no_grad()
@@ -146,17 +148,19 @@ class ReleasedGradOps:
             if self._factor is None or self._factor[0] is not factor:
                 self._factor = (factor, factor.detach().reshape(()))
             factor = self._factor[1]
-        if isinstance(factor, torch.Tensor) and optimizer._clips_at_step:
-            optimizer._defer_grad_factor(records, factor)
+        clip = optimizer.kind.clip
+        if isinstance(factor, torch.Tensor) and clip is not None:
+            clip.defer(records, factor)
         else:
-            optimizer._apply_grad_factor()
+            if clip is not None:
+                clip.apply()
             grads = [sharded.shard.grad for sharded in records]
             if isinstance(factor, torch.Tensor):
                 scale_grads_(grads, factor)
             elif grads:
                 torch._foreach_mul_(grads, factor)  # a Python number: torch's own op
             edited(grads)
-            optimizer._grad_edits += 1
+            optimizer._edits.count += 1
         window = optimizer._window_norm
         if window is not None:
             bound = torch.as_tensor(factor, dtype=torch.float32).to(window.device).abs()
@@ -166,7 +170,8 @@ class ReleasedGradOps:
     def clamp_(self, indices: list[int], low: float | None, high: float | None) -> None:
         optimizer = self._live()
         self._finalize(optimizer, indices)
-        optimizer._apply_grad_factor()
+        if optimizer.kind.clip is not None:
+            optimizer.kind.clip.apply()
         scale = optimizer._grad_scale  # fp16: the grads still carry the loss scale; so do bounds
         if scale is not None:
             low = None if low is None else low / scale
@@ -175,7 +180,7 @@ class ReleasedGradOps:
         for grad in grads:
             grad.clamp_(min=low, max=high)
         edited(grads)
-        optimizer._grad_edits += 1
+        optimizer._edits.count += 1
         optimizer._window_norm = None  # a clamp makes infs finite: the step checks again
 
 
