@@ -1,17 +1,12 @@
-"""FSDP2 models: FSDP2 communicates; the shards zero-shard steps are its params' local tensors.
-
-``FSDPKind`` steps the shards where FSDP2 keeps them, in place, with no communication of
-zero-shard's; ``FSDPHostKind`` is the same under FSDP2's ``CPUOffloadPolicy``, whose params and
-grads live on the host: the whole step is the host's, in place (no copies, no staging), on the
-rank's threads, while norms and non-finite checks are reduced over the mesh's accelerator.
-"""
+"""FSDP2 models: FSDP2 communicates; the shards zero-shard steps, in place, are its params' local
+tensors (with ``CPUOffloadPolicy``, on the host: ``FSDPHostKind``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,17 +18,18 @@ from torch.distributed.tensor import DTensor
 from offload import intra_op_threads
 from optimizers import HostStep, HybridDeviceOptimizer, OffloadPolicy
 
-from ._buckets import Bucket, ShardedParam, fsdp_sharded_param, shard_grads
-from ._clip import DeferredClip
+from ._buckets import fsdp_sharded_param
 from ._collectives import AllGather
+from ._gather import DelayedUpdate
 from ._kind import (
     SUPPORTED_TP,
+    Kind,
     Meshes,
     Trainable,
-    grads_marker,
     refuse_delayed_update,
     watch_state_dict_entries,
 )
+from ._released_ops import DeferredClip
 from ._tp import describe_layout, dtensor_layout, placements_over
 from ._units import Units
 from ._verdict import on_any_rank
@@ -51,13 +47,9 @@ __all__ = [
 ]
 
 
-class FSDPKind:
+class FSDPKind(Kind):
     """An FSDP2 model: FSDP2 communicates; the shards are its params' local tensors."""
 
-    module: nn.Module
-    meshes: Meshes
-    sharded: list[ShardedParam]
-    buckets: list[Bucket]  # none
     writes = None  # each rank reloads its own shards, which are the model's memory
     clip: DeferredClip | None = None  # the grads are the model's: a clip multiplies them at once
 
@@ -69,19 +61,13 @@ class FSDPKind:
 
     # -- wrap ------------------------------------------------------------------------------------
 
-    def check_options(self, policy: OffloadPolicy, all_gather: AllGather | None) -> None:
+    def check_options(self, delay: DelayedUpdate | None, all_gather: AllGather | None) -> None:
         if all_gather is not None:
             raise ValueError(
                 "all_gather has no place under FSDP2, which gathers the params itself: set it "
                 "on the FSDP2 module (FSDPModule.set_custom_all_gather), or pass all_gather=None"
             )
-        refuse_delayed_update(policy, "FSDP")
-
-    def check_param(self, param: torch.Tensor, fqn: str) -> None:
-        pass  # FSDP2 lays out its local tensors: units() checks them
-
-    def offload_policy(self, policy: OffloadPolicy) -> OffloadPolicy:
-        return policy
+        refuse_delayed_update(delay, "FSDP")
 
     def units(self, trainable: list[Trainable], units: Units) -> list[tuple[str, nn.Module]]:
         check_fsdp_layout(trainable, self.meshes.mesh)
@@ -118,14 +104,6 @@ class FSDPKind:
 
     # -- each step -------------------------------------------------------------------------------
 
-    @property
-    def pending(self) -> bool:
-        return False
-
-    @property
-    def need_order(self) -> list[int] | None:
-        return None
-
     def finalize_grads(self, *, reduce: bool = True) -> None:
         for sharded in self.sharded:
             grad = sharded.param.grad
@@ -140,15 +118,6 @@ class FSDPKind:
                 )
             sharded.shard.grad = None if grad is None else grad._local_tensor.detach()
 
-    def checked_grads(self) -> list[torch.Tensor]:
-        return shard_grads(self.sharded)
-
-    def grads_marker(self) -> Any:
-        return grads_marker(self.sharded)
-
-    def host_threads(self) -> contextlib.AbstractContextManager:
-        return intra_op_threads(None)  # the grads are on the accelerator
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         modules = [m for m in self.module.modules() if hasattr(m, "set_requires_gradient_sync")]
@@ -160,16 +129,13 @@ class FSDPKind:
             for module in modules:
                 module.set_requires_gradient_sync(True, recurse=False)
 
-    def after_step(self, host_step: HostStep | None, *, delayed: bool = False) -> None:
-        if delayed:
+    def after_step(self, host_step: HostStep | None) -> None:
+        if host_step is not None and host_step.delayed:
             raise AssertionError("expected no delayed update under FSDP2 (refused at wrap)")
         if host_step is not None:
             host_step.wait()  # the step writes the params' local shards in place
         for sharded in self.sharded:
             sharded.record_version()
-
-    def flush(self) -> None:
-        self.finish()
 
     def finish(self) -> None:
         """Checks that every shard still is its param's memory: the step writes the shards, and
@@ -187,15 +153,6 @@ class FSDPKind:
                     "wrap the torch optimizer again after"
                 )
 
-    def reset(self) -> None:
-        pass
-
-    def end_window(self) -> None:
-        pass  # FSDP2 owns the grads
-
-    def refresh_shards(self, records: Sequence[ShardedParam]) -> None:
-        pass  # the shards are the model's own memory
-
     def raise_if_written_elsewhere(self, here: list[bool], device: torch.device) -> None:
         """A load in place into the local shards (DCP) writes nothing on a rank whose shard of a
         param is empty, so that rank alone may see no write: the ranks raise together."""
@@ -207,9 +164,6 @@ class FSDPKind:
                 "opt.reload_model_params() after loading weights, or wrap with "
                 "stale_params='reload'"
             )
-
-    def device_bytes(self) -> int:
-        return 0
 
 
 class FSDPHostKind(FSDPKind):

@@ -1,7 +1,7 @@
 """A process group whose collectives run on the host, for agreements the host reads at once.
 
 Some checks must be agreed by every rank before a step changes anything (a param written on one
-rank: ``ZeroShardOptimizer._check_stale``): the host reads the verdict at once. Reduced on the
+rank: ``StaleCheck`` in ``_stale.py``): the host reads the verdict at once. Reduced on the
 accelerator, that read would wait for every kernel queued before it (the whole backward), and the
 step's launch would no longer overlap backward's tail. Reduced over gloo on the host it waits for
 the other ranks alone. The group is the default group where that has a CPU backend (gloo runs, or
@@ -12,17 +12,13 @@ process by the first ``wrap`` (every rank wraps: ``new_group`` is collective).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._buckets import ShardedParam, stale_flags
-from ._verdict import start_any_rank_each
-
-__all__ = ["ReplicaWrites", "default_timeout", "host_group"]
+__all__ = ["default_timeout", "host_group"]
 
 _made: list[dist.ProcessGroup] = []  # the gloo group made, while the groups it was made in live
 
@@ -59,31 +55,3 @@ def host_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     if not _made or _made[0] not in alive:  # none yet, or destroyed with the default group
         _made[:] = [dist.new_group(backend="gloo", timeout=default_timeout())]
     return _made[0]
-
-
-class ReplicaWrites:
-    """Replicas (a plain or DDP model at more than one rank) agree at each step on which params
-    were written: a write on one rank may reach the others unseen, through a collective, which
-    bumps no version counter (rank 0 loads weights, then broadcasts them). See
-    ``ZeroShardOptimizer._check_stale``."""
-
-    unshared: set[str]  # FQNs of params reloaded from writes seen outside a step, not yet told
-    #                     to the other ranks
-    _group: dist.ProcessGroup | None  # every rank's, on the host; None: reduce on the device
-    _mesh: DeviceMesh  # the ranks that agree
-    _device: torch.device  # where they reduce without the host group
-
-    def __init__(self, mesh: DeviceMesh, device: torch.device) -> None:
-        self.unshared = set()
-        self._group = host_group(mesh)
-        self._mesh = mesh
-        self._device = device
-
-    def start(self, records: Sequence[ShardedParam]) -> Callable[[], list[bool]]:
-        """Starts the all-reduce of each param's written flag, as this rank saw it; the returned
-        call waits for it."""
-        here = stale_flags(records)
-        if self.unshared:
-            unshared = self.unshared
-            here = [w or s.fqn in unshared for s, w in zip(records, here, strict=True)]
-        return start_any_rank_each(here, group=self._group, mesh=self._mesh, device=self._device)

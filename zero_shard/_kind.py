@@ -1,21 +1,12 @@
-"""Each kind of model is one class behind ``Kind``: whatever differs between them.
+"""Each kind of model is one class behind ``Kind``: whatever differs between kinds of model.
 
-- ``ReplicatedKind`` (``_replicas.py``): a plain module on every rank. zero-shard reduces the grads
-  bucket by bucket during backward (``GradReducer``) and gathers the updated params
-  (``ParamGatherer``).
-- ``DDPKind`` (``_replicas.py``): ``DistributedDataParallel`` all-reduces the grads; zero-shard
-  steps this rank's rows of them and gathers the params.
-- ``FSDPKind`` (``_fsdp.py``): FSDP2 reduce-scatters the grads and gathers the params itself; the
-  shards zero-shard steps are the params' local tensors, written in place.
-- ``FSDPHostKind`` (``_fsdp.py``): the same with FSDP2's ``CPUOffloadPolicy``: params and grads
-  live on the host and are stepped there, in place, on the rank's threads.
-
-Tensor parallelism is a layout of the params within each kind ([Note: tensor parallelism under
-zero-shard's sharding] in ``_tp.py``). ``choose_kind`` (``_setup.py``) picks the class from the
-model. The optimizer then calls the kind in this order: the checks of ``wrap`` (``check_options``,
-``check_param``, ``offload_policy``, ``units``, on every rank alike), ``build`` (the shards),
-``install`` (hooks, once the hybrid optimizer exists), and at each step ``finalize_grads``,
-``after_step`` and the rest below.
+``ReplicatedKind`` and ``DDPKind`` (``_replicas.py``): a plain or DDP model, replicated on every
+rank, whose optimizer zero-shard shards by rows. ``FSDPKind`` and ``FSDPHostKind``
+(``_fsdp.py``): an FSDP2 model, whose shards are its params' local tensors (``CPUOffloadPolicy``:
+on the host). Tensor parallelism is a layout of the params within each ([Note: tensor
+parallelism under zero-shard's sharding]). ``choose_kind`` (``_setup.py``) picks the class. The
+optimizer calls a kind's checks at wrap (on every rank alike: ``check_inputs``), ``build`` (the
+shards), ``install`` (once the hybrid optimizer exists), then the rest at each step.
 """
 
 from __future__ import annotations
@@ -31,13 +22,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from offload import intra_op_threads
 from optimizers import HostStep, OffloadPolicy
 
-from ._buckets import Bucket, ShardedParam
-from ._clip import DeferredClip
+from ._buckets import Bucket, ShardedParam, shard_grads
 from ._collectives import AllGather
 from ._copies import mark_hook
-from ._host_group import ReplicaWrites
+from ._gather import DelayedUpdate
+from ._released_ops import DeferredClip
+from ._stale import ReplicaWrites
 from ._units import Units
 
 if TYPE_CHECKING:
@@ -83,7 +76,8 @@ class Meshes(NamedTuple):
 
 
 class Kind(Protocol):
-    """One kind of model: who communicates, and everything else that differs between kinds."""
+    """One kind of model: who communicates, and everything else that differs between kinds. The
+    kinds subclass it for its defaults: what a kind with nothing to do there does."""
 
     module: nn.Module  # the model, unwrapped from DDP
     meshes: Meshes
@@ -92,92 +86,72 @@ class Kind(Protocol):
     writes: ReplicaWrites | None  # replicas at more than one rank: they agree on param writes
     clip: DeferredClip | None  # made by install(): the clip applied at the step, if it is
 
-    # -- wrap: checks of rank-local input, run on every rank alike (see check_inputs) ----------
-
-    def check_options(self, policy: OffloadPolicy, all_gather: AllGather | None) -> None:
-        """Refuses options this kind cannot honour."""
+    # At wrap, on every rank alike (check_inputs): refusals, the hybrid's policy, the units.
+    def check_options(self, delay: DelayedUpdate | None, all_gather: AllGather | None) -> None:
+        pass
 
     def check_param(self, param: torch.Tensor, fqn: str) -> None:
-        """Refuses a trainable param this kind cannot shard."""
+        pass
 
     def offload_policy(self, policy: OffloadPolicy) -> OffloadPolicy:
-        """The policy the hybrid optimizer is built with: ``policy``, checked and adapted."""
+        return policy
 
-    def units(self, trainable: list[Trainable], units: Units) -> list[tuple[str, nn.Module]]:
-        """The units other than the root whose forward waits for their params (see [Note:
-        units]); checks the params' layouts where FSDP2 lays them out."""
+    def units(self, trainable: list[Trainable], units: Units) -> list[tuple[str, nn.Module]]: ...
 
-    # -- wrap: after the checks ----------------------------------------------------------------
+    # Then the shards (collective), and the hooks once the optimizer's hybrid exists.
+    def build(self, trainable: list[Trainable], units: list[tuple[str, nn.Module]], *,
+              device: torch.device, reduce_device: torch.device, stage: int, bucket_mb: float,
+              all_gather: AllGather | None) -> None: ...  # fmt: skip
+    def install(self, optimizer: ZeroShardOptimizer, *, overlap: bool) -> list[Any]: ...
 
-    def build(
-        self,
-        trainable: list[Trainable],
-        units: list[tuple[str, nn.Module]],
-        *,
-        device: torch.device,
-        stage: int,
-        bucket_mb: float,
-        all_gather: AllGather | None,
-    ) -> None:
-        """Lays out the shards (``sharded``, ``buckets``); collective."""
-
-    def install(self, optimizer: ZeroShardOptimizer, *, overlap: bool) -> list[Any]:
-        """Installs the model hooks once the optimizer's hybrid exists; returns their handles."""
-
-    # -- each step -------------------------------------------------------------------------------
-
-    @property
-    def need_order(self) -> list[int] | None:
-        """The hybrid's param indices in the order the next forward needs them, if any."""
-
-    @property
-    def pending(self) -> bool:
-        """Whether some params may not hold the latest step's weights yet."""
-
-    def finalize_grads(self, *, reduce: bool = True) -> None:
-        """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream;
-        ``reduce=False``: with no collective."""
-
-    def checked_grads(self) -> list[torch.Tensor]:
-        """What the non-finite check reads."""
-
-    def grads_marker(self) -> Any:
-        """Changes when the grads do."""
-
-    def host_threads(self) -> contextlib.AbstractContextManager:
-        """The threads for passes over grads that live on the host."""
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """Backward passes inside accumulate grads with no communication."""
-
-    def after_step(self, host_step: HostStep | None, *, delayed: bool = False) -> None:
-        """The step's new weights go to the params (``delayed``: at the next step)."""
-
-    def finish(self) -> None:
-        """Waits until the params hold the last step's weights."""
+    # Each step. finalize_grads: each shard's .grad is its reduced grad (reduce=False: with no
+    # collective); after_step: the step's weights go to the params (a delayed update's, at the
+    # next step);
+    # finish: they have; flush: a delayed update in flight too; reset: zero_grad; end_window: a
+    # step took the grads; refresh_shards: the params' values into the shards.
+    def finalize_grads(self, *, reduce: bool = True) -> None: ...
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+    def after_step(self, host_step: HostStep | None) -> None: ...
+    def finish(self) -> None: ...
 
     def flush(self) -> None:
-        """As ``finish``, applying a delayed update in flight first."""
+        self.finish()
 
     def reset(self) -> None:
-        """``zero_grad``."""
+        pass
 
     def end_window(self) -> None:
-        """A step took the grads."""
+        pass
 
     def refresh_shards(self, records: Sequence[ShardedParam]) -> None:
-        """The params' values into the shards of ``records``."""
+        pass  # the shards are the params' memory
+
+    @property
+    def need_order(self) -> list[int] | None:  # the hybrid's param indices, as forward needs them
+        return None
+
+    @property
+    def pending(self) -> bool:  # some params may not hold the latest step's weights yet
+        return False
+
+    def checked_grads(self) -> list[torch.Tensor]:  # what the non-finite check reads
+        return shard_grads(self.sharded)
+
+    def grads_marker(self) -> Any:  # changes when the grads do
+        return grads_marker(self.sharded)
+
+    def host_threads(self) -> contextlib.AbstractContextManager:  # for passes over the grads
+        return intra_op_threads(None)  # torchrun's: the grads are not on the host
 
     def raise_if_written_elsewhere(self, here: list[bool], device: torch.device) -> None:
-        """``stale_params="error"`` at a step: raises where other ranks saw writes this one did
-        not and would not agree on otherwise."""
+        pass  # stale_params="error": where other ranks may see writes this one did not
 
-    def device_bytes(self) -> int:
-        """Accelerator bytes held beside the hybrid optimizer's."""
+    def device_bytes(self) -> int:  # held on the accelerator beside the hybrid's
+        return 0
 
 
-def refuse_delayed_update(policy: OffloadPolicy, what: str) -> None:
-    if policy.delayed_update:
+def refuse_delayed_update(delay: DelayedUpdate | None, what: str) -> None:
+    if delay is not None:
         raise ValueError(
             f"OffloadPolicy(delayed_update=True) needs a plain model that zero-shard shards, "
             f"got a {what} model: its backward writes the grads that the delayed CPU "

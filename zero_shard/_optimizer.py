@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -24,12 +23,13 @@ from optimizers import (
     constructor_defaults,
 )
 
-from ._buckets import ShardedParam, norm_grads, shard_grads, stale_flags
-from ._clip import GradEdits
+from ._buckets import ShardedParam, norm_grads, shard_grads
 from ._collectives import AllGather
+from ._gather import DelayedUpdate
 from ._kind import Kind, Meshes
 from ._norms import clip_coefficient, global_norm, nonfinite_flag, scale_grads_
 from ._owners import claim, live_owners
+from ._released_ops import GradEdits
 from ._setup import (
     NONFINITE_POLICIES,
     Nonfinite,
@@ -41,6 +41,7 @@ from ._setup import (
     reduce_device,
 )
 from ._skips import SkipCount
+from ._stale import StaleCheck
 from ._state_dict import (
     ShardedStateView,
     check_origin,
@@ -54,8 +55,6 @@ from ._units import Units
 from ._verdict import on_every_rank
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
-
-logger = logging.getLogger("zero_shard")
 
 # 256 MiB buckets beat 64 MiB ones on 2 x H200 for the step and a GPT iteration alike
 # (docs/benchmarks/zero_step.md): NCCL reaches ~80% of its large-message bandwidth from there.
@@ -88,6 +87,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     mesh: DeviceMesh
     nonfinite: Nonfinite  # what a step with inf/NaN grads does
     stale_params: StaleParams  # what a step does when params changed under it
+    _delay: DelayedUpdate | None  # the delayed update, if on (see [Note: delayed update])
+    _stale: StaleCheck  # params written outside the optimizer: reloaded or refused
     _skips: SkipCount  # steps skipped for non-finite grads (see [Note: skip on the device])
     _module: nn.Module  # the model, unwrapped from DDP
     _device: torch.device  # the params' (FSDP2's CPUOffloadPolicy: the host)
@@ -154,18 +155,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.stale_params = stale_params
         self._skips = SkipCount(device)
-        self._logged_stale = False
         self._edits = GradEdits()
         self._end_window()
-        self._building = True
-        # The wrapped optimizer's own group dicts (add_param_group keeps the dict it is given):
-        # an LR scheduler built on it before wrapping, or any edit of its groups, reaches here.
-        super().__init__(optimizer.param_groups, optimizer.defaults)
-        self._building = False
-        self._wrapped = weakref.ref(optimizer)
-        self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
-        self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
-        self._warned_unfrozen = False
+        self._share_param_groups(optimizer, fqns)
         self._device = checked.trainable[0][0].device
         self.kind.build(
             checked.trainable, checked.units, device=self._device,
@@ -174,20 +166,46 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         self._sharded = self.kind.sharded
         self._hybrid = self._make_hybrid(optimizer, checked.policy)
+        self._delay = checked.delay
+        self._stale = StaleCheck(self.kind, self._hybrid, device=self._reduce_device)
+        self._take_over(optimizer, fqns, previous, overlap=overlap_param_gather)
+
+    # -- construction -----------------------------------------------------------------------
+
+    def _share_param_groups(self, optimizer: torch.optim.Optimizer, fqns: dict[int, str]) -> None:
+        """Takes the wrapped optimizer's own group dicts (add_param_group keeps the dict it is
+        given): an LR scheduler built on it before wrapping, or any edit of its groups, reaches
+        here."""
+        self._building = True
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._building = False
+        self._wrapped = weakref.ref(optimizer)
+        self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
+        self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        self._warned_unfrozen = False
+
+    def _take_over(
+        self,
+        optimizer: torch.optim.Optimizer,
+        fqns: dict[int, str],
+        previous: list[ZeroShardOptimizer],
+        *,
+        overlap: bool,
+    ) -> None:
+        """Takes the wrapped optimizer's state and the params over (from ``previous`` wrappers
+        too), and installs the model hooks."""
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
         for owner in previous:
             owner._retire()
-        handles = self.kind.install(self, overlap=overlap_param_gather)
+        handles = self.kind.install(self, overlap=overlap)
         self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid)  # type: ignore[assignment]
         for sharded in self._sharded:
             sharded.record_version()
         claim([sharded.param for sharded in self._sharded], self)
         optimizer.state.clear()  # taken over: not held twice (a scheduler may keep it alive)
-
-    # -- construction -----------------------------------------------------------------------
 
     def _make_hybrid(
         self, optimizer: torch.optim.Optimizer, policy: OffloadPolicy
@@ -291,9 +309,57 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         changed since wrap (``torch_opt.add_param_group``), before anything runs.
         """
         wrapped = self._wrapped()
+        self._check_steppable(wrapped)  # before anything runs
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if wrapped is not None:  # an LR scheduler built on it checks that it stepped
+            wrapped._opt_called = True  # type: ignore[attr-defined]
+        # Gathers of the last step read the shards this step writes: they must be done (a
+        # delayed update's are issued below, after this step's launch completed its writes).
+        self.kind.finish()
+        # The ranks' writes are agreed on in the background while the host readies the step;
+        # with nothing to agree on, they are checked at once (a model converted since wrap is
+        # refused there, before its grads are reduced).
+        written = self._stale.start()
+        if written is None:
+            self._stale.check(self.stale_params, agree=True)
+        for group_index, group in enumerate(self._hybrid.param_groups):
+            group.update(self._hyperparams(group_index))
+        self._finalize_grads()
+        if self._window_norm is not None and self.kind.grads_marker() != self._clipped_marker:
+            self._window_norm = None  # grads changed since the clip: its norm is not theirs
+        self._skips.read(block=True)  # the last step's verdict, on the host long since
+        if written is not None:
+            self._stale.check(self.stale_params, agree=True, written=written)
+        try:
+            skip, found_inf = self._check_nonfinite()
+            if skip:
+                return loss
+            clip = self.kind.clip
+            grad_factor = None if clip is None else clip.take()
+            host_step = self._hybrid.launch_step(
+                grad_scale=self._grad_scale,
+                found_inf=found_inf,
+                grad_factor=grad_factor,
+                need_order=self.kind.need_order,
+            )
+            self.kind.after_step(host_step)
+        finally:
+            if self.kind.clip is not None:  # a factor the step did not take (skipped, failed)
+                self.kind.clip.apply()
+            self._end_window()
+            self.kind.end_window()
+        self._skips.read(block=False)  # at once where the device is the CPU
+        return loss
+
+    def _check_steppable(self, wrapped: torch.optim.Optimizer | None) -> None:
+        """Refuses a step of a retired wrapper, or of one whose torch optimizer's groups changed
+        (rank-local: each rank made the same calls)."""
         theirs = [] if wrapped is None else wrapped.param_groups
         if wrapped is not None and [id(g) for g in theirs] != [id(g) for g in self.param_groups]:
-            raise RuntimeError(  # before anything runs; rank-local: each rank made the same calls
+            raise RuntimeError(
                 f"the wrapped {type(wrapped).__name__}'s param_groups changed after wrap "
                 f"({len(self.param_groups)} groups wrapped, {len(theirs)} now, or a group dict "
                 "replaced: torch_opt.add_param_group(...) or torch_opt.load_state_dict(...)?), "
@@ -308,50 +374,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 "them over (as a new torch optimizer replaces an old one). Step the new wrapper, "
                 "and build LR schedulers on it"
             )
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if wrapped is not None:  # an LR scheduler built on it checks that it stepped
-            wrapped._opt_called = True  # type: ignore[attr-defined]
-        # Gathers of the last step read the shards this step writes: they must be done (a
-        # delayed update's are issued below, after this step's launch completed its writes).
-        self.kind.finish()
-        # The ranks' writes are agreed on in the background while the host readies the step;
-        # with nothing to agree on, they are checked at once (a model converted since wrap is
-        # refused there, before its grads are reduced).
-        writes = self.kind.writes
-        written = None if writes is None else writes.start(self._sharded)
-        if written is None:
-            self._check_stale(agree=True)
-        for group_index, group in enumerate(self._hybrid.param_groups):
-            group.update(self._hyperparams(group_index))
-        self._finalize_grads()
-        if self._window_norm is not None and self.kind.grads_marker() != self._clipped_marker:
-            self._window_norm = None  # grads changed since the clip: its norm is not theirs
-        self._read_skips(block=True)  # the last step's verdict, on the host long since
-        if written is not None:
-            self._check_stale(agree=True, written=written)
-        try:
-            skip, found_inf = self._check_nonfinite()
-            if skip:
-                return loss
-            clip = self.kind.clip
-            grad_factor = None if clip is None else clip.take()
-            host_step = self._hybrid.launch_step(
-                grad_scale=self._grad_scale,
-                found_inf=found_inf,
-                grad_factor=grad_factor,
-                need_order=self.kind.need_order,
-            )
-            self.kind.after_step(host_step, delayed=host_step.delayed)
-        finally:
-            if self.kind.clip is not None:  # a factor the step did not take (skipped, failed)
-                self.kind.clip.apply()
-            self._end_window()
-            self.kind.end_window()
-        self._read_skips(block=False)  # at once where the device is the CPU
-        return loss
 
     def _retire(self) -> None:
         """A later ``wrap`` over some of these params took them all over: the model's hooks go,
@@ -363,13 +385,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def _on_skipped_step(self) -> None:
         """``zero_shard.GradScaler`` skipped ``step()`` (non-finite fp16 grads): a delayed update
         in flight still reaches the params here, as a step that skips would apply it."""
-        if self._hybrid.policy.delayed_update:
+        if self._delay is not None:
             self.kind.flush()
 
     @property
     def num_skipped_steps(self) -> int:
         """Steps skipped for non-finite grads so far (including the last one's verdict)."""
-        self._read_skips(block=True)
+        self._skips.read(block=True)
         return self._skips.num_skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -396,65 +418,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._hybrid.reload_model_params()
         for sharded in self._sharded:
             sharded.record_version()
-        if self.kind.writes is not None:  # every rank reloads every param here
-            self.kind.writes.unshared.clear()
-
-    @torch.no_grad()
-    def _check_stale(
-        self, *, agree: bool = False, written: Callable[[], list[bool]] | None = None
-    ) -> None:
-        """Params written since zero-shard last did (a weight load, an init): their main weights
-        are reloaded from them (``stale_params="reload"``) or the call raises (``"error"``).
-
-        With ``agree`` (at ``step()``, which every rank calls) the ranks agree. Replicas (a
-        plain or DDP model at more than one rank; ``written``, started by ``ReplicaWrites``): a
-        param written on any rank is reloaded on every rank from its own copy; writes seen
-        outside a step (``state_dict()``) are shared at the next. Otherwise the kind says
-        (``Kind.raise_if_written_elsewhere``): an FSDP2 model's ranks raise together."""
-        writes = self.kind.writes
-        if written is not None:
-            here = written()
-            writes.unshared.clear()  # told to every rank now
-        else:
-            here = stale_flags(self._sharded)
-        raises = self.stale_params == "error"
-        if raises and agree:
-            self.kind.raise_if_written_elsewhere(here, self._reduce_device)
-        stale = [sharded for sharded, flag in zip(self._sharded, here, strict=True) if flag]
-        if written is None and writes is not None and not raises:  # told at the next step
-            writes.unshared.update(sharded.fqn for sharded in stale)
-        if not stale:
-            return
-        names = [sharded.fqn for sharded in stale]
-        shown = f"{names[:5]}{' ...' if len(names) > 5 else ''}"
-        if raises:
-            raise RuntimeError(
-                f"model params {shown} ({len(names)} in all) were written since the optimizer "
-                "last set them (a weight load?); its fp32 main weights are older. Call "
-                "opt.reload_model_params() after loading weights, or wrap with "
-                "stale_params='reload'"
-            )
-        if not self._logged_stale:
-            self._logged_stale = True
-            logger.warning(
-                "zero-shard: model params %s (%d in all) were written outside the optimizer; "
-                "their fp32 main weights were reloaded from them (stale_params='error' raises "
-                "instead)",
-                shown,
-                len(names),
-            )
-        # A delayed update in flight writes the shards when its step completes: first, so that
-        # the values loaded win. At one rank the shards are the params: keep the loaded values
-        # aside, or the completion would overwrite them.
-        if self._hybrid.step_in_flight:
-            loaded = [(s.param, s.param.detach().clone()) for s in stale if s.aliased]
-            self._hybrid.finish_step()
-            for param, values in loaded:
-                param.detach().copy_(values)
-        self.kind.refresh_shards(stale)
-        self._hybrid.reload_model_params([sharded.shard for sharded in stale])
-        for sharded in stale:
-            sharded.record_version()
+        self._stale.all_reloaded()  # every rank reloads every param here
 
     def state_dict(self) -> dict[str, Any]:
         """The state keyed by param FQN, shaped as DCP's ``get_optimizer_state_dict`` shapes a
@@ -465,7 +429,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         low-precision params. Save it with ``torch.distributed.checkpoint`` on every rank.
         """
         self.finish_param_sync()
-        self._check_stale()
+        self._stale.check(self.stale_params)
         state = {}
         for sharded in self._sharded:
             param_state = sharded_state(sharded, self._hybrid, keep_device=True)
@@ -501,8 +465,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self.kind.refresh_shards(self._sharded)
         for sharded in self._sharded:  # the loaded state wins over the params as they are
             sharded.record_version()
-        if self.kind.writes is not None:  # every rank loads every main weight here
-            self.kind.writes.unshared.clear()
+        self._stale.all_reloaded()  # every rank loads every main weight here
         self._hybrid.load_state_dict(local)
         self.kind.after_step(None)  # the params become the loaded main weights, rounded
         self.finish_param_sync()
@@ -563,10 +526,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._warn_unfrozen()
         self.kind.finalize_grads(reduce=reduce)
 
-    def _checked_grads(self) -> list[torch.Tensor]:
-        """What the non-finite check reads (few large tensors where grads are in buckets)."""
-        return self.kind.checked_grads()
-
     def _warn_unfrozen(self) -> None:
         if self._warned_unfrozen or not any(p.grad is not None for p in self._frozen):
             return
@@ -592,33 +551,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             flag = (~torch.isfinite(self._window_norm)).float()
         else:
             with self.kind.host_threads():
-                flag = nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device)
+                flag = nonfinite_flag(self.kind.checked_grads(), self._groups, self._reduce_device)
         flag = flag.to(self._device)  # where the step reads it (the params may be on the host)
-        if self.nonfinite == "skip" and self._hybrid.skips_on_device:
-            self._skips.note(flag)
-            return False, flag
-        if not bool(flag):
-            return False, None
-        if self.nonfinite == "raise":
-            raise RuntimeError(
-                "the grads hold an inf or a NaN (on some rank); the step was not taken and the "
-                "optimizer state is unchanged. Use nonfinite='skip' to skip such steps"
-            )
-        self._warn_skipped(self._skips.add())
-        return True, None
-
-    def _read_skips(self, *, block: bool) -> None:
-        if self._skips.read(block=block):
-            self._warn_skipped(self._skips.num_skipped)
-
-    @staticmethod
-    def _warn_skipped(num_skipped: int) -> None:
-        warnings.warn(
-            f"zero-shard skipped a step: the grads hold an inf or a NaN ({num_skipped} step(s) "
-            "skipped so far); state and params are unchanged",
-            RuntimeWarning,
-            stacklevel=5,  # the caller of step(), through torch.no_grad's wrapper
-        )
+        on_device = self.nonfinite == "skip" and self._hybrid.skips_on_device
+        return self._skips.decide(flag, self.nonfinite, on_device=on_device)
 
     def _unscale_sharded_grads(
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor
@@ -634,7 +570,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self.kind.clip.apply()
         grads = shard_grads(self._sharded)
         with self.kind.host_threads():
-            flag = nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device)
+            flag = nonfinite_flag(self.kind.checked_grads(), self._groups, self._reduce_device)
         found_inf.copy_(flag)
         if any(grad.dtype == torch.float16 for grad in grads):
             self._grad_scale = float(inv_scale)

@@ -55,7 +55,6 @@ from torch.distributed.tensor import DTensor
 from offload import current_stream, phase, record_event, side_stream, use_stream, wait_stream
 
 from ._buckets import Bucket, FlagsBefore, ShardedParam
-from ._clip import DeferredClip, EarlyCopies
 from ._collectives import (
     choose_reduce_scaling,
     launch_reduction,
@@ -65,6 +64,7 @@ from ._collectives import (
 )
 from ._gather import ParamGatherer
 from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad, Taken, forget_all
+from ._released_ops import DeferredClip, EarlyCopies
 
 __all__ = ["GradReducer"]
 

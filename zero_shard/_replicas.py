@@ -1,15 +1,6 @@
-"""Models replicated on every rank, plain or under DDP: zero-shard shards the optimizer by rows.
-
-- ``ReplicatedKind``: a plain module on every rank. zero-shard reduces the grads bucket by bucket
-  during backward (``GradReducer``, [Note: grad reduction]) and gathers the updated params
-  (``ParamGatherer``, [Note: param gather]).
-- ``DDPKind``: ``DistributedDataParallel`` all-reduces the grads; zero-shard steps this rank's
-  rows of them and gathers the params.
-
-Both lay out their shards in buckets, are sharded over a 1-D data-parallel mesh (with tensor
-parallelism, each param's local tensor: [Note: tensor parallelism under zero-shard's sharding]),
-and agree at each step on which params were written (``ReplicaWrites``).
-"""
+"""Models replicated on every rank, plain (``ReplicatedKind``: zero-shard reduces the grads,
+[Note: grad reduction]) or under DDP (``DDPKind``: DDP does): zero-shard shards the optimizer by
+rows over the 1-D data-parallel mesh, in buckets, and gathers the params ([Note: param gather])."""
 
 from __future__ import annotations
 
@@ -28,27 +19,26 @@ from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from offload import intra_op_threads, use_device
+from offload import use_device
 from optimizers import HostStep, OffloadPolicy
 
-from ._buckets import Bucket, ShardedParam, build_buckets, shard_grads
-from ._clip import DeferredClip, EarlyCopies
+from ._buckets import Bucket, ShardedParam, build_buckets
 from ._collectives import AllGather, broadcast_tensors, launch_all_gather
 from ._compiled import CompileAwareHook
-from ._gather import HostWrites, ParamGatherer
+from ._gather import DelayedUpdate, HostWrites, ParamGatherer
 from ._hooks import register_param_waits
-from ._host_group import ReplicaWrites
 from ._kind import (
     SUPPORTED_TP,
+    Kind,
     Meshes,
     Trainable,
-    grads_marker,
     refuse_delayed_update,
     watch_state_dict_entries,
 )
 from ._owners import is_claimed
 from ._reduce import GradReducer
-from ._released_ops import ReleasedGradOps
+from ._released_ops import DeferredClip, EarlyCopies, ReleasedGradOps
+from ._stale import ReplicaWrites
 from ._tp import describe_layout, joint_mesh, local_tensor, tp_mesh_of
 from ._units import UnitPlan, Units, plan_units, resolve_units
 
@@ -182,15 +172,10 @@ def _replica_meshes(
     return Meshes(mesh, joint_mesh(mesh, tp_mesh), (0, 1))
 
 
-class _Replicas:
+class _Replicas(Kind):
     """What the replicated and DDP kinds share: buckets of shards, gathered after each step."""
 
-    module: nn.Module
-    meshes: Meshes
-    sharded: list[ShardedParam]  # made by build(): in param-group order, as the hybrid's indices
-    buckets: list[Bucket]
-    writes: ReplicaWrites | None  # at more than one rank: a write on one may reach the others
-    clip: DeferredClip | None = None
+    clip: DeferredClip | None = None  # a plain model with a CPU share's (see ReplicatedKind)
     gatherer: ParamGatherer  # made by install()
     _plan: UnitPlan
     _group: dist.ProcessGroup  # the mesh's group: the grads are sharded over it
@@ -282,15 +267,12 @@ class _Replicas:
         """The hybrid's param indices in bucket order: the order the next forward needs them."""
         return [index for indices in self._bucket_indices for index in indices]
 
-    def host_threads(self) -> contextlib.AbstractContextManager:
-        return intra_op_threads(None)  # the grads are on the params' device
-
-    def after_step(self, host_step: HostStep | None, *, delayed: bool = False) -> None:
+    def after_step(self, host_step: HostStep | None) -> None:
         """Gathers the shards into the params once ``host_step`` (the CPU's share of a step, if
-        any) has written them; see [Note: param gather]. ``delayed``: at the next step instead,
+        any) has written them; see [Note: param gather]. A delayed update's: at the next step,
         and the last step's now (see [Note: delayed update])."""
         writes = None if host_step is None else HostWrites(host_step, self._bucket_indices)
-        if delayed and writes is not None:
+        if writes is not None and host_step.delayed:
             self.gatherer.after_delayed_step(writes)
         else:
             self.gatherer.after_step(writes)
@@ -311,9 +293,6 @@ class _Replicas:
             sharded.shard.view(-1).copy_(rows[spec.start : spec.start + spec.numel])
             if sharded.aliased and sharded.param.data_ptr() != sharded.shard.data_ptr():
                 sharded.realias()  # given other memory since (param.data = t)
-
-    def raise_if_written_elsewhere(self, here: list[bool], device: torch.device) -> None:
-        pass  # the ranks agreed on the writes already (writes), or there is one
 
     def device_bytes(self) -> int:
         """Bytes of the shard buffers."""
@@ -340,8 +319,8 @@ class DDPKind(_Replicas):
             mesh = getattr(ddp, "device_mesh", None)
         super().__init__(ddp, ddp.module, mesh, device, ddp.process_group)
 
-    def check_options(self, policy: OffloadPolicy, all_gather: AllGather | None) -> None:
-        refuse_delayed_update(policy, "DDP")
+    def check_options(self, delay: DelayedUpdate | None, all_gather: AllGather | None) -> None:
+        refuse_delayed_update(delay, "DDP")
 
     def offload_policy(self, policy: OffloadPolicy) -> OffloadPolicy:
         # DDP's grads are the model's: they may be zeroed in place right after step(), so
@@ -368,31 +347,19 @@ class DDPKind(_Replicas):
                 spec = sharded.spec
                 sharded.shard.grad = grad.detach()[spec.start_row : spec.start_row + spec.num_rows]
 
-    def checked_grads(self) -> list[torch.Tensor]:
-        return shard_grads(self.sharded)
-
-    def grads_marker(self) -> Any:
-        return grads_marker(self.sharded)
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         with self._ddp.no_sync():
             yield
 
-    def after_step(self, host_step: HostStep | None, *, delayed: bool = False) -> None:
+    def after_step(self, host_step: HostStep | None) -> None:
         """As for any gathered model; and the current stream waits until the step's copies read
         the grads, which are the model's: ``zero_grad(set_to_none=False)`` or a backward right
         after ``step()`` writes them in place (the copies were queued as the step started: a
         stream wait, the CPU step goes on)."""
         if host_step is not None:
             host_step.wait_grads_copied()
-        super().after_step(host_step, delayed=delayed)
-
-    def reset(self) -> None:
-        pass  # the grads are the model's: zero_grad clears them
-
-    def end_window(self) -> None:
-        pass
+        super().after_step(host_step)
 
 
 class ReplicatedKind(_Replicas):
@@ -404,12 +371,6 @@ class ReplicatedKind(_Replicas):
 
     def __init__(self, module: nn.Module, mesh: Any, device: torch.device) -> None:
         super().__init__(module, module, mesh, device, None)
-
-    def check_options(self, policy: OffloadPolicy, all_gather: AllGather | None) -> None:
-        pass
-
-    def offload_policy(self, policy: OffloadPolicy) -> OffloadPolicy:
-        return policy
 
     def build(self, trainable: list[Trainable], units: list[tuple[str, nn.Module]], *,
               device: torch.device, stage: int, **options: Any) -> None:  # fmt: skip

@@ -23,6 +23,7 @@ from ._fsdp import (
     has_fsdp,
     params_on_host,
 )
+from ._gather import DelayedUpdate
 from ._kind import Kind, Trainable
 from ._replicas import DDPKind, ReplicatedKind
 from ._tp import tp_spec
@@ -228,7 +229,8 @@ def _global_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 
 class CheckedInputs(NamedTuple):
-    policy: OffloadPolicy
+    policy: OffloadPolicy  # the kind's (Kind.offload_policy)
+    delay: DelayedUpdate | None
     trainable: list[Trainable]
     units: list[tuple[str, nn.Module]]  # the units other than the root (none under FSDP2)
 
@@ -258,8 +260,9 @@ def check_inputs(
                 f"all_gather must be callable as all_gather(shard, out, group), got "
                 f"{type(all_gather).__name__}"
             )
-        kind.check_options(policy, all_gather)
-        if policy.delayed_update and dist.get_world_size() > 1:
+        delay = DelayedUpdate.of(policy)
+        kind.check_options(delay, all_gather)
+        if delay is not None and dist.get_world_size() > 1:
             raise ValueError(
                 f"OffloadPolicy(delayed_update=True) runs on one process for now, got "
                 f"{dist.get_world_size()}: at more ranks the update in flight would have to be "
@@ -270,13 +273,13 @@ def check_inputs(
         trainable = trainable_params(optimizer.param_groups, fqns, kind.check_param)
         policy = kind.offload_policy(policy)
         check_dense_grads(module, trainable)
-        return CheckedInputs(policy, trainable, kind.units(trainable, units))
+        return CheckedInputs(policy, delay, trainable, kind.units(trainable, units))
 
     def summarize(checked: CheckedInputs) -> Summary:
         shared = [
             f"{key}={options[key]!r}" for key in ("stage", "bucket_mb", "nonfinite", "stale_params")
         ]
-        shared.append(f"delayed_update={checked.policy.delayed_update!r}")
+        shared.append(f"delayed_update={checked.delay is not None!r}")
         shared.append(f"all_gather given: {all_gather is not None}")
         return (
             shared
