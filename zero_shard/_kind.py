@@ -1,12 +1,9 @@
 """Each kind of model is one class behind ``Kind``: whatever differs between kinds of model.
 
-``ReplicatedKind`` and ``DDPKind`` (``_replicas.py``): a plain or DDP model, replicated on every
-rank, whose optimizer zero-shard shards by rows. ``FSDPKind`` and ``FSDPHostKind``
-(``_fsdp.py``): an FSDP2 model, whose shards are its params' local tensors (``CPUOffloadPolicy``:
-on the host). Tensor parallelism is a layout of the params within each ([Note: tensor
-parallelism under zero-shard's sharding]). ``choose_kind`` (``_setup.py``) picks the class. The
-optimizer calls a kind's checks at wrap (on every rank alike: ``check_inputs``), ``build`` (the
-shards), ``install`` (once the hybrid optimizer exists), then the rest at each step.
+A plain or DDP model, replicated on every rank (``ReplicatedKind``, ``DDPKind`` in
+``_replicas.py``); an FSDP2 one, whose shards are its params' local tensors (``FSDPKind``,
+``FSDPHostKind`` under ``CPUOffloadPolicy``, in ``_fsdp.py``); with tensor parallelism or not.
+``choose_kind`` (``_setup.py``) picks the class.
 """
 
 from __future__ import annotations

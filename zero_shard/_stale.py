@@ -1,12 +1,6 @@
-"""Params written outside the optimizer since it last set them: their main weights are stale.
-
-A weight load after wrap (fine-tuning), a ``copy_`` or ``torch.nn.init`` bumps a param's version
-counter. At the next step or ``state_dict()`` such a param's fp32 main weight is reloaded from it
-(``stale_params="reload"``) or the call raises (``"error"``). Replicas agree first on which params
-were written (``ReplicaWrites``): rank 0 may load weights and broadcast them, and a collective
-bumps no counter. An FSDP2 model's ranks each reload their own shards, which are the model's
-memory, and raise together (``Kind.raise_if_written_elsewhere``).
-"""
+"""Params written outside the optimizer since it last set them (a weight load after wrap, a
+``copy_``, ``torch.nn.init``: their version counters moved): their main weights are stale, and
+are reloaded from them (``stale_params="reload"``) or the step raises (``"error"``)."""
 
 from __future__ import annotations
 
