@@ -79,17 +79,9 @@ class FSDPKind(Kind):
             )
         return []
 
-    def build(
-        self,
-        trainable: list[Trainable],
-        units: list[tuple[str, nn.Module]],
-        *,
-        device: torch.device,
-        reduce_device: torch.device,
-        stage: int,
-        bucket_mb: float,
-        all_gather: AllGather | None,
-    ) -> None:
+    def build(self, trainable: list[Trainable], units: list[tuple[str, nn.Module]], *,
+              stage: int, **options: Any) -> None:  # fmt: skip
+        """The shards are the params' local tensors; FSDP2 has the other options' say."""
         if stage == 1:
             warnings.warn(
                 "stage=1 has no effect on an FSDP2 model: FSDP2 reduce-scatters its grads",
@@ -130,9 +122,9 @@ class FSDPKind(Kind):
                 module.set_requires_gradient_sync(True, recurse=False)
 
     def after_step(self, host_step: HostStep | None) -> None:
-        if host_step is not None and host_step.delayed:
-            raise AssertionError("expected no delayed update under FSDP2 (refused at wrap)")
         if host_step is not None:
+            if host_step.delayed:
+                raise AssertionError("expected no delayed update under FSDP2 (refused at wrap)")
             host_step.wait()  # the step writes the params' local shards in place
         for sharded in self.sharded:
             sharded.record_version()
