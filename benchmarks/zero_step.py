@@ -281,7 +281,7 @@ def bench_iteration(
             "bucket_mb": bucket_mb,
             "overlap_param_gather": overlap,
             "num_params": sum(p.numel() for p in model.parameters()),
-            "num_buckets": len(opt._comm.buckets),
+            "num_buckets": len(opt.kind.buckets),
         }
         row.update({f"{name}_ms": statistics.median(v) for name, v in phases.items()})
         for name, (a, b) in (("forward", (0, 1)), ("backward", (1, 2)), ("step", (2, 3))):

@@ -43,7 +43,7 @@ class DTensorCounters:
     counter only grows, and their sum changes exactly when one does. The local counter is read
     through the shard, which shares it (a ``detach`` of the local tensor); FSDP2 may give an
     empty shard a new local tensor (at its lazy init), never a non-empty one while the param
-    object stays (``FSDPComm`` checks that the shard still is the param's memory). A
+    object stays (``FSDPKind`` checks that the shard still is the param's memory). A
     tensor-parallel param that zero-shard shards itself is read through its local tensor.
     """
 

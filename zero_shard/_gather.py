@@ -57,12 +57,23 @@ import torch
 import torch.distributed as dist
 
 from offload import current_stream, phase, record_event, side_stream, use_device, use_stream
-from optimizers import HostStep
+from optimizers import HostStep, OffloadPolicy
 
 from ._buckets import Bucket, local_tensors, model_versions, stale_flags
 from ._collectives import AllGather, launch_all_gather, unpack_params
 
-__all__ = ["HostWrites", "ParamGatherer", "PendingWrites"]
+__all__ = ["DelayedUpdate", "HostWrites", "ParamGatherer", "PendingWrites"]
+
+
+@dataclass(frozen=True)
+class DelayedUpdate:
+    """``OffloadPolicy(delayed_update=True)``, as zero-shard sees it ([Note: delayed update])."""
+
+    warmup: int  # the first updates are exact (delayed_update_warmup)
+
+    @staticmethod
+    def of(policy: OffloadPolicy) -> DelayedUpdate | None:
+        return DelayedUpdate(policy.delayed_update_warmup) if policy.delayed_update else None
 
 
 class PendingWrites(Protocol):

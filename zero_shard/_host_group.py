@@ -1,7 +1,7 @@
 """A process group whose collectives run on the host, for agreements the host reads at once.
 
 Some checks must be agreed by every rank before a step changes anything (a param written on one
-rank: ``ZeroShardOptimizer._check_stale``): the host reads the verdict at once. Reduced on the
+rank: ``StaleCheck`` in ``_stale.py``): the host reads the verdict at once. Reduced on the
 accelerator, that read would wait for every kernel queued before it (the whole backward), and the
 step's launch would no longer overlap backward's tail. Reduced over gloo on the host it waits for
 the other ranks alone. The group is the default group where that has a CPU backend (gloo runs, or

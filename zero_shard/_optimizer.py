@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -17,7 +16,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from offload import intra_op_threads
 from optimizers import (
     HybridDeviceOptimizer,
     MemoryReport,
@@ -25,29 +23,25 @@ from optimizers import (
     constructor_defaults,
 )
 
-from ._buckets import Bucket, ShardedParam, norm_grads, shard_grads, stale_flags
-from ._collectives import AllGather, broadcast_tensors
-from ._comm import Comm, DDPComm, FSDPComm, ReplicatedComm
-from ._host_group import host_group
+from ._buckets import ShardedParam, norm_grads, shard_grads
+from ._collectives import AllGather
+from ._gather import DelayedUpdate
+from ._kind import Kind, Meshes
 from ._norms import clip_coefficient, global_norm, nonfinite_flag, scale_grads_
-from ._owners import claim, is_claimed, live_owners
-from ._released_ops import ReleasedGradOps, edited
+from ._owners import claim, live_owners
+from ._released_ops import GradEdits
 from ._setup import (
     NONFINITE_POLICIES,
-    CheckedInputs,
-    Meshes,
-    ModelKind,
     Nonfinite,
     StaleParams,
     check_inputs,
+    choose_kind,
     ensure_process_group,
     first_device,
-    params_on_host,
     reduce_device,
-    resolve_mesh,
-    unwrap_model,
 )
 from ._skips import SkipCount
+from ._stale import StaleCheck
 from ._state_dict import (
     ShardedStateView,
     check_origin,
@@ -57,13 +51,10 @@ from ._state_dict import (
     tag_origin,
     to_dtensor,
 )
-from ._tp import local_tensor
-from ._units import Units, plan_units
-from ._verdict import on_any_rank, on_every_rank, start_any_rank_each
+from ._units import Units
+from ._verdict import on_every_rank
 
 __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer", "wrap"]
-
-logger = logging.getLogger("zero_shard")
 
 # 256 MiB buckets beat 64 MiB ones on 2 x H200 for the step and a GPT iteration alike
 # (docs/benchmarks/zero_step.md): NCCL reaches ~80% of its large-message bandwidth from there.
@@ -73,14 +64,6 @@ DEFAULT_BUCKET_MB = 256.0
 def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
-
-
-def _module_tensors(module: nn.Module, device: torch.device) -> list[torch.Tensor]:
-    """The module's params and buffers on ``device``: what makes replicas equal. Params another
-    wrapper shards are equal already (and are its to write)."""
-    params = [local_tensor(p) for p in module.parameters() if not is_claimed(p)]
-    tensors = params + list(module.buffers())
-    return [tensor for tensor in tensors if tensor.device == device]
 
 
 def _origin() -> tuple[int, int]:
@@ -100,20 +83,16 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     ``state[param]`` shows a param's state as DTensors with the param's global shape.
     """
 
-    kind: ModelKind
+    kind: Kind  # the kind of model (plain, DDP, FSDP2...): who communicates (see _kind.py)
     mesh: DeviceMesh
     nonfinite: Nonfinite  # what a step with inf/NaN grads does
     stale_params: StaleParams  # what a step does when params changed under it
-    _agrees_on_writes: bool  # the ranks agree on which params were written, at each step
-    _host_group: dist.ProcessGroup | None  # every rank's, on the host: those agreements
-    _unshared_writes: set[str]  # FQNs of params reloaded from writes seen outside a step, not
-    #                             yet told to the other ranks (see _check_stale)
+    _delay: DelayedUpdate | None  # the delayed update, if on (see [Note: delayed update])
+    _stale: StaleCheck  # params written outside the optimizer: reloaded or refused
     _skips: SkipCount  # steps skipped for non-finite grads (see [Note: skip on the device])
     _module: nn.Module  # the model, unwrapped from DDP
     _device: torch.device  # the params' (FSDP2's CPUOffloadPolicy: the host)
     _reduce_device: torch.device  # where norms, flags and verdicts are reduced: the mesh's
-    _params_on_host: bool  # FSDP2 params on the host: stepped there in place (see _make_hybrid)
-    _comm: Comm  # moves this kind of model's grads and params (see _comm.py)
     _sharded: list[ShardedParam]  # one per trainable param, in param-group order
     _hybrid: HybridDeviceOptimizer  # steps this rank's shards
     _meshes: Meshes  # the data-parallel mesh, a tensor-parallel model's 2-D one, the sums' groups
@@ -126,14 +105,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _wrapped: weakref.ref[torch.optim.Optimizer]  # the torch optimizer: its group dicts are ours
     _warned_unfrozen: bool
     _window_norm: torch.Tensor | None  # the clip norm of the grads since the last step
-    _clipped_marker: Any  # the comm's grads_marker() right after that clip
+    _clipped_marker: Any  # the kind's grads_marker() right after that clip
     _grad_scale: float | None  # fp16: the loss scale's inverse, applied in fp32 at the step
     _checked_by_scaler: bool  # GradScaler checked these grads for infs already
-    _clips_at_step: bool  # a plain model with a CPU share: see [Note: clip at the step]
-    _factors_pending: bool  # some record's grad_factor is set (see [Note: clip at the step])
-    _grad_edits: int  # in-place changes zero-shard made to the reduced grads (clips, unscales,
-    #                   clamps): norms computed before one are not theirs
-    _released_ops: ReleasedGradOps | None  # torch's clipping on a plain model's placeholders
+    _edits: GradEdits  # in-place changes zero-shard made to the reduced grads: norms computed
+    #                    before one are not theirs
 
     def __init__(
         self,
@@ -159,18 +135,17 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         device = first_device(optimizer)
         ensure_process_group(device)
-        self._module, self.kind = unwrap_model(model)
-        # The mesh first: the checks below share their verdict over it (see _verdict).
-        self._meshes = resolve_mesh(model, self.kind, mesh, device)
+        # The kind and its mesh first: the checks below share their verdict over it (_verdict).
+        self.kind = choose_kind(model, mesh, optimizer)
+        self._module, self._meshes = self.kind.module, self.kind.meshes
         self.mesh, self._groups = self._meshes.mesh, self._meshes.groups
         self._reduce_device = reduce_device(self.mesh, device)
         fqns = {id(p): name for name, p in self._module.named_parameters()}
         options = {"offload": offload, "stage": stage, "bucket_mb": bucket_mb,
                    "nonfinite": nonfinite, "stale_params": stale_params}  # fmt: skip
         checked = check_inputs(
-            optimizer, self._module, self.kind, self._meshes.verdict_mesh, self._reduce_device,
-            options, units, all_gather=all_gather,
-        )  # fmt: skip
+            optimizer, self.kind, self._reduce_device, options, units, all_gather=all_gather
+        )
         # A param takes one live wrapper (see _owners.py): this one takes over from the ones
         # before, whose last update reaches the params first; they retire once this one is built.
         previous = live_owners([param for param, _, _ in checked.trainable])
@@ -180,94 +155,62 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.stale_params = stale_params
         self._skips = SkipCount(device)
-        self._logged_stale = False
-        self._unshared_writes = set()
-        self._factors_pending = False
-        self._grad_edits = 0
+        self._edits = GradEdits()
         self._end_window()
+        self._share_param_groups(optimizer, fqns)
+        self._device = checked.trainable[0][0].device
+        self.kind.build(
+            checked.trainable, checked.units, device=self._device,
+            reduce_device=self._reduce_device, stage=stage, bucket_mb=bucket_mb,
+            all_gather=all_gather,
+        )  # fmt: skip
+        self._sharded = self.kind.sharded
+        self._hybrid = self._make_hybrid(optimizer, checked.policy)
+        self._delay = checked.delay
+        self._stale = StaleCheck(self.kind, self._hybrid, device=self._reduce_device)
+        self._take_over(optimizer, fqns, previous, overlap=overlap_param_gather)
+
+    # -- construction -----------------------------------------------------------------------
+
+    def _share_param_groups(self, optimizer: torch.optim.Optimizer, fqns: dict[int, str]) -> None:
+        """Takes the wrapped optimizer's own group dicts (add_param_group keeps the dict it is
+        given): an LR scheduler built on it before wrapping, or any edit of its groups, reaches
+        here."""
         self._building = True
-        # The wrapped optimizer's own group dicts (add_param_group keeps the dict it is given):
-        # an LR scheduler built on it before wrapping, or any edit of its groups, reaches here.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
         self._wrapped = weakref.ref(optimizer)
         self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         self._warned_unfrozen = False
-        self._device = checked.trainable[0][0].device
-        self._params_on_host = params_on_host(self.kind, self.mesh, self._device)
-        if self.kind is ModelKind.REPLICATED:  # DDP did the same; FSDP2's shards differ by rank
-            broadcast_tensors(_module_tensors(self._module, self._device), self.mesh.get_group())
-        # Replicas: a write on one rank may reach the others unseen (see _check_stale).
-        self._agrees_on_writes = self.kind is not ModelKind.FSDP and self.mesh.size() > 1
-        verdict_mesh = self._meshes.verdict_mesh
-        self._host_group = host_group(verdict_mesh) if self._agrees_on_writes else None
-        self._comm = self._make_comm(model, checked, stage, bucket_mb, all_gather)
-        self._sharded = self._comm.sharded
-        self._hybrid = self._make_hybrid(optimizer, checked.policy)
-        self._clips_at_step = False
-        if (
-            isinstance(self._comm, ReplicatedComm)
-            and self._hybrid.memory_report().num_host_elements
-        ):
-            self._clip_at_step(self._comm)
+
+    def _take_over(
+        self,
+        optimizer: torch.optim.Optimizer,
+        fqns: dict[int, str],
+        previous: list[ZeroShardOptimizer],
+        *,
+        overlap: bool,
+    ) -> None:
+        """Takes the wrapped optimizer's state and the params over (from ``previous`` wrappers
+        too), and installs the model hooks."""
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
         for owner in previous:
             owner._retire()
-        handles = self._comm.install(self.mesh, device=self._device, overlap=overlap_param_gather)
+        handles = self.kind.install(self, overlap=overlap)
         self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
-        self._released_ops = None
-        if isinstance(self._comm, ReplicatedComm):  # torch's clip on the placeholders it leaves
-            self._released_ops = ReleasedGradOps(self)
-            for index, sharded in enumerate(self._sharded):
-                sharded.watch.placeholder.link(self._released_ops, index)
         self.state = ShardedStateView(self._sharded, self._hybrid)  # type: ignore[assignment]
         for sharded in self._sharded:
             sharded.record_version()
         claim([sharded.param for sharded in self._sharded], self)
         optimizer.state.clear()  # taken over: not held twice (a scheduler may keep it alive)
 
-    # -- construction -----------------------------------------------------------------------
-
-    def _make_comm(
-        self,
-        model: nn.Module,
-        checked: CheckedInputs,
-        stage: int,
-        bucket_mb: float,
-        all_gather: AllGather | None,
-    ) -> Comm:
-        if self.kind is ModelKind.FSDP:
-            if stage == 1:
-                warnings.warn(
-                    "stage=1 has no effect on an FSDP2 model: FSDP2 reduce-scatters its grads",
-                    stacklevel=4,
-                )
-            return FSDPComm(
-                self._module, checked.trainable, self._meshes.mesh, self._meshes.sum_dims
-            )
-        plan = plan_units(self._module, checked.units)
-        meshes = self._meshes
-        if self.kind is ModelKind.DDP:
-            if stage == 2:
-                logger.info(
-                    "zero-shard: the model is DDP, which all-reduces the grads; its reduced grads "
-                    "are used as they are (stage 1). Pass the unwrapped module for stage 2."
-                )
-            return DDPComm(
-                model, checked.trainable, plan, meshes.mesh, meshes.joint, bucket_mb=bucket_mb,
-                all_gather=all_gather,
-            )  # fmt: skip
-        return ReplicatedComm(
-            self._module, checked.trainable, plan, meshes.mesh, meshes.joint,
-            device=self._device, bucket_mb=bucket_mb, stage=stage, all_gather=all_gather,
-        )  # fmt: skip
-
     def _make_hybrid(
         self, optimizer: torch.optim.Optimizer, policy: OffloadPolicy
     ) -> HybridDeviceOptimizer:
+        """The hybrid optimizer of this rank's shards, with the kind's ``policy``."""
         shard_groups = [
             {
                 **self._hyperparams(g),
@@ -275,12 +218,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             }
             for g in range(len(self.param_groups))
         ]
-        if self._params_on_host:  # the whole step is the host's already: in place, no copies
-            policy = dataclasses.replace(policy, fraction=0.0)
-        if self.kind is ModelKind.DDP:
-            # DDP's grads are the model's: they may be zeroed in place right after step(), so
-            # every chunk's are copied as the step starts (see DDPComm.after_step).
-            policy = dataclasses.replace(policy, host_staging="per_chunk")
         # Host memory differs between hosts: a rank that cannot hold its share fails all ranks.
         return on_every_rank(
             lambda: HybridDeviceOptimizer(
@@ -289,98 +226,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             mesh=self._meshes.verdict_mesh,
             device=self._reduce_device,
         )
-
-    def _clip_at_step(self, comm: ReplicatedComm) -> None:
-        """[Note: clip at the step]
-        The grads of a plain model are zero-shard's own (the params hold placeholders, see
-        [Note: released grads]), so nobody sees them between the clip and the step. There the
-        clip does not multiply them: the step multiplies the accelerator's share on the device
-        and the CPU's share on the host as it steps each chunk, with the same bits as
-        ``scale_grads_`` (the host rounds the factor where the device would, and each fp32
-        product to the grads' dtype). The grads the host needs then are those backward reduced,
-        so each bucket's go to the host as soon as they are reduced (``grads_ready``; with a
-        staging buffer per chunk: ``host_staging="per_chunk"``, or the default ``"auto"`` on a
-        host with room; all but the one reduced last), and the CPU step starts as backward
-        ends.
-        A factor is pending per param (``ShardedParam.grad_factor``): torch's clip on the
-        placeholders multiplies them one by one ([Note: torch's clip on released grads]). The
-        step takes a factor pending alike on every grad it steps; factors that differ (a clip
-        of some params only) are applied to the grads first, in place.
-        Anything that changes or reads the grads otherwise first applies the factors still
-        pending: a reduction (another backward), a second clip, a norm or a clamp of a
-        placeholder, GradScaler's unscale, and a step that does not take them. DDP's and
-        FSDP2's grads are the model's own, which users may read after the clip: there the clip
-        multiplies them at once, as before."""
-        self._clips_at_step = True
-        apply = weakref.WeakMethod(self._apply_grad_factor)
-        hybrid = weakref.ref(self._hybrid)
-        reduced = weakref.WeakMethod(comm.reduced_grads)
-        reduced_last = comm.buckets[0]
-
-        def before_reduce() -> None:
-            alive = apply()
-            if alive is not None:
-                alive()
-
-        def after_reduce(bucket: Bucket) -> None:
-            # The first bucket is reduced last, as backward ends: the step copies it, behind the
-            # step's flags where those are copied too (not on CUDA, where the device writes
-            # them: [Note: flags written by the device] in offload/_flag.py); the worker reads
-            # the flags before any chunk.
-            alive, grads_of = hybrid(), reduced()
-            if alive is not None and grads_of is not None and bucket is not reduced_last:
-                alive.grads_ready(grads_of(bucket))
-
-        comm.reducer.before_reduce = before_reduce
-        if self._hybrid.copies_grads_early:  # else no per-bucket work in backward's hooks
-            comm.reducer.after_reduce = after_reduce
-
-    def _apply_grad_factor(self) -> None:
-        """Multiplies the grads in place by the clip's factors still pending ([Note: clip at the
-        step]): one ``scale_grads_`` per factor."""
-        if not self._factors_pending:
-            return
-        self._factors_pending = False
-        by_factor: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        for sharded in self._sharded:
-            factor, sharded.grad_factor = sharded.grad_factor, None
-            if factor is not None and sharded.shard.grad is not None:
-                by_factor.setdefault(id(factor), (factor, []))[1].append(sharded.shard.grad)
-        for factor, grads in by_factor.values():
-            scale_grads_(grads, factor)
-            edited(grads)
-            self._grad_edits += 1
-
-    def _defer_grad_factor(self, records: list[ShardedParam], factor: torch.Tensor) -> None:
-        """Notes ``factor`` for the grads of ``records``, for the step to apply ([Note: clip at
-        the step]); a factor already pending on one of them is applied first."""
-        for sharded in records:
-            if sharded.grad_factor is not None:
-                scale_grads_([sharded.shard.grad], sharded.grad_factor)
-                edited([sharded.shard.grad])
-                self._grad_edits += 1
-            sharded.grad_factor = factor
-        self._factors_pending = self._factors_pending or bool(records)
-
-    def _take_grad_factor(self) -> torch.Tensor | None:
-        """At the step: the factor pending on every grad alike, for the step to apply; factors
-        that differ between grads (a clip of some params only) are applied here instead."""
-        if not self._factors_pending:
-            return None
-        factors = {
-            id(s.grad_factor): s.grad_factor for s in self._sharded if s.shard.grad is not None
-        }
-        if len(factors) != 1 or None in factors.values():
-            self._apply_grad_factor()
-            return None
-        self._end_factors()
-        return next(iter(factors.values()))
-
-    def _end_factors(self) -> None:
-        if self._factors_pending:
-            for sharded in self._sharded:
-                sharded.grad_factor = None
-        self._factors_pending = False
 
     def _hyperparams(self, group_index: int) -> dict[str, Any]:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
@@ -400,7 +245,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate grads locally with no communication, as DDP's
         ``no_sync``; the first backward after it reduces the accumulated grads."""
-        with self._comm.no_sync():
+        with self.kind.no_sync():
             yield
 
     def finish_param_sync(self) -> None:
@@ -412,7 +257,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
         With ``OffloadPolicy(delayed_update=True)`` (one process) it first applies the update
         still in flight: it waits for the CPU step."""
-        self._comm.flush()
+        self.kind.flush()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -427,10 +272,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
         self._finalize_grads()
-        self._apply_grad_factor()  # a clip before: these grads are the clipped ones
+        clip = self.kind.clip
+        if clip is not None:
+            clip.apply()  # a clip before: these grads are the clipped ones
         grads = shard_grads(self._sharded)
         copies = [s.shard.grad for s in self._sharded if not s.counted and s.shard.grad is not None]
-        with self._host_threads():
+        with self.kind.host_threads():
             norm = global_norm(
                 norm_grads(self._sharded), norm_type, self._groups, self._reduce_device,
                 copies=copies,
@@ -439,16 +286,14 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             norm = norm * self._grad_scale
         coefficient = clip_coefficient(norm, float(max_norm))
         coefficient = torch.where(torch.isfinite(norm), coefficient, torch.ones_like(coefficient))
-        if grads and self._clips_at_step:  # see [Note: clip at the step]
-            self._defer_grad_factor(
-                [s for s in self._sharded if s.shard.grad is not None], coefficient
-            )
+        if grads and clip is not None:  # see [Note: clip at the step]
+            clip.defer([s for s in self._sharded if s.shard.grad is not None], coefficient)
         elif grads:
-            with self._host_threads():
+            with self.kind.host_threads():
                 scale_grads_(grads, coefficient)
-            self._grad_edits += 1
+            self._edits.count += 1
         self._window_norm = norm
-        self._clipped_marker = self._comm.grads_marker()
+        self._clipped_marker = self.kind.grads_marker()
         return norm
 
     @torch.no_grad()
@@ -464,9 +309,57 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         changed since wrap (``torch_opt.add_param_group``), before anything runs.
         """
         wrapped = self._wrapped()
+        self._check_steppable(wrapped)  # before anything runs
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if wrapped is not None:  # an LR scheduler built on it checks that it stepped
+            wrapped._opt_called = True  # type: ignore[attr-defined]
+        # Gathers of the last step read the shards this step writes: they must be done (a
+        # delayed update's are issued below, after this step's launch completed its writes).
+        self.kind.finish()
+        # The ranks' writes are agreed on in the background while the host readies the step;
+        # with nothing to agree on, they are checked at once (a model converted since wrap is
+        # refused there, before its grads are reduced).
+        written = self._stale.start()
+        if written is None:
+            self._stale.check(self.stale_params, agree=True)
+        for group_index, group in enumerate(self._hybrid.param_groups):
+            group.update(self._hyperparams(group_index))
+        self._finalize_grads()
+        if self._window_norm is not None and self.kind.grads_marker() != self._clipped_marker:
+            self._window_norm = None  # grads changed since the clip: its norm is not theirs
+        self._skips.read(block=True)  # the last step's verdict, on the host long since
+        if written is not None:
+            self._stale.check(self.stale_params, agree=True, written=written)
+        try:
+            skip, found_inf = self._check_nonfinite()
+            if skip:
+                return loss
+            clip = self.kind.clip
+            grad_factor = None if clip is None else clip.take()
+            host_step = self._hybrid.launch_step(
+                grad_scale=self._grad_scale,
+                found_inf=found_inf,
+                grad_factor=grad_factor,
+                need_order=self.kind.need_order,
+            )
+            self.kind.after_step(host_step)
+        finally:
+            if self.kind.clip is not None:  # a factor the step did not take (skipped, failed)
+                self.kind.clip.apply()
+            self._end_window()
+            self.kind.end_window()
+        self._skips.read(block=False)  # at once where the device is the CPU
+        return loss
+
+    def _check_steppable(self, wrapped: torch.optim.Optimizer | None) -> None:
+        """Refuses a step of a retired wrapper, or of one whose torch optimizer's groups changed
+        (rank-local: each rank made the same calls)."""
         theirs = [] if wrapped is None else wrapped.param_groups
         if wrapped is not None and [id(g) for g in theirs] != [id(g) for g in self.param_groups]:
-            raise RuntimeError(  # before anything runs; rank-local: each rank made the same calls
+            raise RuntimeError(
                 f"the wrapped {type(wrapped).__name__}'s param_groups changed after wrap "
                 f"({len(self.param_groups)} groups wrapped, {len(theirs)} now, or a group dict "
                 "replaced: torch_opt.add_param_group(...) or torch_opt.load_state_dict(...)?), "
@@ -481,47 +374,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 "them over (as a new torch optimizer replaces an old one). Step the new wrapper, "
                 "and build LR schedulers on it"
             )
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if wrapped is not None:  # an LR scheduler built on it checks that it stepped
-            wrapped._opt_called = True  # type: ignore[attr-defined]
-        # Gathers of the last step read the shards this step writes: they must be done (a
-        # delayed update's are issued below, after this step's launch completed its writes).
-        self._comm.finish()
-        # The ranks' writes are agreed on in the background while the host readies the step;
-        # with nothing to agree on, they are checked at once (a model converted since wrap is
-        # refused there, before its grads are reduced).
-        written = self._start_agreeing_on_writes()
-        if written is None:
-            self._check_stale(agree=True)
-        for group_index, group in enumerate(self._hybrid.param_groups):
-            group.update(self._hyperparams(group_index))
-        self._finalize_grads()
-        if self._window_norm is not None and self._comm.grads_marker() != self._clipped_marker:
-            self._window_norm = None  # grads changed since the clip: its norm is not theirs
-        self._read_skips(block=True)  # the last step's verdict, on the host long since
-        if written is not None:
-            self._check_stale(agree=True, written=written)
-        try:
-            skip, found_inf = self._check_nonfinite()
-            if skip:
-                return loss
-            grad_factor = self._take_grad_factor()
-            host_step = self._hybrid.launch_step(
-                grad_scale=self._grad_scale,
-                found_inf=found_inf,
-                grad_factor=grad_factor,
-                need_order=self._comm.need_order,
-            )
-            self._comm.after_step(host_step, delayed=host_step.delayed)
-        finally:
-            self._apply_grad_factor()  # a step that did not take it (skipped, or failed)
-            self._end_window()
-            self._comm.end_window()
-        self._read_skips(block=False)  # at once where the device is the CPU
-        return loss
 
     def _retire(self) -> None:
         """A later ``wrap`` over some of these params took them all over: the model's hooks go,
@@ -533,19 +385,19 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def _on_skipped_step(self) -> None:
         """``zero_shard.GradScaler`` skipped ``step()`` (non-finite fp16 grads): a delayed update
         in flight still reaches the params here, as a step that skips would apply it."""
-        if self._hybrid.policy.delayed_update:
-            self._comm.flush()
+        if self._delay is not None:
+            self.kind.flush()
 
     @property
     def num_skipped_steps(self) -> int:
         """Steps skipped for non-finite grads so far (including the last one's verdict)."""
-        self._read_skips(block=True)
+        self._skips.read(block=True)
         return self._skips.num_skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's grads and this rank's reduced grads."""
         super().zero_grad(set_to_none)
-        self._comm.reset()
+        self.kind.reset()
         self._hybrid.drop_grads_ready()
         for sharded in self._sharded:
             sharded.shard.grad = None
@@ -562,96 +414,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         error of :meth:`finish_param_sync` here instead, as its write raced the update.
         """
         self.finish_param_sync()
-        self._comm.refresh_shards(self._sharded)
+        self.kind.refresh_shards(self._sharded)
         self._hybrid.reload_model_params()
         for sharded in self._sharded:
             sharded.record_version()
-        self._unshared_writes.clear()  # every rank reloads every param here
-
-    def _written_here(self) -> list[bool]:
-        """Per sharded param, whether this rank saw it written since zero-shard last set it."""
-        here = stale_flags(self._sharded)
-        if self._unshared_writes:
-            unshared = self._unshared_writes
-            here = [w or s.fqn in unshared for s, w in zip(self._sharded, here, strict=True)]
-        return here
-
-    def _start_agreeing_on_writes(self) -> Callable[[], list[bool]] | None:
-        """At ``step()``, where the ranks hold replicas (a plain or DDP model at more than one
-        rank): starts the all-reduce of each param's written flag (see :meth:`_check_stale`);
-        the returned call waits for it."""
-        if not self._agrees_on_writes:
-            return None
-        mesh, device = self._meshes.verdict_mesh, self._reduce_device
-        here = self._written_here()
-        return start_any_rank_each(here, group=self._host_group, mesh=mesh, device=device)
-
-    @torch.no_grad()
-    def _check_stale(
-        self, *, agree: bool = False, written: Callable[[], list[bool]] | None = None
-    ) -> None:
-        """Params written since zero-shard last did (a weight load, an init): their main weights
-        are reloaded from them (``stale_params="reload"``) or the call raises (``"error"``).
-
-        With ``agree`` (at ``step()``, which every rank calls) the ranks agree. Replicas (a
-        plain or DDP model at more than one rank; ``written``, started by
-        :meth:`_start_agreeing_on_writes`): a param written on any rank is reloaded on every
-        rank from its own copy, as a write may reach the others through a collective, which
-        bumps no version counter (rank 0 loads weights, then broadcasts them); writes seen
-        outside a step (``state_dict()``) are shared at the next. An FSDP2 model's ranks raise
-        together: a load in place into the local shards (DCP) writes nothing on a rank whose
-        shard of a param is empty, so that rank alone may see no write (each rank reloads its
-        own shards, which are the model's memory)."""
-        if written is not None:
-            here = written()
-            self._unshared_writes.clear()  # told to every rank now
-        else:
-            here = stale_flags(self._sharded)
-        raises = self.stale_params == "error"
-        if raises and agree and self.kind is ModelKind.FSDP:
-            mesh, device = self._meshes.verdict_mesh, self._reduce_device
-            if on_any_rank(any(here), mesh=mesh, device=device) and not any(here):
-                raise RuntimeError(
-                    "model params were written since the optimizer last set them, on other "
-                    "ranks (a weight load?; their error names the params). Call "
-                    "opt.reload_model_params() after loading weights, or wrap with "
-                    "stale_params='reload'"
-                )
-        stale = [sharded for sharded, flag in zip(self._sharded, here, strict=True) if flag]
-        if written is None and self._agrees_on_writes and not raises:  # told at the next step
-            self._unshared_writes.update(sharded.fqn for sharded in stale)
-        if not stale:
-            return
-        names = [sharded.fqn for sharded in stale]
-        shown = f"{names[:5]}{' ...' if len(names) > 5 else ''}"
-        if raises:
-            raise RuntimeError(
-                f"model params {shown} ({len(names)} in all) were written since the optimizer "
-                "last set them (a weight load?); its fp32 main weights are older. Call "
-                "opt.reload_model_params() after loading weights, or wrap with "
-                "stale_params='reload'"
-            )
-        if not self._logged_stale:
-            self._logged_stale = True
-            logger.warning(
-                "zero-shard: model params %s (%d in all) were written outside the optimizer; "
-                "their fp32 main weights were reloaded from them (stale_params='error' raises "
-                "instead)",
-                shown,
-                len(names),
-            )
-        # A delayed update in flight writes the shards when its step completes: first, so that
-        # the values loaded win. At one rank the shards are the params: keep the loaded values
-        # aside, or the completion would overwrite them.
-        if self._hybrid.step_in_flight:
-            loaded = [(s.param, s.param.detach().clone()) for s in stale if s.aliased]
-            self._hybrid.finish_step()
-            for param, values in loaded:
-                param.detach().copy_(values)
-        self._comm.refresh_shards(stale)
-        self._hybrid.reload_model_params([sharded.shard for sharded in stale])
-        for sharded in stale:
-            sharded.record_version()
+        self._stale.all_reloaded()  # every rank reloads every param here
 
     def state_dict(self) -> dict[str, Any]:
         """The state keyed by param FQN, shaped as DCP's ``get_optimizer_state_dict`` shapes a
@@ -662,7 +429,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         low-precision params. Save it with ``torch.distributed.checkpoint`` on every rank.
         """
         self.finish_param_sync()
-        self._check_stale()
+        self._stale.check(self.stale_params)
         state = {}
         for sharded in self._sharded:
             param_state = sharded_state(sharded, self._hybrid, keep_device=True)
@@ -695,12 +462,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             group.update({key: value for key, value in saved.items() if key != "params"})
-        self._comm.refresh_shards(self._sharded)
+        self.kind.refresh_shards(self._sharded)
         for sharded in self._sharded:  # the loaded state wins over the params as they are
             sharded.record_version()
-        self._unshared_writes.clear()  # every rank loads every main weight here
+        self._stale.all_reloaded()  # every rank loads every main weight here
         self._hybrid.load_state_dict(local)
-        self._comm.after_step(None)  # the params become the loaded main weights, rounded
+        self.kind.after_step(None)  # the params become the loaded main weights, rounded
         self.finish_param_sync()
 
     def _checked_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -739,14 +506,15 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Where this rank's optimizer memory is: the hybrid optimizer's report, with this
         rank's model-dtype shards and reduced-grad buffers added to the accelerator's bytes."""
         report = self._hybrid.memory_report()
-        extra = self._comm.device_bytes()
+        extra = self.kind.device_bytes()
         return dataclasses.replace(report, device_bytes=report.device_bytes + extra)
 
     # -- internals --------------------------------------------------------------------------
 
     def _end_window(self) -> None:
-        self._end_factors()  # applied, or the grads are gone
-        self._grad_edits += 1
+        if self.kind.clip is not None:
+            self.kind.clip.end()  # applied, or the grads are gone
+        self._edits.count += 1
         self._window_norm = None
         self._clipped_marker = None
         self._grad_scale = None
@@ -756,11 +524,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream;
         ``reduce=False``: without reducing grads left unreduced (no collective)."""
         self._warn_unfrozen()
-        self._comm.finalize_grads(reduce=reduce)
-
-    def _checked_grads(self) -> list[torch.Tensor]:
-        """What the non-finite check reads (few large tensors where grads are in buckets)."""
-        return self._comm.checked_grads()
+        self.kind.finalize_grads(reduce=reduce)
 
     def _warn_unfrozen(self) -> None:
         if self._warned_unfrozen or not any(p.grad is not None for p in self._frozen):
@@ -774,11 +538,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             stacklevel=4,
         )
 
-    def _host_threads(self) -> contextlib.AbstractContextManager:
-        """The rank's CPU threads for passes over grads that live on the host (FSDP2's
-        CPUOffloadPolicy), not torchrun's one; nothing where they are on the accelerator."""
-        return intra_op_threads(self._hybrid.host_num_threads if self._params_on_host else None)
-
     def _check_nonfinite(self) -> tuple[bool, torch.Tensor | None]:
         """Whether this step is skipped for infs or NaNs in the grads (the same on every rank),
         as (known now on the host: skip, the flag for the step's kernels to read instead).
@@ -791,34 +550,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if self._window_norm is not None:
             flag = (~torch.isfinite(self._window_norm)).float()
         else:
-            with self._host_threads():
-                flag = nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device)
+            with self.kind.host_threads():
+                flag = nonfinite_flag(self.kind.checked_grads(), self._groups, self._reduce_device)
         flag = flag.to(self._device)  # where the step reads it (the params may be on the host)
-        if self.nonfinite == "skip" and self._hybrid.skips_on_device:
-            self._skips.note(flag)
-            return False, flag
-        if not bool(flag):
-            return False, None
-        if self.nonfinite == "raise":
-            raise RuntimeError(
-                "the grads hold an inf or a NaN (on some rank); the step was not taken and the "
-                "optimizer state is unchanged. Use nonfinite='skip' to skip such steps"
-            )
-        self._warn_skipped(self._skips.add())
-        return True, None
-
-    def _read_skips(self, *, block: bool) -> None:
-        if self._skips.read(block=block):
-            self._warn_skipped(self._skips.num_skipped)
-
-    @staticmethod
-    def _warn_skipped(num_skipped: int) -> None:
-        warnings.warn(
-            f"zero-shard skipped a step: the grads hold an inf or a NaN ({num_skipped} step(s) "
-            "skipped so far); state and params are unchanged",
-            RuntimeWarning,
-            stacklevel=5,  # the caller of step(), through torch.no_grad's wrapper
-        )
+        on_device = self.nonfinite == "skip" and self._hybrid.skips_on_device
+        return self._skips.decide(flag, self.nonfinite, on_device=on_device)
 
     def _unscale_sharded_grads(
         self, inv_scale: torch.Tensor, found_inf: torch.Tensor
@@ -830,17 +566,18 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         values would underflow if unscaled in fp16, and one factor must apply to all grads.
         """
         self._finalize_grads()
-        self._apply_grad_factor()  # a clip before: the unscale multiplies the clipped grads
+        if self.kind.clip is not None:  # a clip before: the unscale multiplies the clipped grads
+            self.kind.clip.apply()
         grads = shard_grads(self._sharded)
-        with self._host_threads():
-            flag = nonfinite_flag(self._checked_grads(), self._groups, self._reduce_device)
+        with self.kind.host_threads():
+            flag = nonfinite_flag(self.kind.checked_grads(), self._groups, self._reduce_device)
         found_inf.copy_(flag)
         if any(grad.dtype == torch.float16 for grad in grads):
             self._grad_scale = float(inv_scale)
         elif grads:
-            with self._host_threads():
+            with self.kind.host_threads():
                 scale_grads_(grads, inv_scale)
-        self._grad_edits += 1
+        self._edits.count += 1
         self._checked_by_scaler = True
         return {found_inf.device: found_inf}
 

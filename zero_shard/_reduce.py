@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -62,7 +62,9 @@ from ._collectives import (
     replicated_grads,
     write_replicated,
 )
+from ._gather import ParamGatherer
 from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad, Taken, forget_all
+from ._released_ops import DeferredClip, EarlyCopies
 
 __all__ = ["GradReducer"]
 
@@ -84,11 +86,9 @@ class GradReducer:
     _reduced_in_window: bool  # some reduction ran since the last step or zero_grad
     _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
     _warned_late_grads: bool
-    before_first: Callable[[], None] | None  # runs before a backward's first reduction
-    before_reduce: Callable[[], None] | None  # runs before each reduction (which may add to the
-    #                                           grads held)
-    after_reduce: Callable[[Bucket], None] | None  # runs after each, on the side stream, where
-    #                                                the bucket's reduced grads are final
+    _gatherer: ParamGatherer  # the last step's gathers, which read the grads' staging
+    _clip: DeferredClip | None  # factors pending on the grads a reduction may add to
+    _early: EarlyCopies | None  # hands each reduced bucket on to the host's early copies
     _accumulators: list[Any]  # the params' grad accumulators (autograd nodes) the hooks are on
     num_changes: int  # reductions, and clears seen after one, so far: the grads changed if it did
 
@@ -99,6 +99,9 @@ class GradReducer:
         *,
         stage: int,
         device: torch.device,
+        gatherer: ParamGatherer,
+        clip: DeferredClip | None,
+        early: EarlyCopies | None,
     ) -> None:
         self.buckets = list(buckets)
         self.enabled = True
@@ -114,9 +117,9 @@ class GradReducer:
         self._reduced_in_window = False
         self._unreduced_backward = False
         self._warned_late_grads = False
-        self.before_first = None
-        self.before_reduce = None
-        self.after_reduce = None
+        self._gatherer = gatherer
+        self._clip = clip
+        self._early = early
         self._accumulators = []
         self.num_changes = 0
 
@@ -162,8 +165,7 @@ class GradReducer:
             return
         if not self._in_backward:
             self._in_backward = True
-            if self.before_first is not None:
-                self.before_first()
+            self._before_first_reduction()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self.buckets[sharded.bucket].ready.add(sharded.position)
         while self._next >= 0:
@@ -172,6 +174,14 @@ class GradReducer:
                 break
             self._reduce(bucket)
             self._next -= 1
+
+    def _before_first_reduction(self) -> None:
+        """The reductions write the grad buffers that the last step's D2H copies read: the step
+        must be complete first (the gathers waited for every CPU chunk), whatever the forward
+        waited for (see [Note: deferred host step]); a delayed update's CPU step runs on, but
+        its copies of the grads must be done (see [Note: delayed update])."""
+        self._gatherer.finish()
+        self._gatherer.wait_deferred_reads()
 
     def _end_backward(self) -> None:
         """Autograd callback: reduce the buckets this backward left, in order."""
@@ -190,8 +200,8 @@ class GradReducer:
 
     @torch.no_grad()
     def _reduce(self, bucket: Bucket) -> None:
-        if self.before_reduce is not None:
-            self.before_reduce()
+        if self._clip is not None:  # this reduction may add to the grads held
+            self._clip.apply()
         taken = [sharded.watch.take() for sharded in bucket.params]
         grads = [
             _local_grad(each, sharded)
@@ -252,8 +262,8 @@ class GradReducer:
             elif not into_buffer:
                 bucket.grad_buffer.copy_(packed)
             self._event = record_event(self._stream)
-            if self.after_reduce is not None:
-                self.after_reduce(bucket)
+            if self._early is not None:
+                self._early.grads_reduced(bucket)
         # A rewritten bucket forgets what was missing before: its flags are this reduction's.
         missing_now = any([grad is None for grad in grads]) or any(zeroed)
         bucket.missing = (bucket.missing and adds) or missing_now
@@ -301,8 +311,7 @@ class GradReducer:
         or ``zero_grad``: grads set by hand, or kept; or a last backward inside ``no_sync()``)
         are reduced now, every bucket: collective. Without, it communicates nothing."""
         if reduce and (not self._reduced_in_window or self._unreduced_backward):
-            if self.before_first is not None:  # as before a backward's first reduction
-                self.before_first()
+            self._before_first_reduction()  # as before a backward's first reduction
             self._reduce_rest()
         untouched = [_untouched(bucket) for bucket in self.buckets]
         self._warn_late_grads(untouched)

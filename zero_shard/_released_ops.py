@@ -1,4 +1,5 @@
-"""torch's clipping over a plain model's released grads, done on the reduced shards.
+"""Clipping a plain model's released grads: torch's clip on the placeholders, done on the reduced
+shards, and the factor deferred to the step.
 
 [Note: torch's clip on released grads]
 After backward a plain model's params hold placeholders ([Note: released grads]); the grads are
@@ -11,7 +12,7 @@ which the placeholder hands to the optimizer that reduced its grad (``link``):
   per-grad norms itself, so its total, clip factor and checks (``error_if_nonfinite``) are its
   own. The norms of all of the optimizer's params are computed together, from each rank's shard
   slices (partial sums of ``|g|^p``; the max for inf) and one all-reduce, on the first request
-  after the grads changed, and kept until they change again (``_grad_edits``, the comm's marker):
+  after the grads changed, and kept until they change again (``GradEdits``, the kind's marker):
   torch's one-by-one path (``foreach=False``, and the default for a tensor subclass) still makes
   one collective. Every rank must ask, as every rank calls torch's clip. The norm of the whole
   set, for a positive ``norm_type``, becomes the step's non-finite verdict, as
@@ -35,11 +36,31 @@ for a deferred multiply, apply the factors pending. fp16 grads that still carry 
 (``zero_shard.GradScaler``'s unscale) give their unscaled norms, and a clamp's bounds are scaled
 alike. Anything else on a
 placeholder (reading values, elementwise math with it) raises, as before.
+
+[Note: clip at the step]
+The grads of a plain model are zero-shard's own (the params hold placeholders, see [Note:
+released grads]), so nobody sees them between the clip and the step. There the clip does not
+multiply them: the step multiplies the accelerator's share on the device and the CPU's share on
+the host as it steps each chunk, with the same bits as ``scale_grads_`` (the host rounds the
+factor where the device would, and each fp32 product to the grads' dtype). The grads the host
+needs then are those backward reduced, so each bucket's go to the host as soon as they are
+reduced (``EarlyCopies``; with a staging buffer per chunk: ``host_staging="per_chunk"``, or the
+default ``"auto"`` on a host with room; all but the one reduced last), and the CPU step starts as
+backward ends.
+A factor is pending per param (``ShardedParam.grad_factor``): torch's clip on the placeholders
+multiplies them one by one ([Note: torch's clip on released grads]). The step takes a factor
+pending alike on every grad it steps; factors that differ (a clip of some params only) are
+applied to the grads first, in place.
+Anything that changes or reads the grads otherwise first applies the factors still pending: a
+reduction (another backward), a second clip, a norm or a clamp of a placeholder, GradScaler's
+unscale, and a step that does not take them. DDP's and FSDP2's grads are the model's own, which
+users may read after the clip: there the clip multiplies them at once, as before.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,10 +70,12 @@ from ._norms import param_norms, scale_grads_
 from ._released import ReleasedGrad
 
 if TYPE_CHECKING:
-    from ._buckets import ShardedParam
+    from optimizers import HybridDeviceOptimizer
+
+    from ._buckets import Bucket, ShardedParam
     from ._optimizer import ZeroShardOptimizer
 
-__all__ = ["ReleasedGradOps", "edited"]
+__all__ = ["DeferredClip", "EarlyCopies", "GradEdits", "ReleasedGradOps", "edited"]
 
 
 @dataclass
@@ -61,7 +84,7 @@ class _Finalized:
     (torch's one-by-one path makes an op per grad; a finalize per op would cost a pass over every
     param, and a read of the presence flags, each time)."""
 
-    marker: Any  # the comm's grads marker after it
+    marker: Any  # the kind's grads marker after it
     grads: list[Any]  # each param's ``.grad`` after it (its placeholder, or None)
 
 
@@ -69,7 +92,7 @@ class _Finalized:
 class _Norms:
     """The global norms of every reduced grad, as of ``key``."""
 
-    key: tuple[float, Any, int]  # (norm_type, the comm's grads marker, the optimizer's edits)
+    key: tuple[float, Any, int]  # (norm_type, the kind's grads marker, the optimizer's edits)
     norms: torch.Tensor  # 1-D, one per sharded param (in the optimizer's order), fp32 or fp64
 
 
@@ -103,13 +126,13 @@ class ReleasedGradOps:
         last = self._finalized
         if (
             last is not None
-            and last.marker == optimizer._comm.grads_marker()
+            and last.marker == optimizer.kind.grads_marker()
             and all(_as_left(optimizer._sharded[i].param.grad, last.grads[i]) for i in indices)
         ):
             return
         optimizer._finalize_grads()
         grads = [sharded.param.grad for sharded in optimizer._sharded]
-        self._finalized = _Finalized(optimizer._comm.grads_marker(), grads)
+        self._finalized = _Finalized(optimizer.kind.grads_marker(), grads)
 
     def _records(self, optimizer: ZeroShardOptimizer, indices: list[int]) -> list[ShardedParam]:
         """The records of ``indices`` that hold a reduced grad (others: no rank had one)."""
@@ -120,12 +143,14 @@ class ReleasedGradOps:
     def norms(self, indices: list[int], norm_type: float) -> list[torch.Tensor]:
         optimizer = self._live()
         self._finalize(optimizer, indices)
-        optimizer._apply_grad_factor()
-        key = (norm_type, optimizer._comm.grads_marker(), optimizer._grad_edits)
+        clip = optimizer.kind.clip
+        if clip is not None:
+            clip.apply()
+        key = (norm_type, optimizer.kind.grads_marker(), optimizer._edits.count)
         if self._cached is None or self._cached.key != key:
             grads = [s.shard.grad for s in optimizer._sharded]
             counted = [s.counted for s in optimizer._sharded]
-            with optimizer._host_threads():
+            with optimizer.kind.host_threads():
                 norms = param_norms(
                     grads, norm_type, optimizer._groups, optimizer._reduce_device, counted=counted
                 )
@@ -134,7 +159,7 @@ class ReleasedGradOps:
             self._cached = _Norms(key, norms)
             if norm_type > 0:  # the step's verdict (a count or a min would miss an inf)
                 optimizer._window_norm = torch.linalg.vector_norm(norms, norm_type).float()
-                optimizer._clipped_marker = optimizer._comm.grads_marker()
+                optimizer._clipped_marker = optimizer.kind.grads_marker()
         return list(self._cached.norms[indices].unbind())
 
     @torch.no_grad()
@@ -146,17 +171,19 @@ class ReleasedGradOps:
             if self._factor is None or self._factor[0] is not factor:
                 self._factor = (factor, factor.detach().reshape(()))
             factor = self._factor[1]
-        if isinstance(factor, torch.Tensor) and optimizer._clips_at_step:
-            optimizer._defer_grad_factor(records, factor)
+        clip = optimizer.kind.clip
+        if isinstance(factor, torch.Tensor) and clip is not None:
+            clip.defer(records, factor)
         else:
-            optimizer._apply_grad_factor()
+            if clip is not None:
+                clip.apply()
             grads = [sharded.shard.grad for sharded in records]
             if isinstance(factor, torch.Tensor):
                 scale_grads_(grads, factor)
             elif grads:
                 torch._foreach_mul_(grads, factor)  # a Python number: torch's own op
             edited(grads)
-            optimizer._grad_edits += 1
+            optimizer._edits.count += 1
         window = optimizer._window_norm
         if window is not None:
             bound = torch.as_tensor(factor, dtype=torch.float32).to(window.device).abs()
@@ -166,7 +193,8 @@ class ReleasedGradOps:
     def clamp_(self, indices: list[int], low: float | None, high: float | None) -> None:
         optimizer = self._live()
         self._finalize(optimizer, indices)
-        optimizer._apply_grad_factor()
+        if optimizer.kind.clip is not None:
+            optimizer.kind.clip.apply()
         scale = optimizer._grad_scale  # fp16: the grads still carry the loss scale; so do bounds
         if scale is not None:
             low = None if low is None else low / scale
@@ -175,7 +203,7 @@ class ReleasedGradOps:
         for grad in grads:
             grad.clamp_(min=low, max=high)
         edited(grads)
-        optimizer._grad_edits += 1
+        optimizer._edits.count += 1
         optimizer._window_norm = None  # a clamp makes infs finite: the step checks again
 
 
@@ -193,3 +221,98 @@ def edited(grads: list[torch.Tensor]) -> None:
     ([Note: early grad copies] in ``optimizers/_early.py``)."""
     for grad in grads:
         torch.autograd.graph.increment_version(grad)
+
+
+@dataclass
+class GradEdits:
+    """In-place changes zero-shard made to the reduced grads (clips, unscales, clamps): norms
+    computed before one are not theirs."""
+
+    count: int = 0
+
+
+class DeferredClip:
+    """The factors of clips not yet applied to the grads, per param ([Note: clip at the step])."""
+
+    _records: list[ShardedParam]  # every sharded param: each holds its pending grad_factor
+    _edits: GradEdits  # the optimizer's, counting each multiply applied here
+    _pending: bool  # some record's grad_factor is set
+
+    def __init__(self, records: Sequence[ShardedParam], edits: GradEdits) -> None:
+        self._records = list(records)
+        self._edits = edits
+        self._pending = False
+
+    def apply(self) -> None:
+        """Multiplies the grads in place by the factors still pending: one ``scale_grads_`` per
+        factor."""
+        if not self._pending:
+            return
+        self._pending = False
+        by_factor: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        for sharded in self._records:
+            factor, sharded.grad_factor = sharded.grad_factor, None
+            if factor is not None and sharded.shard.grad is not None:
+                by_factor.setdefault(id(factor), (factor, []))[1].append(sharded.shard.grad)
+        for factor, grads in by_factor.values():
+            scale_grads_(grads, factor)
+            edited(grads)
+            self._edits.count += 1
+
+    def defer(self, records: list[ShardedParam], factor: torch.Tensor) -> None:
+        """Notes ``factor`` for the grads of ``records``, for the step to apply; a factor already
+        pending on one of them is applied first."""
+        for sharded in records:
+            if sharded.grad_factor is not None:
+                scale_grads_([sharded.shard.grad], sharded.grad_factor)
+                edited([sharded.shard.grad])
+                self._edits.count += 1
+            sharded.grad_factor = factor
+        self._pending = self._pending or bool(records)
+
+    def take(self) -> torch.Tensor | None:
+        """At the step: the factor pending on every grad alike, for the step to apply; factors
+        that differ between grads (a clip of some params only) are applied here instead."""
+        if not self._pending:
+            return None
+        factors = {
+            id(s.grad_factor): s.grad_factor for s in self._records if s.shard.grad is not None
+        }
+        if len(factors) != 1 or None in factors.values():
+            self.apply()
+            return None
+        self.end()
+        return next(iter(factors.values()))
+
+    def end(self) -> None:
+        """The factors are applied, or the grads are gone."""
+        if self._pending:
+            for sharded in self._records:
+                sharded.grad_factor = None
+        self._pending = False
+
+
+class EarlyCopies:
+    """Hands each bucket's reduced grads to the hybrid optimizer as backward reduces them, for
+    the CPU share's early copies to the host ([Note: early grad copies] in optimizers/_early.py)."""
+
+    _hybrid: HybridDeviceOptimizer
+    _reduced_last: Bucket  # the first bucket: backward reduces it last
+    _bucket_indices: list[list[int]]  # per bucket, its shards' param indices in the hybrid
+
+    def __init__(self, hybrid: HybridDeviceOptimizer, buckets: Sequence[Bucket],
+                 bucket_indices: list[list[int]]) -> None:  # fmt: skip
+        self._hybrid = hybrid
+        self._reduced_last = buckets[0]
+        self._bucket_indices = bucket_indices
+
+    def grads_reduced(self, bucket: Bucket) -> None:
+        """On the side stream, where the bucket's reduced grads are final (1-D views of its grad
+        buffer; zeros for a param no rank had a grad for). The first bucket is reduced last, as
+        backward ends: the step copies it, behind the step's flags where those are copied too
+        (not on CUDA, where the device writes them: [Note: flags written by the device] in
+        offload/_flag.py); the worker reads the flags before any chunk."""
+        if bucket is not self._reduced_last:
+            indices = self._bucket_indices[bucket.params[0].bucket]
+            params = zip(indices, bucket.params, strict=True)
+            self._hybrid.grads_ready({index: s.grad_slot.view(-1) for index, s in params})

@@ -55,6 +55,7 @@ from ._bucket_layout import ShardSpec
 __all__ = [
     "StateLayout",
     "as_dtensor",
+    "describe_layout",
     "dtensor_layout",
     "joint_mesh",
     "local_tensor",
@@ -63,6 +64,14 @@ __all__ = [
     "tp_mesh_of",
     "tp_spec",
 ]
+
+
+def describe_layout(param: DTensor) -> str:
+    """A DTensor param's placements and mesh, for error messages."""
+    names = param.device_mesh.mesh_dim_names
+    return f"placements {tuple(param.placements)} on a mesh of shape " + (
+        f"{tuple(param.device_mesh.shape)}" + (f" {names}" if names else "")
+    )
 
 
 def tp_spec(param: torch.Tensor) -> DTensorSpec | None:

@@ -22,12 +22,11 @@ def _clip_runs(fraction: float, staging: str, device: torch.device) -> list[Any]
         model = make_model().to(device, torch.bfloat16)
         offload = OffloadPolicy(fraction=fraction, chunk_numel=16, host_staging=staging)
         opt = zero_shard.wrap(adamw(model), model, offload=offload, bucket_mb=0.0002)
-        assert opt._clips_at_step
+        assert opt.kind.clip is not None
         # Only per-chunk staging hands reduced grads over in backward's hooks.
-        assert (opt._comm.reducer.after_reduce is not None) == (staging == "per_chunk")
+        assert (opt.kind.reducer._early is not None) == (staging == "per_chunk")
         if not clip_at_step:
-            opt._clips_at_step = False
-            opt._comm.reducer.before_reduce = opt._comm.reducer.after_reduce = None
+            opt.kind.clip = opt.kind.reducer._clip = opt.kind.reducer._early = None
         scaler = zero_shard.GradScaler(device.type, init_scale=16.0)
         runs.append((model, opt, scaler))
     return runs

@@ -246,7 +246,7 @@ def check_flags_kept_where_a_grad_lacked(
     """After the grads were dropped, a bucket keeps a copy of its presence flags only where a
     param lacked a grad on this rank (params whose names start with one of ``lacked``); a param
     no rank had a grad for is flagged absent there."""
-    for bucket in opt._comm.buckets:
+    for bucket in opt.kind.buckets:
         fqns = [sharded.fqn for sharded in bucket.params]
         kept = bucket.flags_before
         if not any(fqn.startswith(lacked) for fqn in fqns):

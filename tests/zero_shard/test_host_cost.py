@@ -122,8 +122,8 @@ def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int]:
             phase("zero_grad", opt.zero_grad, counted)
         calls.phase = None
     opt.finish_param_sync()
-    if len(opt._comm.buckets) != 1:
-        raise AssertionError(f"expected one bucket, got {len(opt._comm.buckets)}")
+    if len(opt.kind.buckets) != 1:
+        raise AssertionError(f"expected one bucket, got {len(opt.kind.buckets)}")
     per_step = {name: calls.counts[name] // NUM_STEPS for name in PHASES}
     num_params = len(list(model.parameters()))
     return per_step, ops.count // NUM_STEPS, num_params, len(list(model.modules()))

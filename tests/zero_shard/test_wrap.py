@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 import zero_shard
 from optimizers import _host_part as host_part
 from zero_shard import OffloadPolicy
+from zero_shard._fsdp import FSDPKind
 
 CASES = {}
 STEPS = 10
@@ -64,7 +65,7 @@ def train_in_parity(rank: int, world: int, *, fraction: float, stage: int, overl
         output = model(local_slice(x, rank, world))
         # The forward made every param current (the pre-hooks waited for the gathers). White-box:
         # no public API says whether a gather is still in flight (reading the params races it).
-        assert not opt._comm.pending
+        assert not opt.kind.pending
         assert_params_close(model, ref, f"before step {step}")
         loss = mse(output, local_slice(y, rank, world))
         loss.backward()
@@ -75,7 +76,7 @@ def train_in_parity(rank: int, world: int, *, fraction: float, stage: int, overl
         ref_opt.step()
         ref_opt.zero_grad()
         torch.testing.assert_close(mean_over_ranks(loss), ref_loss.detach(), **LOSS_TOL)
-        assert opt._comm.pending == overlap  # with overlap, the gathers wait for forward (as above)
+        assert opt.kind.pending == overlap  # with overlap, the gathers wait for forward (as above)
     opt.finish_param_sync()
     assert_params_close(model, ref, "after the last step")
     # Every state tensor is a DTensor with the param's global shape, equal to the reference's.
@@ -152,7 +153,7 @@ def cpu_step_runs_on_during_the_next_forward(rank: int, world: int) -> None:
             bucket_mb=TINY_BUCKETS / 8,  # one param per bucket
         )  # fmt: skip
         # White-box precondition: one bucket (one wait) per param; no public API counts buckets.
-        assert len(opt._comm.buckets) == 6
+        assert len(opt.kind.buckets) == 6
         losses = []
         with slow_cpu_steps(0.01 if rank == 0 else 0.0):
             for step in range(4):
@@ -409,7 +410,7 @@ def fsdp2_model_matches_fsdp2_with_torch_adamw(rank: int, world: int) -> None:
         model, ref = sharded_model(policy), sharded_model(policy)
         opt = zero_shard.wrap(adamw(model), model, offload=offload(fraction))
         ref_opt = adamw(ref)
-        assert opt.kind.value == "fsdp"
+        assert isinstance(opt.kind, FSDPKind)
         # FSDP2 communicates: zero-shard holds no buffers beside the optimizer of the local shards.
         assert opt.memory_report() == local_shards_report(opt, offload(fraction))
         for step in range(5):
