@@ -1,8 +1,9 @@
 """The single-pass CPU Adam/AdamW kernel (csrc/cpu_adam.c): built on first use, called by ctypes.
 
 torch's fused CPU AdamW needs fp32 grads and writes fp32 weights, so a bf16 model costs two more
-passes over host memory per step (grad cast in, weight cast out): measured on an H100 host they
-add 0.85x of the AdamW itself (docs/benchmarks/offload_step.md). This kernel reads the bf16 grad
+passes over host memory per step (grad cast in, weight cast out), and the update itself is bound
+by host memory bandwidth, so they cost nearly as much again (docs/benchmarks/offload_step.md
+measures them). This kernel reads the bf16 grad
 and writes the bf16 weight inside its one pass. It is built with the host's C compiler into a
 per-user cache the first time it is needed; without a compiler zero-shard warns once and uses
 torch's kernel and the casts.
