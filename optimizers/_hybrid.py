@@ -33,7 +33,7 @@ from ._elementwise import (
 from ._group_options import check_impl_flags, check_wrapped_groups, prepare_amsgrad_state
 from ._host_part import HostPart
 from ._host_step import HostStep
-from ._policy import OffloadPolicy, StagingKind
+from ._policy import DelayedUpdate, OffloadPolicy, StagingKind
 from ._records import ParamRecord, flat_grad, flat_param
 from ._split import ChunkSpec, ParamInfo, plan_split
 from ._state import (
@@ -177,6 +177,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     """
 
     policy: OffloadPolicy
+    _delay: DelayedUpdate | None  # policy.delay: None where every update is exact
     optimizer_cls: type[torch.optim.Optimizer]
     state: StateView  # type: ignore[assignment]
     _optimizer_spec: OptimizerSpec  # how every sub-optimizer is constructed
@@ -213,6 +214,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 "policy=OffloadPolicy(fraction=...), not both"
             )
         self.policy = policy
+        self._delay = policy.delay
         self.optimizer_cls = optimizer_cls
         self._optimizer_spec = OptimizerSpec.of(optimizer_cls, optimizer_kwargs)
         self._records = None
@@ -313,10 +315,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.policy.chunk_numel,
         )
         state_keys = [probe_state_keys(self._optimizer_spec, group) for group in self.param_groups]
-        # A delayed update's CPU step runs while the main thread queues forward and backward
-        # and autograd's thread runs backward: two cores are left to them (measured on one H100
-        # host: 276-281 ms an iteration with 14 of 16 threads, 334-355 with 16).
-        keep_free = 2 if self.policy.delayed_update else 0
+        delay = self._delay
+        keep_free = 0 if delay is None else delay.CORES_KEPT_FREE
         # Params on the host (a CPU run, FSDP2's CPUOffloadPolicy) are stepped in place by the
         # device part, on the caller's thread: with the budget, not torchrun's one thread.
         on_host = device.type == "cpu" and bool(split.device_pieces)
@@ -336,11 +336,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             threads=threads,
             num_state_tensors=max(len(keys.elementwise_keys) for keys in state_keys),
             kernel=self._select_cpu_kernel(split.host_chunks, threads),
-            # A delayed update's weights wait in staging until the next backward is done: a buffer
-            # per chunk, and no grads copied into the buffers before that.
-            staging="per_chunk" if self.policy.delayed_update else self.policy.host_staging,
+            staging=self.policy.host_staging if delay is None else delay.STAGING,
             switch_interval=self.policy.gil_switch_interval,
-            early_copies=not self.policy.delayed_update,
+            early_copies=delay is None,
         )
         self._device = DevicePart(
             trainable,
@@ -551,10 +549,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         grads_final = record_event(current_stream(self._host.engine.device))
         self._host.settle()
         # A delayed update past its warm-up: the updates applied so far are final here.
-        delayed = (
-            self.policy.delayed_update
-            and self._host.num_updates >= self.policy.delayed_update_warmup
-        )
+        delayed = self._delay is not None and self._delay.delays(self._host.num_updates)
         self._mark_stepped()
         self._sync_hyperparams()
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
@@ -566,8 +561,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             found_inf=found_inf,
             grad_factor=grad_factor,
             grads_final=grads_final,
+            delayed=delayed,
         )
-        pending.delayed = delayed
         try:
             # The host's copies read the CPU's share of each grad; the factor writes the rest.
             with intra_op_threads(self.host_num_threads):
@@ -636,18 +631,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         with ``"auto"`` resolved for this host (``"bounded"`` where nothing is offloaded), or
         ``"per_chunk"`` for a delayed update. It says when the grads given to
         :meth:`launch_step` may be written again (see ``OffloadPolicy.host_staging``)."""
-        return self._host.host_staging
+        return self._host.staging.kind
 
     @property
     def copies_grads_early(self) -> bool:
         """Whether :meth:`grads_ready` copies anything: a CPU share with a staging buffer per
         chunk and no delayed update (otherwise it does nothing, and callers need not call it)."""
-        return self._host.early_copies and bool(self._host.chunks)
+        return self._host.staging.copies_early and bool(self._host.chunks)
 
     def drop_grads_ready(self) -> None:
         """Forgets the grads given to :meth:`grads_ready` since the last step, and their copies:
         for when they are cleared before any step (``zero_grad``), so that nothing holds them."""
-        self._host.forget_early_copies()
+        self._host.staging.forget_early_copies()
 
     @torch.no_grad()
     def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -667,7 +662,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes of optimizer memory on each device, and whether the staging is pinned."""
-        buffers = self._host.buffers
+        buffers = self._host.staging.buffers
         return MemoryReport(
             device=str(self._records[0].param.device),
             device_bytes=self._device.num_bytes,

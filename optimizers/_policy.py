@@ -4,16 +4,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 from offload import check_switch_interval
 
-__all__ = ["CpuKernel", "DeviceImpl", "HostStaging", "OffloadPolicy", "StagingKind"]
+__all__ = [
+    "CpuKernel",
+    "DelayedUpdate",
+    "DeviceImpl",
+    "HostStaging",
+    "OffloadPolicy",
+    "StagingKind",
+]
 
 DeviceImpl = Literal["torch", "apex", "te"]
 CpuKernel = Literal["auto", "fused", "torch"]
 HostStaging = Literal["auto", "bounded", "per_chunk"]
 StagingKind = Literal["bounded", "per_chunk"]  # HostStaging with "auto" resolved
+
+
+@dataclass(frozen=True)
+class DelayedUpdate:
+    """The one-step delayed update as the optimizer runs it (``OffloadPolicy.delayed_update``).
+
+    Its CPU step runs while the main thread queues the next forward and backward and autograd's
+    thread runs backward: ``CORES_KEPT_FREE`` of the rank's cores are left to them. Its weights
+    wait in staging until the next step, so it takes a buffer per chunk and copies no grads
+    early (see [Note: staging ring])."""
+
+    warmup: int  # the first this many updates are exact
+    CORES_KEPT_FREE: ClassVar[int] = 2
+    STAGING: ClassVar[StagingKind] = "per_chunk"
+
+    def delays(self, num_updates: int) -> bool:
+        """Whether the step after ``num_updates`` updates is delayed: its warm-up is over."""
+        return num_updates >= self.warmup
 
 
 @dataclass(frozen=True)
@@ -32,8 +57,7 @@ class OffloadPolicy:
         chunk_numel: elements per pipelined chunk: the copy of chunk k+1, the CPU step of chunk k
             and the copy back of chunk k-1 overlap. Each chunk is at most one call of the CPU
             kernel, whose threads may have gone to sleep since the last one: fewer, larger chunks
-            pay fewer wake-ups (on one H100 host the 1B full offload went from 1.50x and 1.32x of
-            its bound at 16M to 1.16x and 1.12x at 64M, alternating; docs/benchmarks/e2e.md).
+            pay fewer wake-ups (docs/benchmarks/e2e.md compares chunk sizes).
             Chunks whose grads are on the host already share a call (up to 4). Default 64M
             (256 MiB of fp32).
         device_impl: the accelerator's Adam/AdamW kernel: ``"torch"`` (fused, default),
@@ -78,8 +102,8 @@ class OffloadPolicy:
             before the step (``grads_ready``: ``zero_shard.wrap`` of a plain model says so as
             backward reduces each bucket but the last) are copied then, while backward runs on,
             so the CPU step starts as soon as backward ends and its kernels do not share the
-            host's memory with those copies (the fastest full offload: on one H100, 1B GPT,
-            docs/benchmarks/e2e.md). ``"bounded"``: 4 buffers of the largest chunk's size, taken
+            host's memory with those copies (the fastest full offload, docs/benchmarks/e2e.md).
+            ``"bounded"``: 4 buffers of the largest chunk's size, taken
             in turn (512 MiB of bf16 at the default chunks), so the host holds little more than
             the fp32 weight and the states of each param; a chunk's grads are copied once an
             earlier chunk's step has freed a buffer, so the grads a step was given are read until
@@ -117,6 +141,11 @@ class OffloadPolicy:
     delayed_update_warmup: int = 0
     host_staging: HostStaging = "auto"
     gil_switch_interval: float | None = 0.0005
+
+    @property
+    def delay(self) -> DelayedUpdate | None:
+        """``delayed_update`` and its warm-up as one value; ``None``: every update is exact."""
+        return DelayedUpdate(self.delayed_update_warmup) if self.delayed_update else None
 
     def __post_init__(self) -> None:
         fraction = self.fraction

@@ -1,4 +1,4 @@
-"""One record per parameter, one per piece of it: what lives where."""
+"""One record per parameter, one per piece of it, one per host chunk: what lives where."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._split import PieceSpec
+from ._cpu_kernel import CpuAdamKernel, KernelTable
+from ._split import ChunkSpec, PieceSpec
 
-__all__ = ["ParamRecord", "Piece", "flat_grad", "flat_param"]
+__all__ = ["HostChunk", "ParamRecord", "Piece", "flat_grad", "flat_param"]
 
 
 @dataclass
@@ -44,6 +45,25 @@ class ParamRecord:
     def ignored(self) -> bool:
         """Params with ``requires_grad=False`` at construction get no pieces and never step."""
         return not self.pieces
+
+
+@dataclass
+class HostChunk:
+    """Host pieces of one param group and dtype, copied, cast and stepped together."""
+
+    spec: ChunkSpec
+    index: int  # position in HostPart.chunks (its staging buffer when each chunk has its own)
+    pieces: list[tuple[ParamRecord, Piece]]
+    main: torch.Tensor  # 1-D fp32, host
+    grad: torch.Tensor | None  # 1-D fp32, host, for low-precision chunks that torch steps; None:
+    #                            the grads are read from staging (the kernel, or fp32 params)
+    optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
+    kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step();
+    #                               None: optimizer.step() (for good once its group asks for an
+    #                               option the kernel lacks, see leave_kernel_where_unmet)
+    tables: dict[tuple[tuple[int, int], ...], KernelTable] = field(default_factory=dict)  # the
+    #       kernel's call for the whole chunk, alone or with the chunks merged after it, keyed by
+    #       (chunk index, staging slot) of each; built and used by the worker only
 
 
 def flat_param(param: torch.Tensor) -> torch.Tensor:
