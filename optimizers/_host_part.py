@@ -67,7 +67,14 @@ from ._host_step import ChunkJob, HostStep
 from ._policy import HostStaging, StagingKind
 from ._records import HostChunk, ParamRecord, Piece, flat_param
 from ._split import ChunkSpec
-from ._staging import STAGING_SLOTS, Staging, build_staging, choose_staging, staging_bytes
+from ._staging import (
+    STAGING_SLOTS,
+    BoundedStaging,
+    PerChunkStaging,
+    Staging,
+    choose_staging,
+    staging_bytes,
+)
 
 __all__ = ["MERGE_CHUNKS", "HostPart"]
 
@@ -179,14 +186,13 @@ class HostPart:
         for chunk in self.chunks:
             for record, _ in chunk.pieces:
                 self._chunks_of.setdefault(record.index, []).append(chunk)
-        self.staging = build_staging(
-            kind,
-            self.chunks,
-            self.engine,
-            pin=pin_memory and device.type != "cpu",
-            early_copies=early_copies,
-            chunks_of=self._chunks_of,
-        )
+        pin = pin_memory and device.type != "cpu"
+        if kind == "bounded":
+            self.staging = BoundedStaging(self.chunks, self.engine, pin=pin)
+        else:
+            self.staging = PerChunkStaging(
+                self.chunks, self.engine, self._chunks_of, pin=pin, early_copies=early_copies
+            )
         self._executor = None
         if self.chunks:
             self._executor = ThreadPoolExecutor(

@@ -33,7 +33,7 @@ from ._group_options import check_impl_flags, check_wrapped_groups, prepare_amsg
 from ._host_part import HostPart
 from ._host_step import HostStep
 from ._policy import DelayedUpdate, OffloadPolicy, StagingKind
-from ._records import ParamRecord, flat_grad
+from ._records import ParamRecord, collect_grads
 from ._split import ParamInfo, plan_split
 from ._state import (
     StateView,
@@ -296,31 +296,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if key != "params" and key not in IMPL_KEYS:
                     sub_group[key] = value
 
-    def _collect_grads(self) -> dict[int, torch.Tensor]:
-        grads = {}
-        for record in self._records:
-            grad = record.param.grad
-            if grad is None:
-                continue
-            # Inline where the grad is dense and contiguous, as in training's every step; a 1-D
-            # one is its own flat view.
-            if grad.layout is not torch.strided or not grad.is_contiguous():
-                grad = flat_grad(record.param)
-            elif grad.dim() != 1:
-                grad = grad.view(-1)
-            if not record.pieces:  # record.ignored, read inline at every step
-                if not self._warned_ignored:
-                    self._warned_ignored = True
-                    warnings.warn(
-                        f"param {record.index} (shape {tuple(record.param.shape)}) has a grad but "
-                        "had requires_grad=False when the optimizer was built, so it is not "
-                        "updated; rebuild the optimizer to train it",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                continue
-            grads[record.index] = grad
-        return grads
+    def _warn_ignored(self, record: ParamRecord) -> None:
+        if not self._warned_ignored:
+            self._warned_ignored = True
+            warnings.warn(
+                f"param {record.index} (shape {tuple(record.param.shape)}) has a grad but had "
+                "requires_grad=False when the optimizer was built, so it is not updated; rebuild "
+                "the optimizer to train it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     @property
     def skips_on_device(self) -> bool:
@@ -440,7 +425,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             check_device_scalar(grad_factor, "grad_factor", device, "a clip's coefficient")
         # A non-contiguous grad is copied to a temporary here, which the D2H stream reads: the
         # copy records that stream on it, so dropping it is safe (copy_async).
-        grads = self._collect_grads()
+        grads, ignored = collect_grads(self._records)
+        if ignored is not None:
+            self._warn_ignored(ignored)
         # The grads (and the flags) are final here, before settle() makes the current stream
         # wait for the last step's H2D copies: their D2H copies wait for this, and each for the
         # H2D out of its own staging buffer only, so a delayed update's grads go to the host

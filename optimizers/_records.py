@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from ._cpu_kernel import CpuAdamKernel, KernelTable
 from ._split import ChunkSpec, PieceSpec
 
-__all__ = ["HostChunk", "ParamRecord", "Piece", "flat_grad", "flat_param"]
+__all__ = ["HostChunk", "ParamRecord", "Piece", "collect_grads", "flat_grad", "flat_param"]
 
 
 @dataclass
@@ -82,3 +83,26 @@ def flat_grad(param: torch.Tensor) -> torch.Tensor | None:
             "zero-shard steps dense grads only: build the embedding with sparse=False"
         )
     return grad.view(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+
+
+def collect_grads(
+    records: Sequence[ParamRecord],
+) -> tuple[dict[int, torch.Tensor], ParamRecord | None]:
+    """The flat grads of the records that step, by record index, and the first record with a
+    grad that never steps (``requires_grad=False`` at construction), if any."""
+    grads, ignored = {}, None
+    for record in records:
+        grad = record.param.grad
+        if grad is None:
+            continue
+        # Inline where the grad is dense and contiguous, as in training's every step; a 1-D
+        # one is its own flat view.
+        if grad.layout is not torch.strided or not grad.is_contiguous():
+            grad = flat_grad(record.param)
+        elif grad.dim() != 1:
+            grad = grad.view(-1)
+        if not record.pieces:  # record.ignored, read inline at every step
+            ignored = record if ignored is None else ignored
+            continue
+        grads[record.index] = grad
+    return grads, ignored

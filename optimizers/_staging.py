@@ -26,7 +26,6 @@ through the next backward.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,12 +58,9 @@ __all__ = [
     "BoundedStaging",
     "PerChunkStaging",
     "Staging",
-    "build_staging",
     "choose_staging",
     "staging_bytes",
 ]
-
-logger = logging.getLogger("zero_shard")
 
 # Staging buffers the chunks take in turn (see [Note: staging ring]): the worker steps one while
 # the H2D out of the one before and the D2H into the next run, with one to spare for their
@@ -101,23 +97,6 @@ def staging_bytes(kind: StagingKind, specs: Sequence[ChunkSpec]) -> int:
     if kind == "bounded":
         return max(sizes, default=0) * min(len(sizes), STAGING_SLOTS)
     return sum(sizes)
-
-
-def build_staging(
-    kind: StagingKind,
-    chunks: Sequence[HostChunk],
-    engine: CopyEngine,
-    *,
-    pin: bool,
-    early_copies: bool,
-    chunks_of: Mapping[int, Sequence[HostChunk]],
-) -> Staging:
-    """``kind``'s staging for ``chunks``. ``early_copies``: a buffer per chunk may take grads
-    before the step (not a delayed update's, see [Note: staging ring]); ``chunks_of``: record
-    index -> the chunks with a piece of it."""
-    if kind == "bounded":
-        return BoundedStaging(chunks, engine, pin=pin)
-    return PerChunkStaging(chunks, engine, pin=pin, early_copies=early_copies, chunks_of=chunks_of)
 
 
 ChunkPieces = tuple[HostChunk, list[tuple[ParamRecord, Piece]]]  # a chunk, its pieces with grads
@@ -172,9 +151,7 @@ def _queue_d2h_of(step: HostStep, jobs: Sequence[ChunkJob], previous: HostStep |
 
 
 class BoundedStaging(Staging):
-    """``STAGING_SLOTS`` buffers of the largest chunk's size, taken in turn; a copier thread
-    queues each stepped chunk's H2D and the next D2H into its buffer (see [Note: staging
-    ring]). Nothing is copied before the step."""
+    """``STAGING_SLOTS`` buffers taken in turn, and the copier; see [Note: staging ring]."""
 
     kind: StagingKind = "bounded"
     copies_early = False
@@ -207,10 +184,9 @@ class BoundedStaging(Staging):
         _queue_d2h_of(step, jobs[: len(self.buffers.views)], previous)  # the rest: by the copier
 
     def copy_out(self, step: HostStep, position: int, job: ChunkJob, stepped: bool) -> None:
-        """Hands the chunk to the copier (its H2D, and the D2H into its buffer of the chunk that
-        takes it next), also after a failure, so that the next chunks still step; runs it here
-        when the copier is shut down (the interpreter exiting with a step in flight stops it
-        first): the next chunk must not wait for a copy nobody will queue."""
+        """Hands the chunk to the copier, also after a failure, so that the next chunks still
+        step; runs its copies here once the copier is shut down (the interpreter exiting with a
+        step in flight stops it first): the next chunk must not wait for a copy nobody queues."""
         later = position + len(self.buffers.views)
         successor = step.job_at(later) if later < step.num_chunks else None
         try:
@@ -226,10 +202,10 @@ class BoundedStaging(Staging):
             job.copied = done
 
     def grads_ready(self, grads: Grads, previous: HostStep | None) -> None:
-        """Nothing: the buffers are taken in turn as chunks step."""
+        """Nothing: the buffers are taken in turn as chunks step, no grads held before it."""
 
     def forget_early_copies(self) -> None:
-        """Nothing: no grads are held before the step."""
+        pass
 
 
 def _spec_bytes(spec: ChunkSpec) -> int:
@@ -250,8 +226,7 @@ def _copy_out(step: HostStep, job: ChunkJob, successor: ChunkJob | None, stepped
 
 
 class PerChunkStaging(Staging):
-    """A buffer per chunk: every D2H is queued when the step starts (or before it, by
-    ``grads_ready``), each H2D when the step completes the chunk (see [Note: staging ring])."""
+    """A buffer per chunk, and the early copies into them; see [Note: staging ring]."""
 
     kind: StagingKind = "per_chunk"
     _engine: CopyEngine
@@ -266,11 +241,13 @@ class PerChunkStaging(Staging):
         self,
         chunks: Sequence[HostChunk],
         engine: CopyEngine,
+        chunks_of: Mapping[int, Sequence[HostChunk]],
         *,
         pin: bool,
         early_copies: bool,
-        chunks_of: Mapping[int, Sequence[HostChunk]],
     ) -> None:
+        """``chunks_of``: record index -> the chunks with a piece of it; ``early_copies``:
+        ``grads_ready`` copies grads (not for a delayed update, see [Note: staging ring])."""
         requests = [HostBufferRequest(_spec_bytes(c.spec), torch.uint8) for c in chunks]
         self.buffers = HostBuffers(requests, pin=pin)
         self.copies_early = early_copies
@@ -303,7 +280,7 @@ class PerChunkStaging(Staging):
         _queue_d2h_of(step, jobs, previous)
 
     def copy_out(self, step: HostStep, position: int, job: ChunkJob, stepped: bool) -> None:
-        """Nothing: the chunk's H2D is queued when the step completes it."""
+        pass  # the chunk's H2D is queued when the step completes it
 
     @torch.no_grad()
     def grads_ready(self, grads: Grads, previous: HostStep | None) -> None:
