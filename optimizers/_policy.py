@@ -182,13 +182,14 @@ class OffloadPolicy:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk_numel must be a positive integer, got {chunk!r}")
         # The mode strings are checked here once; the code past it switches on checked values.
-        for name, kind in (("cpu_kernel", CpuKernel), ("host_staging", HostStaging)):
+        modes = (
+            ("cpu_kernel", CpuKernel),
+            ("host_staging", HostStaging),
+            ("device_impl", DeviceImpl),
+        )
+        for name, kind in modes:
             if getattr(self, name) not in get_args(kind):
                 raise ValueError(
                     f"{name} must be one of {get_args(kind)}, got {getattr(self, name)!r}"
                 )
         check_switch_interval(self.gil_switch_interval)
-        if self.device_impl not in get_args(DeviceImpl):
-            raise ValueError(
-                f"device_impl must be one of {get_args(DeviceImpl)}, got {self.device_impl!r}"
-            )
