@@ -151,7 +151,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         check_impl_flags(self.param_groups)
         self._build()
-        self.state = StateView(self._records, self._host.wait_for_worker)
+        self.state = StateView(self._records, self._host)
 
     @classmethod
     def wrap(

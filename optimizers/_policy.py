@@ -103,22 +103,21 @@ class OffloadPolicy:
             backward reduces each bucket but the last) are copied then, while backward runs on,
             so the CPU step starts as soon as backward ends and its kernels do not share the
             host's memory with those copies (the fastest full offload, docs/benchmarks/e2e.md).
-            ``"bounded"``: 4 buffers of the largest chunk's size, taken
-            in turn (512 MiB of bf16 at the default chunks), so the host holds little more than
-            the fp32 weight and the states of each param; a chunk's grads are copied once an
-            earlier chunk's step has freed a buffer, so the grads a step was given are read until
-            the step is complete (``step()`` completes it before it returns; after
-            ``launch_step()`` they must not be written in place before it is). ``"auto"``
-            (default): ``"per_chunk"`` where the host keeps at least a quarter of its memory
-            available once every rank on it has taken what its CPU share needs with a buffer per
-            chunk, else ``"bounded"`` (so the largest model a host can train is bounded
-            staging's); ``"bounded"`` also where the host-memory check is off
-            (``ZERO_SHARD_SKIP_HOST_MEMORY_CHECK=1``: the host's report is not trusted). The
-            choice is logged (logger ``zero_shard``, INFO); ``HybridDeviceOptimizer.host_staging``
-            and ``memory_report()`` say it. A delayed update always uses ``"per_chunk"``
-            (without early copies: its weights wait in the buffers through the next backward);
-            so does ``zero_shard.wrap`` for a DDP model, whose grads are the model's own and may
-            be zeroed in place right after ``step()``.
+            ``"bounded"``: 4 buffers of the largest chunk's size, taken in turn (512 MiB of bf16 at
+            the default chunks), so the host holds little more than the fp32 weight and the states
+            of each param; a chunk's grads are copied once an earlier chunk's step has freed a
+            buffer, so the grads a step was given are read until the step is complete (``step()``
+            completes it before it returns; after ``launch_step()`` they must not be written in
+            place before it is). ``"auto"`` (default): ``"per_chunk"`` where the host keeps at least
+            a quarter of its memory available once every rank on it has taken what its CPU share
+            needs with a buffer per chunk, else ``"bounded"`` (so the largest model a host can train
+            is bounded staging's); ``"bounded"`` also where the host-memory check is off
+            (``ZERO_SHARD_SKIP_HOST_MEMORY_CHECK=1``: the host's report is not trusted). The choice
+            is logged (logger ``zero_shard``, INFO); ``HybridDeviceOptimizer.host_staging`` and
+            ``memory_report()`` say it. A delayed update always uses ``"per_chunk"`` (without early
+            copies: its weights wait in the buffers through the next backward); so does
+            ``zero_shard.wrap`` for a DDP model, whose grads are the model's own and may be zeroed
+            in place right after ``step()``.
         gil_switch_interval: seconds. While the CPU's share of a step is in flight, the
             interpreter's GIL switch interval (``sys.setswitchinterval``) is shortened to this if
             it is longer, and put back once the step is complete (unless changed meanwhile). The

@@ -9,8 +9,8 @@ longer than a chunk) shows a CPU copy of the concatenation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -135,6 +135,13 @@ def record_state(record: ParamRecord) -> dict[str, Any]:
     return state
 
 
+class Worker(Protocol):
+    """What ``StateView`` waits for before a read (the host part, whose worker steps state)."""
+
+    def wait_for_worker(self) -> None:
+        """Returns once no step in flight writes the state any more."""
+
+
 class StateView(Mapping[torch.Tensor, dict[str, Any]]):
     """``optimizer.state`` as torch users read it: model param -> its state (``record_state``).
 
@@ -144,22 +151,22 @@ class StateView(Mapping[torch.Tensor, dict[str, Any]]):
     one piece, else copies), so it is read-only: state is changed through ``load_state_dict``.
     """
 
-    def __init__(self, records: Sequence[ParamRecord], settle: Callable[[], None]) -> None:
+    def __init__(self, records: Sequence[ParamRecord], worker: Worker) -> None:
         self._records = {record.param: record for record in records}
-        self._settle = settle  # waits for a step in flight: the worker may be writing state
+        self._worker = worker  # may be writing state: each read waits for it
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
         record = self._records.get(param)
         if record is None:
             return {}
-        self._settle()
+        self._worker.wait_for_worker()
         return record_state(record)
 
     def __contains__(self, param: object) -> bool:
         record = self._records.get(param)  # type: ignore[call-overload]
         if record is None:
             return False
-        self._settle()
+        self._worker.wait_for_worker()
         return any(piece.state for piece in record.pieces)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
