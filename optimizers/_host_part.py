@@ -107,7 +107,7 @@ def _checked_staging(
         per_element = 4 * (1 + num_state_tensors)
         per_element += 4 if _needs_grad_buffer(spec, kernel) else 0
         other_bytes += spec.numel * per_element
-    kind: StagingKind = "bounded" if staging == "auto" else staging  # "auto": nothing to stage
+    kind: StagingKind = "bounded" if staging == "auto" else staging  # (with nothing to stage)
     if staging == "auto" and specs:
         kind, reason = choose_staging(other_bytes + staging_bytes("per_chunk", specs))
         logger.info("zero-shard: host staging %r (host_staging='auto': %s)", kind, reason)
