@@ -266,8 +266,9 @@ def _wait_until_quiet(parts: list[host_part.HostPart]) -> None:
         pending = part.pending
         if pending is not None:
             pending.wait_worker()
-        if part._copier is not None:  # runs in order: a no-op is done after the last copy
-            part._copier.submit(int).result()
+        copier = getattr(part.staging, "_copier", None)  # bounded staging's
+        if copier is not None:  # runs in order: a no-op is done after the last copy
+            copier.submit(int).result()
         if part.engine.device.type != "cpu":
             torch.get_device_module(part.engine.device).synchronize()
 
@@ -325,7 +326,7 @@ def _kernel_over_chunks(parts: list[host_part.HostPart]) -> Callable[[], None]:
         for position, chunk in enumerate(part.chunks):
             if chunk.kernel is None:
                 continue
-            staging = part.staging(position % part.num_slots, chunk.spec)
+            staging = part.staging.view(part.staging.slot(position, chunk), chunk.spec)
             pieces = [
                 KernelPiece(piece.main, staging[piece.offset : piece.offset + piece.spec.numel],
                             piece.state)

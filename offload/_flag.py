@@ -3,14 +3,13 @@
 [Note: flags written by the device]
 The worker reads a step's flags (found_inf, the clip's factor) before its first chunk, so they
 must reach the host as soon as they are final. A copy of them is a DMA on the copy engine, which
-was measured to take copies in the order they were released, whatever their stream: behind 1 GiB
-of D2H copies queued on another stream (as the early copies of backward's last buckets are) a
-4-byte flag took 18.8 ms to land, against 2.4 ms with nothing queued (one H100,
-`docs/benchmarks/e2e.md`). On CUDA the flag is therefore not copied: a
-one-element kernel writes it straight into the pinned host buffer, which a kernel may address by
-its host pointer (unified addressing: all memory from ``cudaHostAlloc`` or ``cudaHostRegister``
-is mapped), and that kernel runs on the SMs, not behind the copies. Elsewhere (another
-accelerator, or where the view cannot be had) the flag is copied.
+takes copies in the order they were released, whatever their stream: queued behind the D2H copies
+of another stream (as the early copies of backward's last buckets are), a 4-byte flag lands only
+after all of them (docs/benchmarks/e2e.md measures the wait). On CUDA the flag is therefore not
+copied: a one-element kernel writes it straight into the pinned host buffer, which a kernel may
+address by its host pointer (unified addressing: all memory from ``cudaHostAlloc`` or
+``cudaHostRegister`` is mapped), and that kernel runs on the SMs, not behind the copies.
+Elsewhere (another accelerator, or where the view cannot be had) the flag is copied.
 """
 
 from __future__ import annotations

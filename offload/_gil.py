@@ -6,11 +6,9 @@ kernel) must take it back when the call returns. If another thread is running Py
 main thread queuing the next forward, a copier building a chunk's copies), CPython hands the GIL
 over only once the waiting thread has waited for the switch interval (``sys.setswitchinterval``,
 5 ms by default) or the running thread blocks. So each chunk may wait up to the interval after
-its kernel, and a step of 64 chunks up to 64 times. On one H100 host, a 1B-parameter
-full-offload step with the interval at 0.5 ms while the host step is in flight was faster than
-with 5 ms in 6 of 7 alternating pairs of runs (by 7% of its bound, median), its kernels in the
-run 205-236 ms (median per run) against 203-279 ms (docs/benchmarks/e2e.md).
-The cost: threads that run Python at the same time hand the GIL over more often (each hand-off
+its kernel, and a step of 64 chunks up to 64 times: a shorter interval while the host step is in
+flight bounds that wait by the interval instead (docs/benchmarks/e2e.md compares the two). The
+cost: threads that run Python at the same time hand the GIL over more often (each hand-off
 is a few microseconds).
 
 The interval belongs to the interpreter, so holds are counted: the first shortens it (never

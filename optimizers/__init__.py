@@ -1,9 +1,10 @@
 """One rank's hybrid GPU/CPU optimizer (knows no process group)."""
 
+from ._checks import check_param_kind
 from ._elementwise import check_elementwise, constructor_defaults
 from ._grad_factor import scale_grads_
 from ._host_step import HostStep
-from ._hybrid import HybridDeviceOptimizer, MemoryReport, check_param_kind
+from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
 
 __all__ = [

@@ -1,8 +1,9 @@
 """The single-pass CPU Adam/AdamW kernel (csrc/cpu_adam.c): built on first use, called by ctypes.
 
 torch's fused CPU AdamW needs fp32 grads and writes fp32 weights, so a bf16 model costs two more
-passes over host memory per step (grad cast in, weight cast out): measured on an H100 host they
-add 0.85x of the AdamW itself (docs/benchmarks/offload_step.md). This kernel reads the bf16 grad
+passes over host memory per step (grad cast in, weight cast out), and the update itself is bound
+by host memory bandwidth, so they cost nearly as much again (docs/benchmarks/offload_step.md
+measures them). This kernel reads the bf16 grad
 and writes the bf16 weight inside its one pass. It is built with the host's C compiler into a
 per-user cache the first time it is needed; without a compiler zero-shard warns once and uses
 torch's kernel and the casts.
@@ -19,12 +20,17 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+from offload import ThreadBudget
+
+from ._policy import CpuKernel
+from ._split import ChunkSpec
 
 __all__ = [
     "CpuAdamKernel",
@@ -32,6 +38,7 @@ __all__ = [
     "KernelTable",
     "fused_kernel_applies",
     "load_cpu_adam",
+    "select_cpu_kernel",
     "unmet_option",
 ]
 
@@ -378,3 +385,33 @@ class KernelTable:
             )
         for count, step in zip(self._counts, steps, strict=True):
             count.value = step  # rounded to the count's dtype, as torch's `step += 1` is
+
+
+def select_cpu_kernel(
+    mode: CpuKernel,
+    cls: type[torch.optim.Optimizer],
+    groups: Sequence[dict[str, Any]],
+    chunks: Iterable[ChunkSpec],
+    threads: ThreadBudget | None,
+) -> CpuAdamKernel | None:
+    """The single-pass kernel for ``cls``'s CPU chunks if ``mode`` (``OffloadPolicy.cpu_kernel``)
+    asks for it and it applies to one of them (their param ``groups``); ``None``: torch's."""
+    if mode == "torch" or threads is None:
+        return None
+    if not any(fused_kernel_applies(cls, groups[c.group_index], c.dtype) for c in chunks):
+        if mode == "fused":
+            raise ValueError(
+                f"cpu_kernel='fused' implements Adam and AdamW without amsgrad, maximize or "
+                f"tensor hyperparameters, for bf16 and fp32 params; this optimizer is "
+                f"{cls.__name__} with those options unmet. Use cpu_kernel='auto' or 'torch'"
+            )
+        return None
+    library = load_cpu_adam()
+    if library is None:
+        if mode == "fused":
+            raise RuntimeError(
+                "cpu_kernel='fused' but the kernel could not be built here (see the warning); "
+                "install a C compiler or use cpu_kernel='auto' or 'torch'"
+            )
+        return None
+    return CpuAdamKernel(library, cls, threads.num_threads)

@@ -9,7 +9,7 @@ written from TransformerEngine's ``transformer_engine/pytorch/optimizers/fused_a
 04912bf0) with its kernel ``common/multi_tensor/adam.cu`` (0608bdee), and from apex's
 ``apex/optimizers/fused_adam.py`` with ``csrc/multi_tensor_adam.cu`` (004da4ed): parity with
 torch's Adam/AdamW, state dicts across offload fractions, refusals; on the CPU, and through the
-CUDA device path on one H100 (the doubles' torch ops standing for the kernels). What is not: the
+CUDA device path on a GPU (the doubles' torch ops standing for the kernels). What is not: the
 real packages and their CUDA kernels never ran (neither is installed in CI or on the lent GPUs).
 """
 

@@ -24,11 +24,11 @@ def scale_grads_(grads: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
 
     On CUDA, ``_foreach_mul_`` takes its fused path only for a factor of the grads' dtype; for
     bf16 or fp16 grads and an fp32 factor it multiplies one grad at a time, each factor rounded
-    to the grads' dtype as it is loaded, at about a third of the memory bandwidth (5 ms for the
-    244 grads of a 1B GPT on one H100: most of the time between backward and the first grad's
-    copy to the host). Handing it the factor rounded to the grads' dtype takes the fused path
-    and gives the same bits (tests/zero_shard/test_norms.py, on CUDA). Elsewhere (the CPU
-    multiplies by the fp32 factor itself) the factor goes as it is."""
+    to the grads' dtype as it is loaded, at about a third of the memory bandwidth: with many
+    grads, most of the time between backward and the first grad's copy to the host
+    (docs/benchmarks/e2e.md measures it). Handing it the factor rounded to the grads' dtype
+    takes the fused path and gives the same bits (tests/zero_shard/test_norms.py, on CUDA).
+    Elsewhere (the CPU multiplies by the fp32 factor itself) the factor goes as it is."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)

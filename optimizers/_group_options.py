@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ._cpu_kernel import unmet_option
-from ._records import ParamRecord
-
-if TYPE_CHECKING:
-    from ._host_part import HostChunk
+from ._records import HostChunk, ParamRecord
 
 __all__ = [
     "check_impl_flags",

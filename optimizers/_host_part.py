@@ -2,55 +2,33 @@
 
 [Note: host pipeline]
 ``start`` records an event on the current stream (the grads are complete there), queues chunks'
-grads on the D2H stream behind that event into staging buffers (see [Note: staging ring]), and
-hands each chunk to one worker thread, which waits for its chunk's copies and steps it: the
-single-pass kernel reads the model-dtype grads from the staging buffer and writes the model-dtype
-weights back there; otherwise the grads are cast to fp32, the chunk's CPU sub-optimizer steps and
-the weights are cast back. The weights then go to the params on the H2D stream. ``start`` returns
-a ``HostStep`` that completes the chunks in the same order, making the current stream wait for
-each one's H2D (the H2D stream runs in order), so the next forward sees the new params with no
-host synchronization (see [Note: deferred host step]). Meanwhile the accelerator's own share is
-stepped on the current stream. So the D2H of chunk k+1, the CPU step of chunk k and the H2D of
-chunk k-1 overlap each other and the accelerator's step.
-
-[Note: staging ring]
-A staging buffer carries a chunk's grads in (D2H) and its new weights out (H2D), in the model
-dtype. Held for every chunk, the buffers would cost 2 bytes a param on the host beside the fp32
-main weight and the two states (12); so the chunks take ``STAGING_SLOTS`` buffers of the largest
-chunk's size in turn, and the host holds a bounded few hundred MiB of staging whatever the model.
-``start`` queues the D2H of the first ``STAGING_SLOTS`` chunks. Once the worker stepped a chunk,
-a copier thread queues its H2D into the params (behind the events the step's writes wait for, see
-[Note: deferred host step]) and then the D2H of the chunk ``STAGING_SLOTS`` later into the same
-buffer, behind that H2D, while the worker goes on with the next chunk; completing a chunk is then
-a stream wait on its H2D. The worker waits (on the host) until a chunk's D2H is queued; the
-copier queues it also after a failure, so the later chunks still step. The grads of the chunks
-not copied yet are held by the step (the copies' list) until their D2H is queued, so that their
-memory is not reused before it is read.
-
-A delayed update instead gives every chunk its own buffer and queues its H2D only when the step
-is completed, after the next backward, which reads the params they overwrite; its weights wait in
-staging until then. The next step's D2H into a buffer waits for the last H2D out of it, so each
-chunk's grads go in as soon as its weights are out, not after every chunk's.
+grads on the D2H stream behind that event into staging buffers (see [Note: staging ring] in
+_staging.py), and hands each chunk to one worker thread, which waits for its chunk's copies and
+steps it: the single-pass kernel reads the model-dtype grads from the staging buffer and writes
+the model-dtype weights back there; otherwise the grads are cast to fp32, the chunk's CPU
+sub-optimizer steps and the weights are cast back. The weights then go to the params on the H2D
+stream. ``start`` returns a ``HostStep`` that completes the chunks in the same order, making the
+current stream wait for each one's H2D (the H2D stream runs in order), so the next forward sees
+the new params with no host synchronization (see [Note: deferred host step]). Meanwhile the
+accelerator's own share is stepped on the current stream. So the D2H of chunk k+1, the CPU step
+of chunk k and the H2D of chunk k-1 overlap each other and the accelerator's step.
 
 While a step is in flight, the interpreter's GIL switch interval is shortened: the worker takes
 the GIL back after each chunk's kernel (see [Note: GIL switch interval] in offload/_gil.py).
 
-With a buffer per chunk, the grads of a chunk may instead be copied while backward runs, before
-the step (see [Note: early grad copies] in _early.py).
-
 [Note: merged kernel calls]
 Each call of the single-pass kernel is one OpenMP parallel region, and its threads may have to be
 woken for it: a training process has two OpenMP teams (torch's on the main thread, the kernel's
-on the worker), so libgomp lets idle threads spin only briefly before they sleep, and on some
-hosts each wake-up cost 1-2.5 ms a call (docs/benchmarks/e2e.md). So where the
-grads of the chunks after the one the worker takes are on the host already (early copies, a ring's
-first buffers, the CPU), the worker steps them in the same call: up to ``MERGE_CHUNKS`` chunks,
-and at most half of those still to step. They are then completed as if stepped one by one (the
-later ones' turns only report the call's outcome). A call's weights go to the params only once
-it is done; the half keeps the calls after it at least as long as it, so its H2D copies and the
-next forward over its layers run under them, and the step ends as without merging: its last two
-chunks are stepped alone, and the next forward's last layers wait for the last one's H2D only.
-Only whole chunks on the kernel merge, of one staging dtype.
+on the worker), so libgomp lets idle threads spin only briefly before they sleep, and a wake-up
+is paid per call (docs/benchmarks/e2e.md measures it). So where the grads of
+the chunks after the one the worker takes are on the host already (early copies, bounded
+staging's first buffers, the CPU), the worker steps them in the same call: up to
+``MERGE_CHUNKS`` chunks, and at most half of those still to step. They are then completed as if
+stepped one by one (the later ones' turns only report the call's outcome). A call's weights go
+to the params only once it is done; the half keeps the calls after it at least as long as it, so
+its H2D copies and the next forward over its layers run under them, and the step ends as without
+merging: its last two chunks are stepped alone, and the next forward's last layers wait for the
+last one's H2D only. Only whole chunks on the kernel merge, of one staging dtype.
 
 The worker touches a buffer only after the D2H into it completed, and until it queued the H2D
 out of it. This assumes that forward and backward run on the stream that was current when
@@ -63,8 +41,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -72,70 +49,44 @@ import torch
 from offload import (
     CopyEngine,
     CopyPair,
-    HostBufferRequest,
-    HostBuffers,
     HostFlag,
     ThreadBudget,
-    available_after,
     check_host_memory,
     current_stream,
-    format_bytes,
     phase,
     record_event,
     side_stream,
-    switch_interval,
-    use_device,
     wait_event,
 )
 
 from ._cpu_kernel import CpuAdamKernel, KernelPiece, KernelTable, fused_kernel_applies
-from ._early import EarlyCopy, GradIdentity
 from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._group_options import leave_kernel_where_unmet, snapshot_hyperparams
 from ._host_step import ChunkJob, HostStep
-from ._records import ParamRecord, Piece, flat_param
+from ._policy import HostStaging, StagingKind
+from ._records import HostChunk, ParamRecord, Piece, flat_param
 from ._split import ChunkSpec
+from ._staging import (
+    STAGING_SLOTS,
+    BoundedStaging,
+    PerChunkStaging,
+    Staging,
+    choose_staging,
+    staging_bytes,
+)
 
-__all__ = ["MERGE_CHUNKS", "STAGING_SLOTS", "HostChunk", "HostPart", "choose_staging"]
+__all__ = ["MERGE_CHUNKS", "HostPart"]
 
 logger = logging.getLogger("zero_shard")
-
-# Staging buffers the chunks take in turn (see [Note: staging ring]): the worker steps one while
-# the H2D out of the one before and the D2H into the next run, with one to spare for their
-# spread (at the default 64M-element chunks, 512 MiB of bf16 staging).
-STAGING_SLOTS = 4
 
 # Chunks whose grads are on the host the worker steps in one kernel call, at most (see [Note: merged
 # kernel calls]): at the default 64M-element chunks, a call of up to 256M elements.
 MERGE_CHUNKS = 4
 
-# Kernel tables a chunk keeps at most: one per staging slot it takes (a ring's four) for each
-# number of chunks merged after it, with room to spare.
+# Kernel tables a chunk keeps at most: one per staging slot it takes (bounded staging's four) for
+# each number of chunks merged after it, with room to spare.
 _TABLES_KEPT = 4 * STAGING_SLOTS * MERGE_CHUNKS
-
-# host_staging="auto" takes a buffer per chunk where the host keeps at least this share of its
-# memory available after it (see choose_staging).
-AUTO_STAGING_KEEPS_FREE = 0.25
-
-
-@dataclass
-class HostChunk:
-    """Host pieces of one param group and dtype, copied, cast and stepped together."""
-
-    spec: ChunkSpec
-    index: int  # position in HostPart.chunks (its staging buffer when each chunk has its own)
-    pieces: list[tuple[ParamRecord, Piece]]
-    main: torch.Tensor  # 1-D fp32, host
-    grad: torch.Tensor | None  # 1-D fp32, host, for low-precision chunks that torch steps; None:
-    #                            the grads are read from staging (the kernel, or fp32 params)
-    optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
-    kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step();
-    #                               None: optimizer.step() (for good once its group asks for an
-    #                               option the kernel lacks, see leave_kernel_where_unmet)
-    tables: dict[tuple[tuple[int, int], ...], KernelTable] = field(default_factory=dict)  # the
-    #       kernel's call for the whole chunk, alone or with the chunks merged after it, keyed by
-    #       (chunk index, staging slot) of each; built and used by the worker only
 
 
 def _needs_grad_buffer(spec: ChunkSpec, kernel: CpuAdamKernel | None) -> bool:
@@ -143,48 +94,29 @@ def _needs_grad_buffer(spec: ChunkSpec, kernel: CpuAdamKernel | None) -> bool:
     return spec.dtype != torch.float32 and kernel is None
 
 
-def staging_bytes(specs: Sequence[ChunkSpec], *, ring: bool) -> list[int]:
-    """The staging buffers' sizes: one per chunk, or ``STAGING_SLOTS`` of the largest chunk's
-    size taken in turn (``ring``); see [Note: staging ring]."""
-    sizes = [spec.numel * spec.dtype.itemsize for spec in specs]
-    if ring and sizes:
-        return [max(sizes)] * min(len(sizes), STAGING_SLOTS)
-    return sizes
-
-
-def host_bytes_needed(
+def _checked_staging(
+    staging: HostStaging,
     specs: Sequence[ChunkSpec],
     num_state_tensors: int,
     kernels: Sequence[CpuAdamKernel | None],
-    *,
-    ring: bool,
-) -> int:
-    """Host bytes for ``specs``: fp32 main, fp32 grad where needed, optimizer state, staging."""
-    total = sum(staging_bytes(specs, ring=ring))
+) -> StagingKind:
+    """``staging`` with ``"auto"`` resolved (see ``choose_staging``), once the host is checked
+    to hold the CPU share with it: fp32 main, fp32 grad where needed, optimizer state, staging."""
+    other_bytes = 0
     for spec, kernel in zip(specs, kernels, strict=True):
         per_element = 4 * (1 + num_state_tensors)
         per_element += 4 if _needs_grad_buffer(spec, kernel) else 0
-        total += spec.numel * per_element
-    return total
-
-
-def choose_staging(per_chunk_bytes: int) -> tuple[str, str]:
-    """``host_staging="auto"``'s choice for a CPU share that needs ``per_chunk_bytes`` of host
-    memory with a staging buffer per chunk, and why: ``"per_chunk"`` (the fastest full offload,
-    2 bytes a bf16 param more) where the host keeps at least ``AUTO_STAGING_KEEPS_FREE`` of its
-    memory available once every local rank has taken that much, else ``"bounded"``. So a model
-    near what the host can hold gets bounded staging, and the same largest model fits. The rest
-    of the process (the data loader, a checkpoint's copies, other models of an RL stack) keeps
-    the quarter."""
-    after = available_after(per_chunk_bytes)
-    if after is None:
-        return "bounded", "the host-memory check is off: its report is not trusted"
-    available, total = after
-    reason = (
-        f"{format_bytes(max(available, 0))} of {format_bytes(total)} would be left available "
-        f"with a buffer per chunk (kept: {AUTO_STAGING_KEEPS_FREE:.0%})"
+        other_bytes += spec.numel * per_element
+    kind: StagingKind = "bounded" if staging == "auto" else staging  # (with nothing to stage)
+    if staging == "auto" and specs:
+        kind, reason = choose_staging(other_bytes + staging_bytes("per_chunk", specs))
+        logger.info("zero-shard: host staging %r (host_staging='auto': %s)", kind, reason)
+    check_host_memory(
+        other_bytes + staging_bytes(kind, specs),
+        what="the fp32 main weights, grads and optimizer state offloaded to the CPU",
+        setting="the offload fraction",
     )
-    return ("per_chunk" if available >= AUTO_STAGING_KEEPS_FREE * total else "bounded"), reason
+    return kind
 
 
 def _slice(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
@@ -196,34 +128,21 @@ class HostPart:
 
     chunks: list[HostChunk]  # in parameter order
     engine: CopyEngine
-    buffers: HostBuffers  # the staging buffers (1-D uint8 views), see [Note: staging ring]
-    host_staging: str  # "bounded" or "per_chunk" (OffloadPolicy.host_staging, "auto" resolved)
+    staging: Staging  # its buffers and the order of the copies through them
     threads: ThreadBudget | None  # None when nothing is offloaded
     _main_flats: list[torch.Tensor]  # 1-D fp32 host, one per param group with host elements
     _grad_flats: list[torch.Tensor]  # 1-D fp32 host, low-precision chunks only
     _executor: ThreadPoolExecutor | None  # one worker: the CPU steps run one chunk at a time
-    _copier: ThreadPoolExecutor | None  # a ring: queues each stepped chunk's H2D and the next
-    #                                     D2H into its buffer, off the worker's path
-    pending: HostStep | None  # the step the worker is on, until every chunk is completed
-    num_updates: int  # steps completed and not skipped (a delayed update's warm-up counts them)
+    num_updates: int  # steps settled and not skipped (a delayed update's warm-up counts them)
     _last_step: HostStep | None  # the last step started: when each staging buffer is free again
+    _unsettled: HostStep | None  # the last step started, until settle() counted its update
     _found_inf: HostFlag  # the step's found_inf on its way to the worker (reused each step: the
     #                      step in flight is settled before the next start sends another)
     _grad_factor: HostFlag  # the step's grad factor on its way to the worker (reused as above)
     _flags_stream: Any  # where both flags are sent, behind the grads' event only; None: CPU
-    early_copies: bool  # grads_ready may copy chunks' grads before the step ([Note: early grad
-    #                     copies]): a buffer per chunk, whose weights leave it within the step
-    _early: dict[int, EarlyCopy]  # chunk index -> its grads copied since the last step
-    _early_grads: dict[int, torch.Tensor]  # record index -> its grad given since the last step,
-    #     held until every chunk with a piece of it was copied (a backward's grads are then held
-    #     by nothing here: zero_grad frees them, as without early copies)
-    _uncopied: dict[int, set[int]]  # record index -> its chunks not copied since it was given
     _chunks_of: dict[int, list[HostChunk]]  # record index -> the chunks with a piece of it
     switch_interval: float | None  # the GIL switch interval while a step is in flight (see
     #                                [Note: GIL switch interval]); None: left alone
-    _release_interval: weakref.finalize | None  # ends the step in flight's hold on the shorter
-    #     interval: when it is complete, or when it is collected never completed (a dropped
-    #     optimizer); None: no hold
 
     def __init__(
         self,
@@ -237,7 +156,7 @@ class HostPart:
         threads: ThreadBudget | None,
         num_state_tensors: int,
         kernel: CpuAdamKernel | None,
-        staging: str,
+        staging: HostStaging,
         switch_interval: float | None = None,
         early_copies: bool = False,
     ) -> None:
@@ -248,43 +167,15 @@ class HostPart:
             else None
             for s in specs
         ]
-        if staging == "auto":
-            if specs:
-                staging, reason = choose_staging(
-                    host_bytes_needed(specs, num_state_tensors, kernels, ring=False)
-                )
-                logger.info(
-                    "zero-shard: host staging %r (host_staging='auto': %s)", staging, reason
-                )
-            else:
-                staging = "bounded"  # nothing to stage
-        if staging not in ("bounded", "per_chunk"):
-            raise AssertionError(
-                f"expected a host staging of 'bounded' or 'per_chunk', got {staging!r}"
-            )
-        ring = staging == "bounded"
-        check_host_memory(
-            host_bytes_needed(specs, num_state_tensors, kernels, ring=ring),
-            what="the fp32 main weights, grads and optimizer state offloaded to the CPU",
-            setting="the offload fraction",
-        )
+        kind = _checked_staging(staging, specs, num_state_tensors, kernels)
         self.engine = CopyEngine(device)
         self.threads = threads
-        self.host_staging = staging
         self.switch_interval = switch_interval
-        self._release_interval = None
-        self.pending = None
         self.num_updates = 0
-        self._last_step = None
+        self._last_step = self._unsettled = None
         self._found_inf = HostFlag(device)
         self._grad_factor = HostFlag(device)
         self._flags_stream = side_stream(device)
-        self.early_copies = early_copies and not ring
-        self.forget_early_copies()
-        self.buffers = HostBuffers(
-            [HostBufferRequest(size, torch.uint8) for size in staging_bytes(specs, ring=ring)],
-            pin=pin_memory and device.type != "cpu",
-        )
         self._main_flats, self._grad_flats, self.chunks = [], [], []
         for group_index in sorted({spec.group_index for spec in specs}):
             group_specs = [
@@ -295,10 +186,14 @@ class HostPart:
         for chunk in self.chunks:
             for record, _ in chunk.pieces:
                 self._chunks_of.setdefault(record.index, []).append(chunk)
-        self._executor = self._copier = None
-        if self.chunks and ring:
-            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero_shard_copies")
-            weakref.finalize(self, self._copier.shutdown, wait=False)
+        pin = pin_memory and device.type != "cpu"
+        if kind == "bounded":
+            self.staging = BoundedStaging(self.chunks, self.engine, pin=pin)
+        else:
+            self.staging = PerChunkStaging(
+                self.chunks, self.engine, self._chunks_of, pin=pin, early_copies=early_copies
+            )
+        self._executor = None
         if self.chunks:
             self._executor = ThreadPoolExecutor(
                 max_workers=1,
@@ -308,11 +203,6 @@ class HostPart:
             )
             weakref.finalize(self, self._executor.shutdown, wait=False)
         self.reload_from_params()
-
-    @property
-    def ring(self) -> bool:
-        """Bounded staging: the chunks take ``STAGING_SLOTS`` buffers in turn (else one each)."""
-        return self.host_staging == "bounded"
 
     def _build_group(
         self,
@@ -361,14 +251,6 @@ class HostPart:
         self.chunks.sort(key=lambda chunk: chunk.index)
 
     @property
-    def num_slots(self) -> int:
-        return len(self.buffers.views)
-
-    def staging(self, slot: int, spec: ChunkSpec) -> torch.Tensor:
-        """The staging buffer ``slot`` as a chunk of ``spec``'s: 1-D, its dtype and numel."""
-        return self.buffers.views[slot][: spec.numel * spec.dtype.itemsize].view(spec.dtype)
-
-    @property
     def num_bytes(self) -> int:
         """Bytes of host memory held: flat buffers, staging and optimizer state."""
         flats = sum(t.numel() * t.element_size() for t in (*self._main_flats, *self._grad_flats))
@@ -379,18 +261,24 @@ class HostPart:
             for value in piece.state.values()
             if torch.is_tensor(value) and value.dim() > 0
         )
-        return flats + state + self.buffers.num_bytes
+        return flats + state + self.staging.buffers.num_bytes
+
+    @property
+    def pending(self) -> HostStep | None:
+        """The step in flight: started, and not every chunk completed yet."""
+        step = self._unsettled
+        return None if step is None or step.done else step
 
     @torch.no_grad()
     def reload_from_params(self, indices: set[int] | None = None) -> None:
         """Refreshes host fp32 main weights from the model params, through staging: of every
         param, or of the params whose record index is in ``indices``."""
         self.settle()
-        self.forget_early_copies()  # their buffers are overwritten here
+        self.staging.forget_early_copies()  # their buffers are overwritten here
         after = record_event(current_stream(self.engine.device))
         for chunk in self.chunks:
             chosen = [(r, p) for r, p in chunk.pieces if indices is None or r.index in indices]
-            staging = self.staging(chunk.index % self.num_slots, chunk.spec)
+            staging = self.staging.view(self.staging.slot(chunk.index, chunk), chunk.spec)
             pairs = [
                 CopyPair(
                     _slice(staging, piece.offset, piece.spec.numel),
@@ -416,6 +304,7 @@ class HostPart:
         found_inf: torch.Tensor | None = None,
         grad_factor: torch.Tensor | None = None,
         grads_final: Any,
+        delayed: bool = False,
     ) -> HostStep:
         """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied on
         the host by ``grad_factor`` (one fp32 element, on the device; as the device would, see
@@ -429,13 +318,44 @@ class HostPart:
         not wait for it here. ``grads_final``: an event on the current stream after which the
         grads and flags are final, recorded before the step in flight was settled (settling
         makes the current stream wait for every H2D: each chunk's D2H waits for its own below);
-        ``None`` where nothing is recorded (the CPU)."""
+        ``None`` where nothing is recorded (the CPU). ``delayed``: the step is a delayed
+        update's (its weights reach the params at the next step)."""
         start_event = grads_final
         self.settle()
         previous = self._last_step
         # Before any chunk is handed to the worker: see [Note: group options at launch].
         self._grad_flats += leave_kernel_where_unmet(self.chunks)
         snapshot_hyperparams(chunk.optimizer.param_groups[0] for chunk in self.chunks)
+        verdict, factor = self._send_flags(found_inf, grad_factor, start_event)
+        with_grads = []
+        for chunk in self._chunk_order(need_order):
+            active = [(r, p) for r, p in chunk.pieces if r.index in grads]
+            for record, piece in chunk.pieces:
+                piece.main.grad = piece.grad if record.index in grads else None
+            if active:
+                with_grads.append((chunk, active))
+        jobs = self.staging.make_jobs(with_grads, grads)
+        step = HostStep(
+            jobs,
+            start_event,
+            engine=self.engine,
+            delayed=delayed,
+            verdict=verdict,
+            factor=factor,
+            gil_switch_interval=self.switch_interval,
+        )
+        self.staging.queue_first_copies(step, jobs, previous)
+        for position, job in enumerate(jobs):
+            job.future = self._executor.submit(
+                _run_job, step, position, job, grad_scale, self.staging
+            )
+        self._last_step = self._unsettled = step
+        return step
+
+    def _send_flags(
+        self, found_inf: torch.Tensor | None, grad_factor: torch.Tensor | None, start_event: Any
+    ) -> tuple[HostFlag | None, HostFlag | None]:
+        """The step's verdict and factor on their way to the worker (``None``: not given)."""
         verdict = factor = None
         # The worker reads the flags first: on their own stream, behind start_event only (the
         # current stream now waits for the last step's H2D copies, the D2H stream for the early
@@ -447,113 +367,21 @@ class HostPart:
         if grad_factor is not None and self.chunks:
             self._grad_factor.send(grad_factor, stream=self._flags_stream, after=[start_event])
             factor = self._grad_factor
-        early = self._early
-        self.forget_early_copies()  # used below or not at all: the next step's come afresh
-        jobs: list[ChunkJob] = []
-        for chunk in self._chunk_order(need_order):
-            active = [(r, p) for r, p in chunk.pieces if r.index in grads]
-            for record, piece in chunk.pieces:
-                piece.main.grad = piece.grad if record.index in grads else None
-            if not active:
-                continue
-            slot = len(jobs) % self.num_slots if self.ring else chunk.index
-            job = ChunkJob(chunk, active, slot, self.staging(slot, chunk.spec))
-            copied = early.get(chunk.index)
-            if copied is not None and copied.serves([r.index for r, _ in active], grads):
-                job.d2h_done = copied.done  # in its buffer already ([Note: early grad copies])
-                job.d2h_queued.set()
-            else:
-                job.grads = [grads[record.index] for record, _ in active]
-            jobs.append(job)
-        if not self.ring:  # (a ring's chunks take its buffers in turn: their order is fixed)
-            _lead_with_a_landed_copy(jobs)
-        step = HostStep(
-            self, jobs, start_event, on_done=self._step_done, verdict=verdict, factor=factor
-        )
-        lead = self.num_slots if self.ring else len(jobs)  # the rest: queued by the worker
-        for job in jobs[:lead]:
-            if job.d2h_queued.is_set():
-                continue
-            # Into staging once the last step's H2D out of it is done ([Note: staging ring]).
-            h2d_before = None if previous is None else previous.h2d_event_of(job.slot)
-            step.queue_d2h(job, after=[start_event, h2d_before])
-        if jobs and self.switch_interval is not None:  # released by _step_done
-            switch_interval.hold(self.switch_interval)
-            self._release_interval = weakref.finalize(step, switch_interval.release)
-        for position, job in enumerate(jobs):
-            later = position + self.num_slots
-            successor = jobs[later] if self.ring and later < len(jobs) else None
-            job.future = self._executor.submit(
-                _run_job, step, position, job, successor, grad_scale, self._copier
-            )
-        if step.done:  # no chunk had a grad
-            step.wait()
-        else:
-            self.pending = step
-        self._last_step = step
-        return step
+        return verdict, factor
 
-    @torch.no_grad()
     def grads_ready(self, grads: dict[int, torch.Tensor]) -> None:
-        """Notes that ``grads`` (1-D, by record index) are final on the current stream, and
-        copies every chunk whose records' grads have all been given since the last step into its
-        staging buffer now; see [Note: early grad copies]. Does nothing without early copies, or
-        while a step is in flight (its worker owns the buffers)."""
-        if not self.early_copies or self.pending is not None:
-            return
-        chunks: dict[int, HostChunk] = {}
-        for index, grad in grads.items():
-            if index in self._chunks_of:  # (the accelerator's share is read at the step)
-                self._early_grads[index] = grad
-                self._uncopied[index] = {c.index for c in self._chunks_of[index]}
-                chunks.update((c.index, c) for c in self._chunks_of[index])
-        if not chunks:
-            return
-        after = record_event(current_stream(self.engine.device))
-        previous = self._last_step
-        for index in sorted(chunks):  # in the order the step needs them
-            chunk = chunks[index]
-            if not all(record.index in self._early_grads for record, _ in chunk.pieces):
-                continue
-            staging = self.staging(chunk.index, chunk.spec)
-            given = {record.index: self._early_grads[record.index] for record, _ in chunk.pieces}
-            pairs = [
-                CopyPair(
-                    _slice(staging, piece.offset, piece.spec.numel),
-                    _slice(given[record.index], piece.spec.start, piece.spec.numel),
-                )
-                for record, piece in chunk.pieces
-            ]
-            # Once the last step's H2D out of the buffer is done: its weights have left.
-            h2d_before = None if previous is None else previous.h2d_event_of(chunk.index)
-            with phase("zero_shard::d2h"):
-                done = self.engine.d2h(pairs, after=[after, h2d_before])
-            identities = {i: GradIdentity.of(grad) for i, grad in given.items()}
-            self._early[chunk.index] = EarlyCopy(identities, done)
-            for record_index in given:  # the copy recorded its stream on the grads: they may go
-                self._uncopied[record_index].discard(chunk.index)
-                if not self._uncopied[record_index]:
-                    del self._uncopied[record_index], self._early_grads[record_index]
-
-    def forget_early_copies(self) -> None:
-        """Drops the grads given to ``grads_ready`` since the last step and their copies (the
-        grads were cleared): nothing of them is held any more."""
-        self._early, self._early_grads, self._uncopied = {}, {}, {}
+        """Notes that ``grads`` (1-D, by record index) are final on the current stream; staging
+        that copies early copies the chunks whose grads have all been given since the last step
+        now (see [Note: early grad copies]). Does nothing while a step is in flight (its worker
+        owns the buffers)."""
+        if self.pending is None:
+            self.staging.grads_ready(grads, self._last_step)
 
     def _chunk_order(self, need_order: Sequence[int] | None) -> list[HostChunk]:
         if need_order is None:
             return self.chunks[::-1]
         position = {index: place for place, index in enumerate(need_order)}
         return sorted(self.chunks, key=lambda c: min(position[r.index] for r, _ in c.pieces))
-
-    def _step_done(self, step: HostStep) -> None:
-        self.pending = None
-        release, self._release_interval = self._release_interval, None
-        if release is not None:
-            release()  # once: a finalizer runs at most once
-        # A step with no chunk updated nothing here (and nobody read its verdict: no host wait).
-        if step.num_chunks and not step.skips():  # read by the worker already
-            self.num_updates += 1
 
     def wait_for_worker(self) -> None:
         """For reads of main weights and state: the step in flight, if any, is done on the worker
@@ -570,32 +398,22 @@ class HostPart:
             chunk.tables.clear()
 
     def settle(self) -> None:
-        """Completes the step in flight, if any: its chunks' weights reach the params."""
-        pending = self.pending  # once: another thread completing the step may clear it
-        if pending is not None:
-            # Its H2D copies overwrite the params: after every use of them queued so far (a
-            # delayed update is completed here, after the next backward that reads them).
-            pending.hold_writes_for_current()
-            pending.wait()
-
-
-def _lead_with_a_landed_copy(jobs: list[ChunkJob]) -> None:
-    """Early copies land in the order backward reduced the grads, so the chunk the step needs
-    first (the first params', reduced last) may still be on its way when the step starts while
-    others are on the host: the first of those goes first then, and the worker starts at once
-    instead of waiting (the next forward waits one chunk longer for its first params, which it
-    does not need before the CPU step is well under way)."""
-    if not jobs or _landed(jobs[0]):
-        return
-    for position, job in enumerate(jobs):
-        if _landed(job):
-            jobs.insert(0, jobs.pop(position))
+        """Completes the step in flight, if any: its chunks' weights reach the params; and
+        counts the last step's update, unless it was skipped."""
+        step, self._unsettled = self._unsettled, None
+        if step is None:
             return
-
-
-def _landed(job: ChunkJob) -> bool:
-    """Whether the job's grads were copied and are on the host now (no wait)."""
-    return job.d2h_queued.is_set() and (job.d2h_done is None or job.d2h_done.query())
+        try:
+            if not step.done:
+                # Its H2D copies overwrite the params: after every use of them queued so far (a
+                # delayed update is completed here, after the next backward that reads them).
+                step.hold_writes_for_current()
+                step.wait()
+        finally:
+            # A step with no chunk updated nothing here (and nobody read its verdict: no host
+            # wait); the worker read the verdict of one with chunks already.
+            if step.done and step.num_chunks and not step.skips():
+                self.num_updates += 1
 
 
 def _whole_on_kernel(job: ChunkJob) -> bool:
@@ -615,7 +433,7 @@ def _landed_followers(step: HostStep, position: int, job: ChunkJob) -> list[Chun
         if not (
             _whole_on_kernel(other)
             and other.staging.dtype == job.staging.dtype
-            and _landed(other)
+            and other.landed()
             and other.d2h_error is None  # (read after d2h_queued: set before it)
         ):
             break
@@ -624,15 +442,10 @@ def _landed_followers(step: HostStep, position: int, job: ChunkJob) -> list[Chun
 
 
 def _run_job(
-    step: HostStep,
-    position: int,
-    job: ChunkJob,
-    successor: ChunkJob | None,
-    grad_scale: float | None,
-    copier: ThreadPoolExecutor | None,
+    step: HostStep, position: int, job: ChunkJob, grad_scale: float | None, staging: Staging
 ) -> bool:
-    """Worker thread: one chunk's CPU step; with a ring, then hands the chunk to the copier (its
-    H2D, and the D2H into its buffer of the chunk that takes it next), also after a failure, so
+    """Worker thread: one chunk's CPU step; then hands the chunk to ``staging`` (bounded
+    staging's copier queues its H2D and the next D2H into its buffer), also after a failure, so
     that the next chunks still step. Returns whether it stepped (False: skipped, and staging
     still holds the grads)."""
     stepped = False
@@ -657,45 +470,8 @@ def _run_job(
             _step_chunk(job, grad_scale, step.grad_factor(job.chunk.spec.dtype), followers)
             stepped = True
     finally:
-        if copier is not None:
-            job.copied = _hand_to_copier(copier, step, job, successor, stepped)
+        staging.copy_out(step, position, job, stepped)
     return stepped
-
-
-def _hand_to_copier(
-    copier: ThreadPoolExecutor,
-    step: HostStep,
-    job: ChunkJob,
-    successor: ChunkJob | None,
-    stepped: bool,
-) -> Future:
-    """The copier's ``_copy_out`` of the chunk; run here when the copier is shut down (the
-    interpreter exiting with a step in flight stops it first): the next chunk must not wait for
-    a copy nobody will queue."""
-    try:
-        return copier.submit(_copy_out, step, job, successor, stepped)
-    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-        done: Future = Future()
-        try:
-            _copy_out(step, job, successor, stepped)
-        except BaseException as err:
-            done.set_exception(err)
-        else:
-            done.set_result(None)
-        return done
-
-
-def _copy_out(step: HostStep, job: ChunkJob, successor: ChunkJob | None, stepped: bool) -> None:
-    """Copier thread (a ring): the chunk's new weights to the params, then the grads of the
-    chunk that takes its buffer next into it, behind that H2D. Off the worker's path: the CPU
-    steps go on while the copies are queued."""
-    with use_device(step.device):
-        try:
-            if stepped:
-                step.queue_h2d(job)
-        finally:
-            if successor is not None:
-                step.queue_d2h(successor, after=[step.start_event, job.h2d_done])
 
 
 def _step_chunk(

@@ -4,7 +4,7 @@
 ``HostPart.start`` hands every chunk to the worker and returns a ``HostStep``. Completing a chunk
 means waiting for its CPU step and making the current stream wait for its H2D copy into the params
 (a stream wait: the host goes on). A copier thread queued that copy as soon as the worker stepped
-the chunk; a delayed update's is queued only here (see [Note: staging ring]).
+the chunk (bounded staging); otherwise it is queued only here (see [Note: staging ring]).
 ``HybridDeviceOptimizer.step()`` completes every chunk before it returns. ``launch_step()`` returns
 at once instead, and the caller completes the chunks it needs when it needs them (``wait_for``),
 the rest later (``wait``): with the chunks in parameter order, the next forward's first layers can
@@ -33,20 +33,27 @@ is queued (by the copier, for most chunks), not all at the start on the caller's
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from offload import CopyPair, HostFlag, current_stream, phase, record_event, wait_for_event
+from offload import (
+    CopyEngine,
+    CopyPair,
+    HostFlag,
+    current_stream,
+    phase,
+    record_event,
+    switch_interval,
+    wait_for_event,
+)
 
 from ._grad_factor import factor_as_multiplied
-from ._records import ParamRecord, Piece, flat_param
-
-if TYPE_CHECKING:
-    from ._host_part import HostChunk, HostPart
+from ._records import HostChunk, ParamRecord, Piece, flat_param
 
 __all__ = ["ChunkJob", "HostStep"]
 
@@ -72,18 +79,25 @@ class ChunkJob:
     future: Future | None = field(default=None, repr=False)  # the worker's CPU step: stepped?
     stepped_with: ChunkJob | None = field(default=None, repr=False)  # the earlier job whose
     #     kernel call stepped this one too (see [Note: merged kernel calls]); None: its own
-    copied: Future | None = field(default=None, repr=False)  # ring: the copier's H2D of it and
-    #                                                         the next D2H into its buffer
+    copied: Future | None = field(default=None, repr=False)  # the copier's queuing of its H2D
+    #     and of the next D2H into its buffer (bounded staging); None: the step queues its H2D
+    #     when it completes the job
 
     def staging_of(self, piece: Piece) -> torch.Tensor:
         return self.staging[piece.offset : piece.offset + piece.spec.numel]
+
+    def landed(self) -> bool:
+        """Whether the job's grads were copied and are on the host now (no wait)."""
+        return self.d2h_queued.is_set() and (self.d2h_done is None or self.d2h_done.query())
 
 
 class HostStep:
     """The CPU share of one step; see [Note: deferred host step]."""
 
     start_event: Any  # on the current stream when the step started: the grads are final there
-    _part: HostPart
+    delayed: bool  # a delayed update's: its weights reach the params at the next step (see
+    #               OffloadPolicy.delayed_update)
+    _engine: CopyEngine  # the copies' streams
     _jobs: list[ChunkJob]  # in the order the worker runs them
     _num_completed: int  # jobs[:_num_completed] are done and their H2D is queued (or they failed)
     _last_job_of: dict[int, int]  # record index -> position of the last job with a piece of it
@@ -93,11 +107,11 @@ class HostStep:
     _writes_lock: threading.Lock  # for _writes_after: the copier reads it while a caller that
     #                               holds _lock waits for it
     _h2d_of: dict[int, Any]  # staging slot -> the event after the last H2D out of it
-    _on_done: Callable[[HostStep], None] | None  # runs once the last job is completed; then None
     _h2d_event: Any  # after the H2D of every chunk completed so far; None: none queued (or CPU)
     _lock: threading.Lock  # held while completing chunks
-    delayed: bool  # a delayed update's: its weights reach the params at the next step (set by
-    #                 the optimizer that launched it; see OffloadPolicy.delayed_update)
+    _release_interval: weakref.finalize | None  # ends the step's hold on the shorter GIL switch
+    #     interval (see [Note: GIL switch interval]): once it is complete, or when it is
+    #     collected never completed (a dropped optimizer); None: no hold
     _verdict: HostFlag | None  # the step's found_inf on its way to the host; None: no check
     _skips: bool | None  # its value once the worker read it (the first chunk); None: not yet
     _factor: HostFlag | None  # the grads' factor on its way to the host; None: no factor
@@ -105,18 +119,19 @@ class HostStep:
 
     def __init__(
         self,
-        part: HostPart,
         jobs: Sequence[ChunkJob],
         start_event: Any,
         *,
-        on_done: Callable[[HostStep], None],
+        engine: CopyEngine,
+        delayed: bool = False,
         verdict: HostFlag | None = None,
         factor: HostFlag | None = None,
+        gil_switch_interval: float | None = None,
     ) -> None:
-        self._part = part
+        self._engine = engine
         self._factor = factor
         self._factor_of = {}
-        self.delayed = False
+        self.delayed = delayed
         self._verdict = verdict
         self._skips = None
         self.start_event = start_event
@@ -125,23 +140,20 @@ class HostStep:
         self._writes_after = [start_event]
         self._writes_lock = threading.Lock()
         self._h2d_of = {}
-        self._on_done = on_done
         self._h2d_event = None
         self._lock = threading.Lock()
         self._last_job_of = {}
         for position, job in enumerate(self._jobs):
             for record, _ in job.active:
                 self._last_job_of[record.index] = position
-
-    @property
-    def ring(self) -> bool:
-        """Whether the copier queues each chunk's H2D (else they are queued as chunks complete);
-        see [Note: staging ring]."""
-        return self._part.ring
+        self._release_interval = None
+        if self._jobs and gil_switch_interval is not None:
+            switch_interval.hold(gil_switch_interval)
+            self._release_interval = weakref.finalize(self, switch_interval.release)
 
     @property
     def device(self) -> torch.device:
-        return self._part.engine.device
+        return self._engine.device
 
     @property
     def num_chunks(self) -> int:
@@ -170,7 +182,7 @@ class HostStep:
         """The H2D copies of chunks not completed yet also wait for the work queued so far on
         the current stream: a step completed only after later forwards or backwards (a delayed
         update) must not change the params under them."""
-        event = record_event(current_stream(self._part.engine.device))
+        event = record_event(current_stream(self._engine.device))
         with self._writes_lock:
             self._writes_after.append(event)
 
@@ -189,7 +201,7 @@ class HostStep:
                     CopyPair(job.staging_of(piece), _piece_of(grad, piece))
                     for grad, (_, piece) in zip(job.grads, job.active, strict=True)
                 ]
-                job.d2h_done = self._part.engine.d2h(pairs, after=after)
+                job.d2h_done = self._engine.d2h(pairs, after=after)
         except BaseException as err:
             job.d2h_error = err
             raise
@@ -207,7 +219,7 @@ class HostStep:
         with self._writes_lock:
             after = list(self._writes_after)
         with phase("zero_shard::h2d"):
-            job.h2d_done = self._part.engine.h2d(pairs, after=after)
+            job.h2d_done = self._engine.h2d(pairs, after=after)
         self._h2d_of[job.slot] = job.h2d_done
 
     def skips(self) -> bool:
@@ -238,12 +250,13 @@ class HostStep:
     def wait_grads_copied(self) -> None:
         """Makes the current stream wait until every grad of the step was copied to the host (a
         stream wait): afterwards the grads may be written again (the next backward)."""
-        if self.ring:
+        # With a buffer per chunk every copy was queued by the time the step started, some
+        # before it (early copies); bounded staging queues most later, as buffers free up.
+        if not all(job.d2h_queued.is_set() for job in self._jobs):
             raise AssertionError(
-                "expected per-chunk staging: with bounded staging the grads are read until the "
-                "step is complete"
+                "expected every grad copy queued (per-chunk staging): with bounded staging the "
+                "grads are read until the step is complete"
             )
-        # Every copy was queued by the time the step started, some before it (early copies).
         stream = current_stream(self.device)
         for event in {id(job.d2h_done): job.d2h_done for job in self._jobs}.values():
             wait_for_event(stream, event)
@@ -258,15 +271,14 @@ class HostStep:
             self._complete_through_locked(last)
 
     def _complete_through_locked(self, last: int) -> None:
-        engine = self._part.engine
         error = None
         while self._num_completed <= last:
             job = self._jobs[self._num_completed]
             self._num_completed += 1
             try:
                 stepped = job.future.result()
-                if self.ring:
-                    job.copied.result()  # its H2D is queued
+                if job.copied is not None:
+                    job.copied.result()  # the copier queued its H2D
             except BaseException as err:
                 # Wait for every chunk before raising: the worker must not outlive the step, and
                 # the chunks that stepped must still reach the params.
@@ -275,13 +287,13 @@ class HostStep:
                 continue
             if not stepped:  # a skipped step: staging holds the grads, the params stay
                 continue
-            if not self.ring:
+            if job.copied is None:
                 self.queue_h2d(job)
             self._h2d_event = job.h2d_done
         # The H2D stream runs in order: its last event covers every chunk queued so far.
-        wait_for_event(current_stream(engine.device), self._h2d_event)
-        if self.done and self._on_done is not None:
-            on_done, self._on_done = self._on_done, None
-            on_done(self)
+        wait_for_event(current_stream(self._engine.device), self._h2d_event)
+        if self.done and self._release_interval is not None:
+            release, self._release_interval = self._release_interval, None
+            release()  # once: a finalizer runs at most once
         if error is not None:
             raise error

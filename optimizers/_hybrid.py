@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -13,14 +12,14 @@ from typing import Any
 import torch
 
 from offload import (
-    ThreadBudget,
     current_stream,
     intra_op_threads,
     record_event,
     resolve_thread_budget,
 )
 
-from ._cpu_kernel import CpuAdamKernel, fused_kernel_applies, load_cpu_adam
+from ._checks import check_device_scalar, check_param, check_unique
+from ._cpu_kernel import select_cpu_kernel
 from ._device_part import DevicePart
 from ._elementwise import (
     IMPL_KEYS,
@@ -33,18 +32,21 @@ from ._elementwise import (
 from ._group_options import check_impl_flags, check_wrapped_groups, prepare_amsgrad_state
 from ._host_part import HostPart
 from ._host_step import HostStep
-from ._policy import OffloadPolicy, StagingKind
-from ._records import ParamRecord, flat_grad, flat_param
-from ._split import ChunkSpec, ParamInfo, plan_split
+from ._policy import DelayedUpdate, OffloadPolicy, StagingKind
+from ._records import ParamRecord, collect_grads
+from ._split import ParamInfo, plan_split
 from ._state import (
     StateView,
     check_saved_state,
     init_state,
+    load_main,
+    match_saved,
     record_state,
     scatter_state,
+    state_step_count,
 )
 
-__all__ = ["HybridDeviceOptimizer", "MemoryReport", "check_param_kind"]
+__all__ = ["HybridDeviceOptimizer", "MemoryReport"]
 
 
 @dataclass(frozen=True)
@@ -60,82 +62,6 @@ class MemoryReport:
     num_device_elements: int
     num_host_elements: int
     host_staging: StagingKind  # OffloadPolicy.host_staging, "auto" resolved
-
-
-def check_param_kind(param: torch.Tensor, name: str) -> None:
-    """Raises unless ``param`` is a dense, real, floating-point tensor with memory (not on the meta
-    device); ``name`` says which param, for the message ("param 'fc.weight'")."""
-    if param.device.type == "meta":
-        raise ValueError(
-            f"{name} is on the meta device; materialize the model first "
-            "(model.to_empty(device=...) and initialize it), then build the optimizer"
-        )
-    if param.layout != torch.strided:
-        raise TypeError(
-            f"{name} is sparse ({param.layout}); zero-shard steps dense params only: make it "
-            "dense (param.data = param.data.to_dense())"
-        )
-    if param.is_complex():
-        raise TypeError(
-            f"{name} is complex ({param.dtype}); zero-shard does not support complex params: "
-            "keep them as real tensors (torch.view_as_real) in the model"
-        )
-    if not param.is_floating_point():
-        raise TypeError(f"{name} has dtype {param.dtype}; params must be floating point")
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    # A DTensor exists only once its module was imported: no import (and its cost) otherwise.
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
-
-
-def _check_param(param: torch.Tensor, index: int, device: torch.device) -> None:
-    name = f"param {index} (shape {tuple(param.shape)})"
-    # Not in check_param_kind: zero_shard checks FSDP2's params with it, which are DTensors.
-    if _is_dtensor(param):
-        raise TypeError(
-            f"{name} is a DTensor (placements {param.placements} on {param.device_mesh}): "
-            "HybridDeviceOptimizer steps one process's plain tensors. For a model sharded or "
-            "replicated over ranks (FSDP2's fully_shard, a DeviceMesh), build the torch "
-            "optimizer and call zero_shard.wrap(optimizer, model), which shards the optimizer "
-            "over the ranks"
-        )
-    check_param_kind(param, name)
-    if param.device != device:
-        raise ValueError(
-            f"params are on different devices ({device} and {param.device} for {name}); move "
-            "the model to one device before building the optimizer"
-        )
-    if not param.is_contiguous():
-        raise ValueError(
-            f"{name} is not contiguous; make it contiguous "
-            "(param.data = param.data.contiguous()) before building the optimizer"
-        )
-
-
-def _check_unique(
-    params: Iterable[torch.Tensor | tuple[str, torch.Tensor]],
-    index: int,
-    groups: Sequence[dict[str, Any]],
-) -> None:
-    """Raises if a param of the new group ``index`` is twice in it or in one of ``groups``."""
-    group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
-    seen: set[int] = set()
-    for param in params:
-        if isinstance(param, tuple):  # (name, param), as from named_parameters()
-            param = param[1]
-        if id(param) in seen:
-            raise ValueError(
-                f"a param of shape {tuple(param.shape)} appears twice in param group {index}; "
-                "pass each param once"
-            )
-        seen.add(id(param))
-        if id(param) in group_of:
-            raise ValueError(
-                f"a param of shape {tuple(param.shape)} is in param groups "
-                f"{group_of[id(param)]} and {index}; put each param in one group"
-            )
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -177,6 +103,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     """
 
     policy: OffloadPolicy
+    _delay: DelayedUpdate | None  # policy.delay: None where every update is exact
     optimizer_cls: type[torch.optim.Optimizer]
     state: StateView  # type: ignore[assignment]
     _optimizer_spec: OptimizerSpec  # how every sub-optimizer is constructed
@@ -213,6 +140,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 "policy=OffloadPolicy(fraction=...), not both"
             )
         self.policy = policy
+        self._delay = policy.delay
         self.optimizer_cls = optimizer_cls
         self._optimizer_spec = OptimizerSpec.of(optimizer_cls, optimizer_kwargs)
         self._records = None
@@ -223,7 +151,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         check_impl_flags(self.param_groups)
         self._build()
-        self.state = StateView(self._records, self._host.wait_for_worker)
+        self.state = StateView(self._records, self._host)
 
     @classmethod
     def wrap(
@@ -293,7 +221,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             params = list(params)  # read a generator once
         # The group itself is kept, as torch does: wrap() shares the wrapped optimizer's groups.
         param_group["params"] = params
-        _check_unique(params, len(self.param_groups), self.param_groups)
+        check_unique(params, len(self.param_groups), self.param_groups)
         super().add_param_group(param_group)
 
     def _build(self) -> None:
@@ -305,7 +233,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ]
         device = records[0].param.device
         for record in records:
-            _check_param(record.param, record.index, device)
+            check_param(record.param, record.index, device)
         trainable = [record for record in records if record.param.requires_grad]
         split = plan_split(
             [ParamInfo(r.param.numel(), r.group_index, r.param.dtype) for r in trainable],
@@ -313,10 +241,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.policy.chunk_numel,
         )
         state_keys = [probe_state_keys(self._optimizer_spec, group) for group in self.param_groups]
-        # A delayed update's CPU step runs while the main thread queues forward and backward
-        # and autograd's thread runs backward: two cores are left to them (measured on one H100
-        # host: 276-281 ms an iteration with 14 of 16 threads, 334-355 with 16).
-        keep_free = 2 if self.policy.delayed_update else 0
+        delay = self._delay
+        keep_free = 0 if delay is None else delay.CORES_KEPT_FREE
         # Params on the host (a CPU run, FSDP2's CPUOffloadPolicy) are stepped in place by the
         # device part, on the caller's thread: with the budget, not torchrun's one thread.
         on_host = device.type == "cpu" and bool(split.device_pieces)
@@ -326,6 +252,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             else None
         )
         self.host_num_threads = threads.num_threads if on_host else None
+        policy, cls, groups = self.policy, self.optimizer_cls, self.param_groups
+        kernel = select_cpu_kernel(policy.cpu_kernel, cls, groups, split.host_chunks, threads)
         self._host = HostPart(
             trainable,
             split.host_chunks,
@@ -335,12 +263,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pin_memory=self.policy.pin_memory,
             threads=threads,
             num_state_tensors=max(len(keys.elementwise_keys) for keys in state_keys),
-            kernel=self._select_cpu_kernel(split.host_chunks, threads),
-            # A delayed update's weights wait in staging until the next backward is done: a buffer
-            # per chunk, and no grads copied into the buffers before that.
-            staging="per_chunk" if self.policy.delayed_update else self.policy.host_staging,
+            kernel=kernel,
+            staging=self.policy.host_staging if delay is None else delay.STAGING,
             switch_interval=self.policy.gil_switch_interval,
-            early_copies=not self.policy.delayed_update,
+            early_copies=delay is None,
         )
         self._device = DevicePart(
             trainable,
@@ -350,41 +276,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             device,
             self.policy.device_impl,
         )
-        self._num_elements = (
-            split.num_elements - split.num_host_elements,
-            split.num_host_elements,
-        )
+        num_host = split.num_host_elements
+        self._num_elements = (split.num_elements - num_host, num_host)
         init_state(trainable, self.optimizer_cls, state_keys)
         self._state_keys = state_keys
         self._records = records
-
-    def _select_cpu_kernel(
-        self, chunks: Iterable[ChunkSpec], threads: ThreadBudget | None
-    ) -> CpuAdamKernel | None:
-        """The single-pass CPU Adam kernel if the policy asks for it and it applies here."""
-        mode = self.policy.cpu_kernel
-        if mode == "torch" or threads is None:
-            return None
-        cls = self.optimizer_cls
-        if not any(
-            fused_kernel_applies(cls, self.param_groups[c.group_index], c.dtype) for c in chunks
-        ):
-            if mode == "fused":
-                raise ValueError(
-                    f"cpu_kernel='fused' implements Adam and AdamW without amsgrad, maximize or "
-                    f"tensor hyperparameters, for bf16 and fp32 params; this optimizer is "
-                    f"{cls.__name__} with those options unmet. Use cpu_kernel='auto' or 'torch'"
-                )
-            return None
-        library = load_cpu_adam()
-        if library is None:
-            if mode == "fused":
-                raise RuntimeError(
-                    "cpu_kernel='fused' but the kernel could not be built here (see the warning); "
-                    "install a C compiler or use cpu_kernel='auto' or 'torch'"
-                )
-            return None
-        return CpuAdamKernel(library, cls, threads.num_threads)
 
     def _sub_groups(self) -> Iterable[tuple[dict[str, Any], dict[str, Any]]]:
         """(sub-optimizer group, the user's group it follows), for both devices."""
@@ -400,31 +296,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if key != "params" and key not in IMPL_KEYS:
                     sub_group[key] = value
 
-    def _collect_grads(self) -> dict[int, torch.Tensor]:
-        grads = {}
-        for record in self._records:
-            grad = record.param.grad
-            if grad is None:
-                continue
-            # Inline where the grad is dense and contiguous, as in training's every step; a 1-D
-            # one is its own flat view.
-            if grad.layout is not torch.strided or not grad.is_contiguous():
-                grad = flat_grad(record.param)
-            elif grad.dim() != 1:
-                grad = grad.view(-1)
-            if not record.pieces:  # record.ignored, read inline at every step
-                if not self._warned_ignored:
-                    self._warned_ignored = True
-                    warnings.warn(
-                        f"param {record.index} (shape {tuple(record.param.shape)}) has a grad but "
-                        "had requires_grad=False when the optimizer was built, so it is not "
-                        "updated; rebuild the optimizer to train it",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                continue
-            grads[record.index] = grad
-        return grads
+    def _warn_ignored(self, record: ParamRecord) -> None:
+        if not self._warned_ignored:
+            self._warned_ignored = True
+            warnings.warn(
+                f"param {record.index} (shape {tuple(record.param.shape)}) has a grad but had "
+                "requires_grad=False when the optimizer was built, so it is not updated; rebuild "
+                "the optimizer to train it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     @property
     def skips_on_device(self) -> bool:
@@ -537,13 +418,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         check_wrapped_groups(None if self._wrapped is None else self._wrapped(), self.param_groups)
         if grad_scale is not None and not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale}")
+        device = self._records[0].param.device
         if found_inf is not None:
-            self._check_device_scalar(found_inf, "found_inf", "as GradScaler makes it")
+            check_device_scalar(found_inf, "found_inf", device, "as GradScaler makes it")
         if grad_factor is not None:
-            self._check_device_scalar(grad_factor, "grad_factor", "a clip's coefficient")
+            check_device_scalar(grad_factor, "grad_factor", device, "a clip's coefficient")
         # A non-contiguous grad is copied to a temporary here, which the D2H stream reads: the
         # copy records that stream on it, so dropping it is safe (copy_async).
-        grads = self._collect_grads()
+        grads, ignored = collect_grads(self._records)
+        if ignored is not None:
+            self._warn_ignored(ignored)
         # The grads (and the flags) are final here, before settle() makes the current stream
         # wait for the last step's H2D copies: their D2H copies wait for this, and each for the
         # H2D out of its own staging buffer only, so a delayed update's grads go to the host
@@ -551,10 +435,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         grads_final = record_event(current_stream(self._host.engine.device))
         self._host.settle()
         # A delayed update past its warm-up: the updates applied so far are final here.
-        delayed = (
-            self.policy.delayed_update
-            and self._host.num_updates >= self.policy.delayed_update_warmup
-        )
+        delayed = self._delay is not None and self._delay.delays(self._host.num_updates)
         self._mark_stepped()
         self._sync_hyperparams()
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
@@ -566,8 +447,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             found_inf=found_inf,
             grad_factor=grad_factor,
             grads_final=grads_final,
+            delayed=delayed,
         )
-        pending.delayed = delayed
         try:
             # The host's copies read the CPU's share of each grad; the factor writes the rest.
             with intra_op_threads(self.host_num_threads):
@@ -587,24 +468,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         wrapped = None if self._wrapped is None else self._wrapped()
         if wrapped is not None:
             wrapped._opt_called = True  # type: ignore[attr-defined]
-
-    def _check_device_scalar(self, value: torch.Tensor, name: str, example: str) -> None:
-        device = self._records[0].param.device
-        if (
-            not isinstance(value, torch.Tensor)
-            or value.numel() != 1
-            or value.dtype != torch.float32
-            or value.device != device
-        ):
-            described = (
-                f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-                if isinstance(value, torch.Tensor)
-                else type(value).__name__
-            )
-            raise TypeError(
-                f"{name} must be a one-element float32 tensor on {device} ({example}), got "
-                f"{described}"
-            )
 
     def grads_ready(self, grads: Mapping[int, torch.Tensor]) -> None:
         """Says that these grads (by param index over all param groups, as in ``state_dict()``;
@@ -636,18 +499,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         with ``"auto"`` resolved for this host (``"bounded"`` where nothing is offloaded), or
         ``"per_chunk"`` for a delayed update. It says when the grads given to
         :meth:`launch_step` may be written again (see ``OffloadPolicy.host_staging``)."""
-        return self._host.host_staging
+        return self._host.staging.kind
 
     @property
     def copies_grads_early(self) -> bool:
         """Whether :meth:`grads_ready` copies anything: a CPU share with a staging buffer per
         chunk and no delayed update (otherwise it does nothing, and callers need not call it)."""
-        return self._host.early_copies and bool(self._host.chunks)
+        return self._host.staging.copies_early and bool(self._host.chunks)
 
     def drop_grads_ready(self) -> None:
         """Forgets the grads given to :meth:`grads_ready` since the last step, and their copies:
         for when they are cleared before any step (``zero_grad``), so that nothing holds them."""
-        self._host.forget_early_copies()
+        self._host.staging.forget_early_copies()
 
     @torch.no_grad()
     def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
@@ -667,7 +530,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes of optimizer memory on each device, and whether the staging is pinned."""
-        buffers = self._host.buffers
+        buffers = self._host.staging.buffers
         return MemoryReport(
             device=str(self._records[0].param.device),
             device_bytes=self._device.num_bytes,
@@ -711,27 +574,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 return self._record_state(record)
         raise KeyError(f"a param of shape {tuple(param.shape)} is not in this optimizer")
 
-    def _match_saved(self, state_dict: dict[str, Any]) -> list[tuple[ParamRecord, Any]]:
-        """Pairs each record with its saved param id, checking the groups line up."""
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
-            raise ValueError("expected an optimizer state dict with 'state' and 'param_groups'")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"the state dict has {len(saved_groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        pairs = []
-        records = iter(self._records)
-        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"param group {index} has {len(saved['params'])} params in the state dict "
-                    f"and {len(group['params'])} in this optimizer"
-                )
-            pairs.extend((next(records), saved_id) for saved_id in saved["params"])
-        return pairs
-
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state dict from ``state_dict()`` (any offload fraction) or a torch optimizer.
@@ -740,7 +582,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Everything is checked before anything changes.
         """
         self._host.drop_kernel_tables()  # settles the step in flight first
-        pairs = self._match_saved(state_dict)
+        pairs = match_saved(self._records, self.param_groups, state_dict)
         saved_state = state_dict["state"]
         for record, saved_id in pairs:
             if saved_id in saved_state and not record.ignored:
@@ -768,22 +610,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             scatter_state(record, saved, self._state_keys[record.group_index].elementwise_keys)
             main = saved.get("main_param")
             if main is not None:
-                self._load_main(record, main)
+                load_main(record, main)
         init_state(self._records, self.optimizer_cls, self._state_keys)
-        self._host.num_updates = self._state_step_count()
-
-    def _state_step_count(self) -> int:
-        """The most steps any param's state counts (0 where the state keeps no ``step``)."""
-        counts = [
-            float(record.pieces[0].state["step"])
-            for record in self._records
-            if record.pieces and "step" in record.pieces[0].state
-        ]
-        return int(max(counts, default=0))
-
-    def _load_main(self, record: ParamRecord, main: torch.Tensor) -> None:
-        flat = main.detach().reshape(-1)
-        for piece in record.pieces:
-            piece.main.copy_(flat[piece.spec.start : piece.spec.start + piece.spec.numel])
-        # The model param becomes the main weight in the model dtype, as after a step.
-        flat_param(record.param).copy_(flat.to(record.param.device))
+        self._host.num_updates = state_step_count(self._records)

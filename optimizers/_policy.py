@@ -4,16 +4,41 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 from offload import check_switch_interval
 
-__all__ = ["CpuKernel", "DeviceImpl", "HostStaging", "OffloadPolicy", "StagingKind"]
+__all__ = [
+    "CpuKernel",
+    "DelayedUpdate",
+    "DeviceImpl",
+    "HostStaging",
+    "OffloadPolicy",
+    "StagingKind",
+]
 
 DeviceImpl = Literal["torch", "apex", "te"]
 CpuKernel = Literal["auto", "fused", "torch"]
 HostStaging = Literal["auto", "bounded", "per_chunk"]
 StagingKind = Literal["bounded", "per_chunk"]  # HostStaging with "auto" resolved
+
+
+@dataclass(frozen=True)
+class DelayedUpdate:
+    """The one-step delayed update as the optimizer runs it (``OffloadPolicy.delayed_update``).
+
+    Its CPU step runs while the main thread queues the next forward and backward and autograd's
+    thread runs backward: ``CORES_KEPT_FREE`` of the rank's cores are left to them. Its weights
+    wait in staging until the next step, so it takes a buffer per chunk and copies no grads
+    early (see [Note: staging ring])."""
+
+    warmup: int  # the first this many updates are exact
+    CORES_KEPT_FREE: ClassVar[int] = 2
+    STAGING: ClassVar[StagingKind] = "per_chunk"
+
+    def delays(self, num_updates: int) -> bool:
+        """Whether the step after ``num_updates`` updates is delayed: its warm-up is over."""
+        return num_updates >= self.warmup
 
 
 @dataclass(frozen=True)
@@ -32,8 +57,7 @@ class OffloadPolicy:
         chunk_numel: elements per pipelined chunk: the copy of chunk k+1, the CPU step of chunk k
             and the copy back of chunk k-1 overlap. Each chunk is at most one call of the CPU
             kernel, whose threads may have gone to sleep since the last one: fewer, larger chunks
-            pay fewer wake-ups (on one H100 host the 1B full offload went from 1.50x and 1.32x of
-            its bound at 16M to 1.16x and 1.12x at 64M, alternating; docs/benchmarks/e2e.md).
+            pay fewer wake-ups (docs/benchmarks/e2e.md compares chunk sizes).
             Chunks whose grads are on the host already share a call (up to 4). Default 64M
             (256 MiB of fp32).
         device_impl: the accelerator's Adam/AdamW kernel: ``"torch"`` (fused, default),
@@ -78,23 +102,22 @@ class OffloadPolicy:
             before the step (``grads_ready``: ``zero_shard.wrap`` of a plain model says so as
             backward reduces each bucket but the last) are copied then, while backward runs on,
             so the CPU step starts as soon as backward ends and its kernels do not share the
-            host's memory with those copies (the fastest full offload: on one H100, 1B GPT,
-            docs/benchmarks/e2e.md). ``"bounded"``: 4 buffers of the largest chunk's size, taken
-            in turn (512 MiB of bf16 at the default chunks), so the host holds little more than
-            the fp32 weight and the states of each param; a chunk's grads are copied once an
-            earlier chunk's step has freed a buffer, so the grads a step was given are read until
-            the step is complete (``step()`` completes it before it returns; after
-            ``launch_step()`` they must not be written in place before it is). ``"auto"``
-            (default): ``"per_chunk"`` where the host keeps at least a quarter of its memory
-            available once every rank on it has taken what its CPU share needs with a buffer per
-            chunk, else ``"bounded"`` (so the largest model a host can train is bounded
-            staging's); ``"bounded"`` also where the host-memory check is off
-            (``ZERO_SHARD_SKIP_HOST_MEMORY_CHECK=1``: the host's report is not trusted). The
-            choice is logged (logger ``zero_shard``, INFO); ``HybridDeviceOptimizer.host_staging``
-            and ``memory_report()`` say it. A delayed update always uses ``"per_chunk"``
-            (without early copies: its weights wait in the buffers through the next backward);
-            so does ``zero_shard.wrap`` for a DDP model, whose grads are the model's own and may
-            be zeroed in place right after ``step()``.
+            host's memory with those copies (the fastest full offload, docs/benchmarks/e2e.md).
+            ``"bounded"``: 4 buffers of the largest chunk's size, taken in turn (512 MiB of bf16 at
+            the default chunks), so the host holds little more than the fp32 weight and the states
+            of each param; a chunk's grads are copied once an earlier chunk's step has freed a
+            buffer, so the grads a step was given are read until the step is complete (``step()``
+            completes it before it returns; after ``launch_step()`` they must not be written in
+            place before it is). ``"auto"`` (default): ``"per_chunk"`` where the host keeps at least
+            a quarter of its memory available once every rank on it has taken what its CPU share
+            needs with a buffer per chunk, else ``"bounded"`` (so the largest model a host can train
+            is bounded staging's); ``"bounded"`` also where the host-memory check is off
+            (``ZERO_SHARD_SKIP_HOST_MEMORY_CHECK=1``: the host's report is not trusted). The choice
+            is logged (logger ``zero_shard``, INFO); ``HybridDeviceOptimizer.host_staging`` and
+            ``memory_report()`` say it. A delayed update always uses ``"per_chunk"`` (without early
+            copies: its weights wait in the buffers through the next backward); so does
+            ``zero_shard.wrap`` for a DDP model, whose grads are the model's own and may be zeroed
+            in place right after ``step()``.
         gil_switch_interval: seconds. While the CPU's share of a step is in flight, the
             interpreter's GIL switch interval (``sys.setswitchinterval``) is shortened to this if
             it is longer, and put back once the step is complete (unless changed meanwhile). The
@@ -117,6 +140,11 @@ class OffloadPolicy:
     delayed_update_warmup: int = 0
     host_staging: HostStaging = "auto"
     gil_switch_interval: float | None = 0.0005
+
+    @property
+    def delay(self) -> DelayedUpdate | None:
+        """``delayed_update`` and its warm-up as one value; ``None``: every update is exact."""
+        return DelayedUpdate(self.delayed_update_warmup) if self.delayed_update else None
 
     def __post_init__(self) -> None:
         fraction = self.fraction
@@ -153,13 +181,14 @@ class OffloadPolicy:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk_numel must be a positive integer, got {chunk!r}")
         # The mode strings are checked here once; the code past it switches on checked values.
-        for name, kind in (("cpu_kernel", CpuKernel), ("host_staging", HostStaging)):
+        modes = (
+            ("cpu_kernel", CpuKernel),
+            ("host_staging", HostStaging),
+            ("device_impl", DeviceImpl),
+        )
+        for name, kind in modes:
             if getattr(self, name) not in get_args(kind):
                 raise ValueError(
                     f"{name} must be one of {get_args(kind)}, got {getattr(self, name)!r}"
                 )
         check_switch_interval(self.gil_switch_interval)
-        if self.device_impl not in get_args(DeviceImpl):
-            raise ValueError(
-                f"device_impl must be one of {get_args(DeviceImpl)}, got {self.device_impl!r}"
-            )

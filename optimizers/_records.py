@@ -1,14 +1,16 @@
-"""One record per parameter, one per piece of it: what lives where."""
+"""One record per parameter, one per piece of it, one per host chunk: what lives where."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ._split import PieceSpec
+from ._cpu_kernel import CpuAdamKernel, KernelTable
+from ._split import ChunkSpec, PieceSpec
 
-__all__ = ["ParamRecord", "Piece", "flat_grad", "flat_param"]
+__all__ = ["HostChunk", "ParamRecord", "Piece", "collect_grads", "flat_grad", "flat_param"]
 
 
 @dataclass
@@ -46,6 +48,25 @@ class ParamRecord:
         return not self.pieces
 
 
+@dataclass
+class HostChunk:
+    """Host pieces of one param group and dtype, copied, cast and stepped together."""
+
+    spec: ChunkSpec
+    index: int  # position in HostPart.chunks (its staging buffer when each chunk has its own)
+    pieces: list[tuple[ParamRecord, Piece]]
+    main: torch.Tensor  # 1-D fp32, host
+    grad: torch.Tensor | None  # 1-D fp32, host, for low-precision chunks that torch steps; None:
+    #                            the grads are read from staging (the kernel, or fp32 params)
+    optimizer: torch.optim.Optimizer  # holds the state and hyperparameters in every case
+    kernel: CpuAdamKernel | None  # steps the chunk in one pass, in place of optimizer.step();
+    #                               None: optimizer.step() (for good once its group asks for an
+    #                               option the kernel lacks, see leave_kernel_where_unmet)
+    tables: dict[tuple[tuple[int, int], ...], KernelTable] = field(default_factory=dict)  # the
+    #       kernel's call for the whole chunk, alone or with the chunks merged after it, keyed by
+    #       (chunk index, staging slot) of each; built and used by the worker only
+
+
 def flat_param(param: torch.Tensor) -> torch.Tensor:
     """The param's storage as a 1-D view (params are checked contiguous at construction)."""
     return param.detach().view(-1)
@@ -62,3 +83,26 @@ def flat_grad(param: torch.Tensor) -> torch.Tensor | None:
             "zero-shard steps dense grads only: build the embedding with sparse=False"
         )
     return grad.view(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+
+
+def collect_grads(
+    records: Sequence[ParamRecord],
+) -> tuple[dict[int, torch.Tensor], ParamRecord | None]:
+    """The flat grads of the records that step, by record index, and the first record with a
+    grad that never steps (``requires_grad=False`` at construction), if any."""
+    grads, ignored = {}, None
+    for record in records:
+        grad = record.param.grad
+        if grad is None:
+            continue
+        # Inline where the grad is dense and contiguous, as in training's every step; a 1-D
+        # one is its own flat view.
+        if grad.layout is not torch.strided or not grad.is_contiguous():
+            grad = flat_grad(record.param)
+        elif grad.dim() != 1:
+            grad = grad.view(-1)
+        if not record.pieces:  # record.ignored, read inline at every step
+            ignored = record if ignored is None else ignored
+            continue
+        grads[record.index] = grad
+    return grads, ignored

@@ -9,13 +9,13 @@ longer than a chunk) shows a CPU copy of the concatenation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from ._elementwise import StateKeys
-from ._records import ParamRecord, Piece
+from ._records import ParamRecord, Piece, flat_param
 
 __all__ = [
     "StateView",
@@ -23,8 +23,11 @@ __all__ = [
     "gather_main",
     "gather_state",
     "init_state",
+    "load_main",
+    "match_saved",
     "record_state",
     "scatter_state",
+    "state_step_count",
 ]
 
 # Optimizers whose state at creation is zeros for every elementwise tensor and 0 for `step`; it
@@ -132,6 +135,13 @@ def record_state(record: ParamRecord) -> dict[str, Any]:
     return state
 
 
+class Worker(Protocol):
+    """What ``StateView`` waits for before a read (the host part, whose worker steps state)."""
+
+    def wait_for_worker(self) -> None:
+        """Returns once no step in flight writes the state any more."""
+
+
 class StateView(Mapping[torch.Tensor, dict[str, Any]]):
     """``optimizer.state`` as torch users read it: model param -> its state (``record_state``).
 
@@ -141,22 +151,22 @@ class StateView(Mapping[torch.Tensor, dict[str, Any]]):
     one piece, else copies), so it is read-only: state is changed through ``load_state_dict``.
     """
 
-    def __init__(self, records: Sequence[ParamRecord], settle: Callable[[], None]) -> None:
+    def __init__(self, records: Sequence[ParamRecord], worker: Worker) -> None:
         self._records = {record.param: record for record in records}
-        self._settle = settle  # waits for a step in flight: the worker may be writing state
+        self._worker = worker  # may be writing state: each read waits for it
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
         record = self._records.get(param)
         if record is None:
             return {}
-        self._settle()
+        self._worker.wait_for_worker()
         return record_state(record)
 
     def __contains__(self, param: object) -> bool:
         record = self._records.get(param)  # type: ignore[call-overload]
         if record is None:
             return False
-        self._settle()
+        self._worker.wait_for_worker()
         return any(piece.state for piece in record.pieces)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -207,3 +217,46 @@ def scatter_state(
             else:
                 state[key] = value
         piece.optimizer.state[piece.main] = state
+
+
+def match_saved(
+    records: Sequence[ParamRecord], groups: Sequence[dict[str, Any]], state_dict: dict[str, Any]
+) -> list[tuple[ParamRecord, Any]]:
+    """Pairs each record with its saved param id, checking that ``state_dict``'s param groups
+    line up with ``groups``."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+        raise ValueError("expected an optimizer state dict with 'state' and 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(groups):
+        raise ValueError(
+            f"the state dict has {len(saved_groups)} param groups, this optimizer has {len(groups)}"
+        )
+    pairs = []
+    records_left = iter(records)
+    for index, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"param group {index} has {len(saved['params'])} params in the state dict "
+                f"and {len(group['params'])} in this optimizer"
+            )
+        pairs.extend((next(records_left), saved_id) for saved_id in saved["params"])
+    return pairs
+
+
+def state_step_count(records: Iterable[ParamRecord]) -> int:
+    """The most steps any param's state counts (0 where the state keeps no ``step``)."""
+    counts = [
+        float(record.pieces[0].state["step"])
+        for record in records
+        if record.pieces and "step" in record.pieces[0].state
+    ]
+    return int(max(counts, default=0))
+
+
+def load_main(record: ParamRecord, main: torch.Tensor) -> None:
+    """Loads a saved fp32 main weight into the record's pieces and its model param."""
+    flat = main.detach().reshape(-1)
+    for piece in record.pieces:
+        piece.main.copy_(flat[piece.spec.start : piece.spec.start + piece.spec.numel])
+    # The model param becomes the main weight in the model dtype, as after a step.
+    flat_param(record.param).copy_(flat.to(record.param.device))

@@ -18,7 +18,7 @@ import test_flag
 import test_hybrid_cuda
 
 from offload import _copy_engine, _flag
-from optimizers import _host_part, _host_step
+from optimizers import _host_step
 
 original_copy = _copy_engine.copy_async
 original_queue_d2h = _host_step.HostStep.queue_d2h
@@ -49,7 +49,7 @@ def no_wait_before_flag(stream: object, event: object) -> None:
     after (the step's flags: for backward and the clip's norm)."""
 
 
-def landed_at_once(job: object) -> bool:
+def landed_at_once(self: object) -> bool:
     """Every chunk's grads count as on the host: the worker merges chunks into its kernel call
     without their copies having landed (see [Note: merged kernel calls])."""
     return True
@@ -73,7 +73,7 @@ def main() -> None:
          (_host_step.HostStep, "hold_writes_for_current", no_wait_for_next_backward),
          delayed_race),
         ("a chunk is merged before its grads landed",
-         (_host_part, "_landed", landed_at_once), merge_race),
+         (_host_step.ChunkJob, "landed", landed_at_once), merge_race),
         ("a flag does not wait for its events",
          (_flag, "wait_for_event", no_wait_before_flag), flag_race),
     ]  # fmt: skip

@@ -14,8 +14,8 @@ import torch
 from _parity import groups_of, main_weights, make_params
 
 from optimizers import HybridDeviceOptimizer, OffloadPolicy, scale_grads_
-from optimizers._host_part import _lead_with_a_landed_copy
 from optimizers._host_step import ChunkJob
+from optimizers._staging import _lead_with_a_landed_copy
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 FACTORS = [None, 0.3713, 1.0]

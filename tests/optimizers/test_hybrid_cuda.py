@@ -22,7 +22,7 @@ from _parity import (
 from offload import _copy_engine, wait_for_event
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
 from optimizers import _host_part as host_part
-from optimizers._host_part import STAGING_SLOTS  # how many buffers the chunks take in turn
+from optimizers._staging import STAGING_SLOTS  # how many buffers the chunks take in turn
 
 pytestmark = pytest.mark.cuda
 
