@@ -100,6 +100,7 @@ class HostStep:
     _engine: CopyEngine  # the copies' streams
     _jobs: list[ChunkJob]  # in the order the worker runs them
     _num_completed: int  # jobs[:_num_completed] are done and their H2D is queued (or they failed)
+    _completed: bool  # every job completed and the current stream waits for their H2D (see done)
     _last_job_of: dict[int, int]  # record index -> position of the last job with a piece of it
     _writes_after: list[Any]  # events the H2D copies into the params wait for: the current
     #                          stream after this step's backward, and after the next backward
@@ -137,6 +138,7 @@ class HostStep:
         self.start_event = start_event
         self._jobs = list(jobs)
         self._num_completed = 0
+        self._completed = not self._jobs
         self._writes_after = [start_event]
         self._writes_lock = threading.Lock()
         self._h2d_of = {}
@@ -166,8 +168,10 @@ class HostStep:
 
     @property
     def done(self) -> bool:
-        """Whether every chunk is completed (its weights queued to the params)."""
-        return self._num_completed == len(self._jobs)
+        """Whether every chunk is completed (its weights queued to the params, and the current
+        stream told to wait for them): set last, under the lock, so that a thread reading it
+        while another completes the last chunk still finds the step in flight."""
+        return self._completed
 
     def _last_position(self, indices: Iterable[int]) -> int:
         last_job_of = self._last_job_of  # (a list, not a generator: no call per index)
@@ -292,7 +296,8 @@ class HostStep:
             self._h2d_event = job.h2d_done
         # The H2D stream runs in order: its last event covers every chunk queued so far.
         wait_for_event(current_stream(self._engine.device), self._h2d_event)
-        if self.done and self._release_interval is not None:
+        self._completed = self._num_completed == len(self._jobs)
+        if self._completed and self._release_interval is not None:
             release, self._release_interval = self._release_interval, None
             release()  # once: a finalizer runs at most once
         if error is not None:

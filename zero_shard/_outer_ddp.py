@@ -9,10 +9,13 @@ model's forward hook turns DDP's gradient sync off (``require_backward_grad_sync
 ``DDP.no_sync()`` sets, and restores to the value it found), before DDP's forward ends and
 arms its reducer for backward: the grads then reach zero-shard alone, as they would without
 DDP. DDP still broadcast the params from its first rank when it was built, as zero-shard did
-at wrap. Only a DDP whose reduced params are all zero-shard's is quieted: a param another
-optimizer steps needs DDP's reduction, and keeps it (the placeholders then raise a clear
-error if DDP reads them). Compiled code leaves the check out: a compiled root under such a DDP
-meets that error.
+at wrap; with its sync off it broadcasts no buffers either, as zero-shard alone does. A DDP
+built with ``static_graph=True`` is told its first backward's reduction of every grad was
+queued already. Only a DDP whose reduced params are all zero-shard's is quieted: a param
+another optimizer steps needs DDP's reduction, and keeps it (the placeholders then raise a
+clear error if DDP reads them). When the hook goes (the optimizer retired by a later wrap, or
+collected), the DDPs it quieted get their sync back. Compiled code leaves the check out: a
+compiled root under such a DDP meets that error.
 """
 
 from __future__ import annotations
@@ -38,24 +41,42 @@ class _QuietOuterDDP:
     _model: weakref.ref[nn.Module]
     _param_ids: frozenset[int]  # the params zero-shard reduces
     _seen: weakref.WeakKeyDictionary[nn.Module, bool]  # per DDP: whether zero-shard owns it
+    _quieted: weakref.WeakKeyDictionary[nn.Module, bool]  # the DDPs this hook turned off, and
+    #                                                       whether a static graph's first
+    #                                                       reduction was queued before
 
     def __init__(self, model: nn.Module, params: Iterable[torch.Tensor]) -> None:
         self._model = weakref.ref(model)
         self._param_ids = frozenset(id(p) for p in params)
         self._seen = weakref.WeakKeyDictionary()
+        self._quieted = weakref.WeakKeyDictionary()
         mark_hook(self)
+
+    def restore(self) -> None:
+        """Gives the DDPs quieted so far their gradient sync back."""
+        for ddp, queued in list(self._quieted.items()):
+            ddp.require_backward_grad_sync = True
+            if ddp.static_graph:
+                ddp._static_graph_delay_allreduce_enqueued = queued
+        self._quieted.clear()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         ddp = nn.parallel.DistributedDataParallel._get_active_ddp_module()
-        if ddp is None or not ddp.require_backward_grad_sync:
+        if ddp is None:
             return
         owned = self._seen.get(ddp)
         if owned is None:
             owned = self._seen[ddp] = self._owns(ddp)
-        if owned:
+        if not owned:
+            return
+        if ddp not in self._quieted:
+            self._quieted[ddp] = ddp.static_graph and ddp._static_graph_delay_allreduce_enqueued
+        if ddp.require_backward_grad_sync:  # (off already inside DDP's no_sync)
             ddp.require_backward_grad_sync = False
+        if ddp.static_graph:  # else its first backward would reduce every grad, even in no_sync
+            ddp._static_graph_delay_allreduce_enqueued = True
 
     def _owns(self, ddp: nn.parallel.DistributedDataParallel) -> bool:
         """Whether ``ddp`` runs this model and every param it reduces is zero-shard's."""
@@ -74,7 +95,19 @@ class _QuietOuterDDP:
         return owned
 
 
+class _Handle:
+    """The hook's handle: removing it also gives the quieted DDPs their sync back."""
+
+    def __init__(self, model: nn.Module, hook: _QuietOuterDDP) -> None:
+        self._hook = hook
+        self._handle = model.register_forward_hook(hook)
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self._hook.restore()
+
+
 def register_outer_ddp_check(model: nn.Module, params: Iterable[torch.Tensor]) -> Any:
     """Registers the hook of [Note: DDP around a wrapped model] on ``model``, for the ``params``
     zero-shard reduces; returns its handle."""
-    return model.register_forward_hook(_QuietOuterDDP(model, params))
+    return _Handle(model, _QuietOuterDDP(model, params))

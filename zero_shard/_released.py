@@ -156,7 +156,8 @@ def _read_error(released: ReleasedGrad, func: Any) -> RuntimeError:
             " It was read during backward, after zero-shard had reduced it: by a hook, or by a "
             "DistributedDataParallel wrapped around the model after zero_shard.wrap over params "
             "some of which zero-shard does not step (a DDP over zero-shard's params alone, as HF "
-            "Trainer and accelerate make, has its sync turned off), which would reduce the "
+            "Trainer and accelerate make, has its sync turned off where the model's forward runs "
+            "eagerly), which would reduce the "
             "grads a second time. Give the wrapped optimizer all of DDP's params, or wrap the "
             "model in DDP first and give zero_shard.wrap the DDP model."
         )

@@ -1,8 +1,13 @@
 """The Trainer example: zero-shard handed to ``transformers.Trainer`` logs the losses plain
-torch AdamW logs. Skipped without transformers and accelerate."""
+torch AdamW logs. Each run in a process of its own: Trainer and zero-shard make a process
+group there, which the other tests' processes must not inherit. Skipped without transformers
+and accelerate."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,14 +15,25 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-import hf_trainer
+
+def logged_losses(*flags: str) -> list[float]:
+    code = f"import json, hf_trainer; print(json.dumps(hf_trainer.main({list(flags)!r})))"
+    python_path = os.pathsep.join(
+        filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")])
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=EXAMPLES, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": python_path}, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_logs_the_losses_of_plain_adamw() -> None:
-    flags = ["--steps", "20", "--batch-size", "4"]
-    wrapped = hf_trainer.main(flags)
-    plain = hf_trainer.main([*flags, "--optimizer", "adamw"])
+    flags = ("--steps", "20", "--batch-size", "4")
+    wrapped = logged_losses(*flags)
+    plain = logged_losses(*flags, "--optimizer", "adamw")
     assert len(wrapped) == 2 and wrapped[-1] < wrapped[0]
     assert wrapped == pytest.approx(plain, rel=1e-4)

@@ -298,6 +298,40 @@ def test_failed_accelerator_step_still_finishes_the_host_share(
         assert torch.equal(params[index].detach(), main.to(params[index].dtype))
 
 
+def test_a_step_completed_on_another_thread_is_in_flight_until_it_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One chunk, held on the worker: while another thread completes it (waiting for the
+    # worker), the step is still in flight here, and a read of the state waits for it.
+    params = make_params(torch.bfloat16, "cpu")
+    policy = OffloadPolicy(fraction=1.0, chunk_numel=1 << 20, num_threads=1)
+    opt = HybridDeviceOptimizer([{"params": params}], torch.optim.AdamW, policy=policy, lr=0.1)
+    set_grads(params, fp32_copies(params), torch.Generator().manual_seed(0))
+    release = threading.Event()
+    original = host_part._step_chunk
+
+    def held(*args):  # type: ignore[no-untyped-def]
+        release.wait(30)
+        return original(*args)
+
+    monkeypatch.setattr(host_part, "_step_chunk", held)
+    pending = opt.launch_step()
+    waiter = threading.Thread(target=pending.wait)
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while pending._num_completed < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the waiter is inside the completion of the one chunk
+    assert opt.step_in_flight and not pending.done
+    reader = threading.Thread(target=opt.param_state, args=(params[0],))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive()  # waits for the worker, which is held
+    release.set()
+    waiter.join(30)
+    reader.join(30)
+    assert pending.done and not opt.step_in_flight and not reader.is_alive()
+
+
 def test_launch_step_completes_chunks_in_the_order_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     # launch_step returns before the CPU share is done; wait_for completes only the chunks up to
     # the params asked for, in need_order; the end result is step()'s, bit for bit.

@@ -874,29 +874,44 @@ def ddp_wrapped_after_wrap_trains_as_ddp(rank: int, world: int) -> None:
     # HF Trainer and accelerate wrap the model in DDP after the optimizer is built: zero-shard
     # already reduces the grads, so that DDP's sync is turned off ([Note: DDP around a wrapped
     # model]); the run is DDP's (reference: one process, torch AdamW, whole batch), with
-    # torch's clip, DDP's no_sync accumulation and model.zero_grad() as Trainer uses them.
-    model, ref = make_model(), make_model()
-    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    ref_opt = adamw(ref)
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        x_local, y_local = local_slice(x, rank, world), local_slice(y, rank, world)
-        half = x_local.shape[0] // 2  # two micro-batches, the first under no_sync
-        with ddp.no_sync():
-            (mse(ddp(x_local[:half]), y_local[:half]) / 2).backward()
-        (mse(ddp(x_local[half:]), y_local[half:]) / 2).backward()
-        norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
-        opt.step()
-        ddp.zero_grad()
-        mse(ref(x), y).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        torch.testing.assert_close(norm, ref_norm, **LOSS_TOL)
-    assert not ddp.require_backward_grad_sync
-    opt.finish_param_sync()
-    assert_params_close(model, ref, "DDP wrapped after zero_shard.wrap")
+    # torch's clip, DDP's no_sync accumulation and model.zero_grad() as Trainer uses them, and
+    # with static_graph too. Once the optimizer is gone, DDP reduces again for the next one.
+    for static_graph in (False, True):
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        ddp = nn.parallel.DistributedDataParallel(model, static_graph=static_graph)
+        ref_opt = adamw(ref)
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            x_local, y_local = local_slice(x, rank, world), local_slice(y, rank, world)
+            half = x_local.shape[0] // 2  # two micro-batches, the first under no_sync
+            with ddp.no_sync():
+                (mse(ddp(x_local[:half]), y_local[:half]) / 2).backward()
+            (mse(ddp(x_local[half:]), y_local[half:]) / 2).backward()
+            norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+            opt.step()
+            ddp.zero_grad()
+            mse(ref(x), y).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(norm, ref_norm, **LOSS_TOL)
+        assert not ddp.require_backward_grad_sync
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"DDP (static_graph={static_graph}) after wrap")
+    del opt
+    gc.collect()
+    assert ddp.require_backward_grad_sync  # the next optimizer is a plain one: DDP reduces
+    plain, ref_plain = (
+        torch.optim.SGD(model.parameters(), lr=LR),
+        torch.optim.SGD(ref.parameters(), lr=LR),
+    )
+    x, y = global_batch(STEPS)
+    mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    plain.step()
+    mse(ref(x), y).backward()
+    ref_plain.step()
+    assert_params_close(model, ref, "DDP after the optimizer was collected")
 
 
 @case
