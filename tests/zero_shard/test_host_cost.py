@@ -36,6 +36,9 @@ OURS = tuple(str(ROOT / package) + "/" for package in ("zero_shard", "optimizers
 PHASES = ("forward", "backward", "clip", "step", "zero_grad", "threads")
 NUM_STEPS = 3  # counted, after 2 untimed steps
 SLACK = 8  # calls a step may vary by: a wait finds its gather done or not (threads)
+# The gather thread's calls count whatever the main thread does meanwhile (its phase is taken
+# only for the main thread's calls): the counted steps start after the untimed steps' gathers
+# are done, and end once their own are ("finish"), so that every counted gather is counted.
 
 # Added calls per param (backward) and per module (forward) at most: see the module docstring.
 BACKWARD_CALLS_PER_PARAM = 6  # before_accumulate, ready, after_accumulate, on_grad_ready,
@@ -115,13 +118,15 @@ def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int]:
     with _profiled(calls):
         for step in range(2 + NUM_STEPS):
             counted = step >= 2
+            if step == 2:
+                opt.finish_param_sync()
             out = phase("forward", lambda: model(x), counted)
             phase("backward", lambda: out.square().mean().backward(), counted)  # noqa: B023
             phase("clip", lambda: opt.clip_grad_norm_(1.0), counted)
             phase("step", opt.step, counted)
             phase("zero_grad", opt.zero_grad, counted)
+        phase("finish", opt.finish_param_sync, True)
         calls.phase = None
-    opt.finish_param_sync()
     if len(opt.kind.buckets) != 1:
         raise AssertionError(f"expected one bucket, got {len(opt.kind.buckets)}")
     per_step = {name: calls.counts[name] // NUM_STEPS for name in PHASES}
