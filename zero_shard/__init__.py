@@ -8,8 +8,9 @@ elementwise torch optimizer over the data-parallel ranks; the single-rank buildi
 from optimizers import HybridDeviceOptimizer, MemoryReport, OffloadPolicy
 
 from . import checkpoint
-from ._optimizer import ZeroShardOptimizer, wrap
+from ._optimizer import ZeroShardOptimizer
 from ._scaler import GradScaler
+from ._wrap import wrap
 from .checkpoint import full_state_dict, load_full_state_dict
 
 __version__ = "0.1.0"
