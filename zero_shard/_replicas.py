@@ -42,6 +42,7 @@ from ._released_ops import DeferredClip, EarlyCopies, ReleasedGradOps
 from ._stale import ReplicaWrites
 from ._tp import describe_layout, joint_mesh, local_tensor, tp_mesh_of
 from ._units import UnitPlan, Units, plan_units, resolve_units
+from ._verdict import start_any_rank_each
 
 if TYPE_CHECKING:
     from ._optimizer import ZeroShardOptimizer
@@ -376,7 +377,8 @@ class ReplicatedKind(_Replicas):
     def build(self, trainable: list[Trainable], units: list[tuple[str, nn.Module]], *,
               device: torch.device, stage: int, **options: Any) -> None:  # fmt: skip
         # DDP does the same at construction; FSDP2's shards differ by rank.
-        broadcast_tensors(_module_tensors(self.module, device), self.meshes.mesh.get_group())
+        tensors = _module_tensors(self.module, self.meshes.mesh, device)
+        broadcast_tensors(tensors, self.meshes.mesh.get_group())
         super().build(trainable, units, device=device, stage=stage, **options)
         self._stage = stage
         if self.meshes.mesh.size() == 1:  # one rank: the params become views of the shard buffers
@@ -441,10 +443,19 @@ class ReplicatedKind(_Replicas):
         self.reducer.end_window()
 
 
-def _module_tensors(module: nn.Module, device: torch.device) -> list[torch.Tensor]:
+def _module_tensors(
+    module: nn.Module, mesh: DeviceMesh, device: torch.device
+) -> list[torch.Tensor]:
     """The module's params and buffers on ``device``: what makes replicas equal. Params another
-    wrapper shards are equal already (and are its to write)."""
-    params = [local_tensor(p) for p in module.parameters() if not is_claimed(p)]
+    wrapper shards are equal already (and are its to write). Every rank must broadcast the same
+    tensors, and whether a wrapper is still alive differs by rank (a dropped one is collected
+    when each rank's garbage collector gets to it): a param is left out where any rank's live
+    wrapper shards it (one all-reduce of the flags)."""
+    params = list(module.parameters())
+    claimed = start_any_rank_each(
+        [is_claimed(p) for p in params], group=None, mesh=mesh, device=device
+    )()
+    params = [local_tensor(p) for p, skip in zip(params, claimed, strict=True) if not skip]
     tensors = params + list(module.buffers())
     return [tensor for tensor in tensors if tensor.device == device]
 
