@@ -880,17 +880,7 @@ def a_rewrap_while_one_rank_still_holds_the_old_wrapper(rank: int, world: int) -
     del old
     gc.collect()
     opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
-    ref_opt = adamw(ref)
-    for step in range(2):
-        x, y = global_batch(step)
-        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-        mse(ref(x), y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    opt.finish_param_sync()
-    assert_params_close(model, ref, "re-wrapped while rank 0 kept the old wrapper")
+    train_with_torch(model, opt, ref, rank, world, where="re-wrapped, rank 0 kept the old one")
     assert len(kept) == (rank == 0)
 
 
