@@ -131,7 +131,8 @@ def _worker(rank: int, world_size: int, port: int, layers: list[int], out: str) 
     rows = [count(system, n) for n in layers for system in ("torch", "zero_shard")]
     if rank == 0:
         write_json(Path(out), [{**row, "world_size": world_size} for row in rows])
-    dist.destroy_process_group()  # zero-shard made one at world 1
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -126,7 +126,7 @@ class _Job:
     reports: list[_BucketDone]
     ready: Any  # event after the step on the caller's stream; None on the CPU
     writes: PendingWrites | None
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None  # None: one rank, whose shard is the whole bucket
     stream: Any  # the job's stream; None on the CPU
     device: torch.device
     world_size: int
@@ -163,7 +163,14 @@ def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
         report.written = [s.fqn for s, w in zip(bucket.params, stale, strict=True) if w]
         report.event = record_event(job.stream)
         return
-    shard = bucket.shard_buffer
+    out = bucket.shard_buffer  # one rank's shard is the whole bucket
+    if job.group is not None:
+        out = _all_gather(job, bucket.shard_buffer)
+    report.written = _copy_into_params(bucket, out)
+    report.event = record_event(job.stream)
+
+
+def _all_gather(job: _Job, shard: torch.Tensor) -> torch.Tensor:
     out = shard.new_empty(job.world_size * shard.numel())
     with phase("zero_shard::all_gather"):
         work = job.all_gather(shard, out, job.group)
@@ -173,8 +180,7 @@ def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
                 "what dist.all_gather_into_tensor(..., async_op=True) returns, or one like it"
             )
         work.wait()
-    report.written = _copy_into_params(bucket, out)
-    report.event = record_event(job.stream)
+    return out
 
 
 @torch.no_grad()  # grad mode is per thread: the job's thread starts with it on
@@ -224,7 +230,8 @@ class ParamGatherer:
 
     buckets: list[Bucket]
     overlap: bool
-    _group: dist.ProcessGroup  # the gathers' own group: the same ranks as the mesh's
+    _group: dist.ProcessGroup | None  # the gathers' own group, the same ranks as the mesh's;
+    #                                   None at one rank
     _all_gather: AllGather  # launch_all_gather, or the caller's (``wrap(all_gather=...)``)
     _world_size: int
     _device: torch.device
@@ -239,7 +246,7 @@ class ParamGatherer:
     def __init__(
         self,
         buckets: Sequence[Bucket],
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         *,
         device: torch.device,
         overlap: bool,
@@ -249,7 +256,7 @@ class ParamGatherer:
         self.overlap = overlap
         self._group = group
         self._all_gather = all_gather
-        self._world_size = dist.get_world_size(group)
+        self._world_size = 1 if group is None else dist.get_world_size(group)
         self._device = device
         self._stream = side_stream(device)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="zero_shard_gather")

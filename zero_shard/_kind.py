@@ -69,7 +69,9 @@ class Meshes(NamedTuple):
 
     @property
     def groups(self) -> list[dist.ProcessGroup]:
-        return [self.verdict_mesh.get_group(dim) for dim in self.sum_dims]
+        """The groups of ``sum_dims`` over more than one rank (a sum over one is the term)."""
+        mesh = self.verdict_mesh
+        return [mesh.get_group(dim) for dim in self.sum_dims if mesh.size(dim) > 1]
 
 
 class Kind(Protocol):

@@ -67,6 +67,8 @@ def _remove_hooks(handles: list[Any]) -> None:
 
 def _origin() -> tuple[int, int]:
     """This rank and the world size: whose rows a state dict's DTensors hold."""
+    if not dist.is_initialized():  # one process alone
+        return 0, 1
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -100,6 +102,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _building: bool
     _frozen: list[torch.Tensor]  # params of the groups with requires_grad=False at wrap time
     _retired: bool  # a later wrap took its params over: it steps no more
+    _alone: bool  # wrapped in one process with no process group: it runs no collective
     _remove_hooks: weakref.finalize  # removes the model hooks, at retirement or collection
     _wrapped: weakref.ref[torch.optim.Optimizer]  # the torch optimizer: its group dicts are ours
     _warned_unfrozen: bool
@@ -134,6 +137,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         device = first_device(optimizer)
         ensure_process_group(device)
+        self._alone = not dist.is_initialized()  # one process with no group: no collectives
         # The kind and its mesh first: the checks below share their verdict over it (_verdict).
         self.kind = choose_kind(model, mesh, optimizer)
         self._module, self._meshes = self.kind.module, self.kind.meshes
@@ -366,6 +370,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 "every param group before wrapping, or drop this wrapper and wrap again: del opt; "
                 "opt = zero_shard.wrap(torch_opt, model) (its optimizer state starts afresh). "
                 "Load state into the wrapper (opt.load_state_dict), not into torch_opt"
+            )
+        if self._alone and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "this ZeroShardOptimizer was wrapped in one process with no process group, so it "
+                f"shards over that process alone; init_process_group has since made a group of "
+                f"{dist.get_world_size()} ranks, whose grads it would never average. Wrap again "
+                "after init_process_group, on every rank"
             )
         if self._retired:
             raise RuntimeError(

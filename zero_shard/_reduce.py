@@ -74,7 +74,7 @@ class GradReducer:
 
     buckets: list[Bucket]
     enabled: bool  # False inside no_sync(): grads accumulate unreduced in the model's .grad
-    _group: dist.ProcessGroup
+    _group: dist.ProcessGroup | None  # None: one rank, which reduces nothing
     _rank: int
     _world_size: int
     _scatter: bool  # stage 2: reduce-scatter; stage 1: all-reduce
@@ -95,7 +95,7 @@ class GradReducer:
     def __init__(
         self,
         buckets: Sequence[Bucket],
-        group: dist.ProcessGroup,
+        group: dist.ProcessGroup | None,
         *,
         stage: int,
         device: torch.device,
@@ -106,8 +106,8 @@ class GradReducer:
         self.buckets = list(buckets)
         self.enabled = True
         self._group = group
-        self._rank = dist.get_rank(group)
-        self._world_size = dist.get_world_size(group)
+        self._rank = 0 if group is None else dist.get_rank(group)
+        self._world_size = 1 if group is None else dist.get_world_size(group)
         self._scatter = stage == 2
         self._device = device
         self._stream = side_stream(device)

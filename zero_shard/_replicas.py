@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import logging
 import weakref
 from collections.abc import Iterator, Sequence
@@ -60,9 +61,12 @@ def _timeout(group: dist.ProcessGroup, device: torch.device) -> datetime.timedel
         return None
 
 
-def gather_group(mesh: DeviceMesh, device: torch.device) -> dist.ProcessGroup:
+def gather_group(mesh: DeviceMesh, device: torch.device) -> dist.ProcessGroup | None:
     """A new group over the mesh's ranks, backend and timeout, for the param gathers alone (see
-    [Note: param gather]). Every rank of the mesh calls it, in the same order."""
+    [Note: param gather]); ``None`` for a mesh of one rank, which gathers nothing. Every rank of
+    the mesh calls it, in the same order."""
+    if mesh.size() == 1:
+        return None
     group = mesh.get_group()
     mine = dist.get_process_group_ranks(group)
     options = {"timeout": _timeout(group, device), "backend": dist.get_backend(group)}
@@ -101,7 +105,23 @@ def _ranks(mesh: DeviceMesh) -> list[int]:
 def default_mesh(device: torch.device, ddp_group: dist.ProcessGroup | None) -> DeviceMesh:
     if ddp_group is not None:  # the ranks DDP averages the grads over
         return DeviceMesh.from_group(ddp_group, device.type)
+    if not dist.is_initialized():
+        return one_process_mesh(device)
     return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def one_process_mesh_supported() -> bool:
+    """Whether this torch builds a ``DeviceMesh`` with no process group (``_rank`` given)."""
+    return "_rank" in inspect.signature(DeviceMesh.__init__).parameters
+
+
+def one_process_mesh(device: torch.device) -> DeviceMesh:
+    """The mesh of one process alone, with no process group behind it: a mesh of one rank runs
+    no collective here (its reductions, gathers, broadcasts and agreements are identities), and
+    DTensor and DCP need none on it. ``torch.distributed`` stays uninitialized, so that a later
+    ``init_process_group`` works and other libraries (HF Trainer, accelerate) see no
+    distributed run."""
+    return DeviceMesh(device.type, [0], _init_backend=False, _rank=0)
 
 
 def check_mesh(mesh: Any, device: torch.device, ddp_group: dist.ProcessGroup | None) -> DeviceMesh:
@@ -180,7 +200,8 @@ class _Replicas(Kind):
     clip: DeferredClip | None = None  # a plain model with a CPU share's (see ReplicatedKind)
     gatherer: ParamGatherer  # made by install()
     _plan: UnitPlan
-    _group: dist.ProcessGroup  # the mesh's group: the grads are sharded over it
+    _group: dist.ProcessGroup | None  # the mesh's group, the grads are sharded over it; None
+    #                                   at one rank
     _device: torch.device  # the params'
     _bucket_indices: list[list[int]]  # per bucket, its shards' param indices in the hybrid
     _all_gather: AllGather  # the params' gather: launch_all_gather, or wrap(all_gather=...)
@@ -227,7 +248,7 @@ class _Replicas(Kind):
         self._plan = plan_units(self.module, units)
         self._device = device
         self._all_gather = all_gather or launch_all_gather
-        self._group = self.meshes.mesh.get_group()
+        self._group = self.meshes.mesh.get_group() if self.meshes.mesh.size() > 1 else None
         # Buckets go in unit order (root first), then model order inside a unit: the next
         # forward needs the first buckets first ([Note: units]), and backward makes the last
         # buckets' grads first.
@@ -377,8 +398,9 @@ class ReplicatedKind(_Replicas):
     def build(self, trainable: list[Trainable], units: list[tuple[str, nn.Module]], *,
               device: torch.device, stage: int, **options: Any) -> None:  # fmt: skip
         # DDP does the same at construction; FSDP2's shards differ by rank.
-        tensors = _module_tensors(self.module, self.meshes.mesh, device)
-        broadcast_tensors(tensors, self.meshes.mesh.get_group())
+        mesh = self.meshes.mesh
+        if mesh.size() > 1:
+            broadcast_tensors(_module_tensors(self.module, mesh, device), mesh.get_group())
         super().build(trainable, units, device=device, stage=stage, **options)
         self._stage = stage
         if self.meshes.mesh.size() == 1:  # one rank: the params become views of the shard buffers

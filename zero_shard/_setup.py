@@ -25,7 +25,7 @@ from ._fsdp import (
 )
 from ._gather import DelayedUpdate
 from ._kind import Kind, Trainable
-from ._replicas import DDPKind, ReplicatedKind
+from ._replicas import DDPKind, ReplicatedKind, one_process_mesh_supported
 from ._tp import tp_spec
 from ._units import Units
 from ._verdict import Summary, on_every_rank
@@ -101,10 +101,12 @@ _LAUNCHER_SIZES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_
 
 
 def ensure_process_group(device: torch.device) -> None:
-    """One process with no process group (a one-GPU script, not under a launcher): makes a group
-    of one, as torchrun's environment would, so that one rank is run as any number of ranks (a
-    later ``init_process_group`` then raises: call it first to choose). Refuses when a
-    launcher's environment says there are more processes: each would then train alone."""
+    """Refuses a process with no process group where a launcher's environment says there are
+    more processes (each would train alone). One process alone needs no group: zero-shard runs
+    no collective there and leaves ``torch.distributed`` uninitialized, for a later
+    ``init_process_group`` and for libraries that read it as a distributed run (see
+    ``one_process_mesh``). A torch whose ``DeviceMesh`` cannot be built without a group gets a
+    group of one, as before (a later ``init_process_group`` then raises: call it first)."""
     if not dist.is_available():
         raise RuntimeError(
             "zero_shard.wrap needs torch.distributed, which this build of torch lacks; for one "
@@ -120,6 +122,8 @@ def ensure_process_group(device: torch.device) -> None:
                 "torch.distributed.init_process_group() on every rank before zero_shard.wrap "
                 "(a group of one here would train each process alone)"
             )
+    if one_process_mesh_supported():
+        return
     backend = "gloo"
     if device.type != "cpu":
         backend = f"cpu:gloo,{device.type}:{dist.Backend.default_device_backend_map[device.type]}"
@@ -262,10 +266,11 @@ def check_inputs(
             )
         delay = DelayedUpdate.of(policy)
         kind.check_options(delay, all_gather)
-        if delay is not None and dist.get_world_size() > 1:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if delay is not None and world_size > 1:
             raise ValueError(
                 f"OffloadPolicy(delayed_update=True) runs on one process for now, got "
-                f"{dist.get_world_size()}: at more ranks the update in flight would have to be "
+                f"{world_size}: at more ranks the update in flight would have to be "
                 "gathered by calls that some ranks make alone (finish_param_sync, a module's "
                 "state_dict). Use delayed_update=False, or one process"
             )

@@ -38,10 +38,11 @@ class _Outcome(NamedTuple):
 
 def _groups(mesh: DeviceMesh | None) -> list[dist.ProcessGroup | None]:
     """The groups to share outcomes over: each dim of the mesh in turn (after one round per dim,
-    every rank of the mesh knows every outcome), or the default group."""
+    every rank of the mesh knows every outcome; a dim of one rank has nothing to share), or
+    the default group."""
     if mesh is None:
         return [None]
-    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    return [mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1]
 
 
 def _share(outcome: _Outcome, mesh: DeviceMesh | None, device: torch.device) -> dict[int, _Outcome]:

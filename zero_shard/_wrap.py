@@ -17,9 +17,9 @@ def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> 
     """Shards ``optimizer`` over the data-parallel ranks, optionally offloading to the CPU.
 
     Call it on every rank, after ``init_process_group`` and after the model is on its device.
-    In one process with no process group (a one-GPU script, not under torchrun) it makes a
-    group of one itself (a later ``init_process_group`` then raises: call that first where the
-    script makes groups of its own).
+    In one process with no process group (a one-GPU script, not under torchrun) it makes no
+    group and runs no collective; a later ``init_process_group`` works, and a wrap after it
+    shards over that group.
     The wrapper shares the optimizer's param-group dicts (an LR scheduler built on either one
     drives both) and takes its state over, if any (emptying the optimizer's ``state``); step
     only the wrapper. One live wrapper per param: a later ``wrap`` over a param (re-creating the

@@ -1,7 +1,8 @@
 """The Trainer example: zero-shard handed to ``transformers.Trainer`` logs the losses plain
-torch AdamW logs. Each run in a process of its own: Trainer and zero-shard make a process
-group there, which the other tests' processes must not inherit. Skipped without transformers
-and accelerate."""
+torch AdamW logs, in one process with no process group: zero-shard makes none, so Trainer sees
+no distributed run (it warns where a group exists but it was not launched as one). Each run in a
+process of its own (Trainer keeps process-wide state). Skipped without transformers and
+accelerate."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def logged_losses(*flags: str) -> list[float]:
-    code = f"import json, hf_trainer; print(json.dumps(hf_trainer.main({list(flags)!r})))"
+    code = (
+        "import json, hf_trainer, torch.distributed as dist\n"
+        f"losses = hf_trainer.main({list(flags)!r})\n"
+        "assert not dist.is_initialized(), 'a process group was made'\n"
+        "print(json.dumps(losses))"
+    )
     python_path = os.pathsep.join(
         filter(None, [str(EXAMPLES.parent), os.environ.get("PYTHONPATH")])
     )
@@ -28,6 +34,7 @@ def logged_losses(*flags: str) -> list[float]:
         env={**os.environ, "PYTHONPATH": python_path}, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "process group is initialized" not in result.stderr, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -1,7 +1,10 @@
-"""One process with no process group: ``wrap`` makes a group of one and trains as torch AdamW,
-each param its own shard (not held twice), also after ``param.data = ...`` gives a param other
-memory and after a load into a state dict taken before wrap; under a launcher's environment for
-more ranks it refuses instead of training each rank alone. On one GPU, a step holds no more
+"""One process with no process group: ``wrap`` makes no group (``torch.distributed`` stays
+uninitialized through training, torch's clipping and a DCP round trip) and trains as torch
+AdamW, each param its own shard (not held twice), also after ``param.data = ...`` gives a param
+other memory and after a load into a state dict taken before wrap; a later
+``init_process_group`` works, and a wrap after it shards over the group. Under a launcher's
+environment for more ranks ``wrap`` refuses instead of training each rank alone, and a wrapper
+made alone refuses to step once a group of more ranks exists. On one GPU, a step holds no more
 memory than torch's AdamW, between steps and at its peak.
 
 Each case runs in a fresh interpreter: the process group it makes would outlive it here."""
@@ -9,6 +12,7 @@ Each case runs in a fresh interpreter: the process group it makes would outlive 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -32,7 +36,7 @@ ONE_PROCESS = textwrap.dedent(
     live, ref_live = model.state_dict(), ref.state_dict()  # views of the params, before wrap
     opt = zero_shard.wrap(adamw(model), model, offload=zero_shard.OffloadPolicy(
         fraction=0.5, num_threads=1, chunk_numel=16))
-    assert dist.is_initialized() and dist.get_world_size() == 1
+    assert not dist.is_initialized(), "wrap made a process group"
     for step in range(6):
         if step == 2:  # other memory for one param, in both: torch's optimizer steps it
             new = torch.randn(model.mid.weight.shape, generator=torch.Generator().manual_seed(5))
@@ -46,7 +50,10 @@ ONE_PROCESS = textwrap.dedent(
                 ref_live[key].copy_(loaded)
         x, y = global_batch(step)
         mse(model(x), y).backward()
-        opt.clip_grad_norm_(0.5)
+        if step % 2:
+            opt.clip_grad_norm_(0.5)
+        else:  # torch's own clipping, on the grads' placeholders
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
         loss = mse(ref(x), y)
@@ -59,6 +66,21 @@ ONE_PROCESS = textwrap.dedent(
             torch.testing.assert_close(param, ref_param, **PARAM_TOL, msg=f"step {{step}}: {{name}}")
     print("trained as torch")
 
+    # A DCP round trip of the optimizer's state, still with no group.
+    import tempfile, warnings
+    import torch.distributed.checkpoint as dcp
+    saved = {{name: param.detach().clone() for name, param in model.named_parameters()}}
+    with tempfile.TemporaryDirectory() as path, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"
+        dcp.save({{"optim": opt.state_dict()}}, checkpoint_id=path)
+        state = opt.state_dict()
+        dcp.load({{"optim": state}}, checkpoint_id=path)
+        opt.load_state_dict(state)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, saved[name], rtol=0, atol=0, msg=name)
+    assert not dist.is_initialized(), "a step or a checkpoint made a process group"
+    print("no group")
+
     # One rank: each param is its shard (no second copy), in its own memory.
     big = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
     num = sum(p.numel() for p in big.parameters())
@@ -69,6 +91,44 @@ ONE_PROCESS = textwrap.dedent(
     torch.save(big[2].bias, buffer)
     assert buffer.tell() < 8 * 1024, f"saving one bias wrote {{buffer.tell()}} bytes"
     print("no second copy")
+
+    # A group made after wrap: the wrappers made alone still step alone (a group of one), and a
+    # new wrap shards over the group.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    x, y = global_batch(6)
+    mse(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    opt = zero_shard.wrap(adamw(model), model)
+    assert opt.mesh.get_group() is not None
+    mse(model(x), y).backward()
+    opt.step()
+    print("a later group")
+    """
+)
+
+# Each of two processes wraps alone, then they make a group of two: the wrappers made alone
+# would never average their grads, so a step refuses.
+ALONE_THEN_TWO = textwrap.dedent(
+    """
+    import sys
+    import torch, torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from _models import adamw, make_model
+    import zero_shard
+
+    rank, init = int(sys.argv[1]), sys.argv[2]
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    model(torch.randn(3, 15)).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as err:
+        assert "wrapped in one process with no process group" in str(err), err
+        assert "group of 2 ranks" in str(err), err
+        print("refused")
+    dist.destroy_process_group()
     """
 )
 
@@ -171,7 +231,29 @@ def run(script: str, **env: str) -> subprocess.CompletedProcess:
 def test_wrap_without_a_process_group_trains_as_torch() -> None:
     result = run(ONE_PROCESS)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "trained as torch" in result.stdout and "no second copy" in result.stdout
+    for said in ("trained as torch", "no group", "no second copy", "a later group"):
+        assert said in result.stdout, (said, result.stdout)
+
+
+def test_a_wrapper_made_alone_refuses_to_step_in_a_bigger_group() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    script = ALONE_THEN_TWO.format(tests=str(TESTS))
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, str(rank), init], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for rank in range(2)
+    ]  # fmt: skip
+    for process in processes:
+        try:
+            out, err = process.communicate(timeout=300)
+        finally:
+            for each in processes:
+                if each.poll() is None:
+                    each.kill()
+        assert process.returncode == 0, err[-3000:]
+        assert "refused" in out, out
 
 
 @pytest.mark.parametrize("name", ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"])
