@@ -42,6 +42,7 @@ import logging
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -117,10 +118,6 @@ def _checked_staging(
         setting="the offload fraction",
     )
     return kind
-
-
-def _slice(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
-    return tensor[start : start + numel]
 
 
 class HostPart:
@@ -220,33 +217,34 @@ class HostPart:
         hyper = {k: v for k, v in group.items() if k != "params"}
         main_offset = grad_offset = 0
         for chunk_index, spec, kernel in group_specs:
-            main = _slice(main_flat, main_offset, spec.numel)
+            main = main_flat.narrow(0, main_offset, spec.numel)
             grad = None
             if _needs_grad_buffer(spec, kernel):
-                grad = _slice(grad_flat, grad_offset, spec.numel)
+                grad = grad_flat.narrow(0, grad_offset, spec.numel)
                 grad_offset += spec.numel
             main_offset += spec.numel
-            pieces_main, offset = [], 0
-            for piece_spec in spec.pieces:
-                pieces_main.append(_slice(main, offset, piece_spec.numel))
-                offset += piece_spec.numel
+            offsets = list(accumulate((p.numel for p in spec.pieces[:-1]), initial=0))
+            pieces_main = [
+                main.narrow(0, o, p.numel) for o, p in zip(offsets, spec.pieces, strict=True)
+            ]
             optimizer = build_sub_optimizer(
                 optimizer_spec, [{"params": pieces_main, **hyper}], "cpu"
             )
-            pieces, offset = [], 0
-            for piece_spec, piece_main in zip(spec.pieces, pieces_main, strict=True):
+            pieces = []
+            for piece_spec, offset, piece_main in zip(
+                spec.pieces, offsets, pieces_main, strict=True
+            ):
                 piece = Piece(
                     spec=piece_spec,
                     group=optimizer.param_groups[0],
                     main=piece_main,
-                    grad=None if grad is None else _slice(grad, offset, piece_spec.numel),
+                    grad=None if grad is None else grad.narrow(0, offset, piece_spec.numel),
                     optimizer=optimizer,
                     offset=offset,
                 )
                 record = records[piece_spec.param_index]
                 record.pieces.append(piece)
                 pieces.append((record, piece))
-                offset += piece_spec.numel
             self.chunks.append(HostChunk(spec, chunk_index, pieces, main, grad, optimizer, kernel))
         self.chunks.sort(key=lambda chunk: chunk.index)
 
@@ -280,10 +278,7 @@ class HostPart:
             chosen = [(r, p) for r, p in chunk.pieces if indices is None or r.index in indices]
             staging = self.staging.view(self.staging.slot(chunk.index, chunk), chunk.spec)
             pairs = [
-                CopyPair(
-                    _slice(staging, piece.offset, piece.spec.numel),
-                    _slice(flat_param(r.param), piece.spec.start, piece.spec.numel),
-                )
+                CopyPair(piece.in_chunk(staging), piece.of_param(flat_param(r.param)))
                 for r, piece in chosen
             ]
             # Synchronous: the next chunk may reuse the buffer.
@@ -292,7 +287,7 @@ class HostPart:
                 chunk.main.copy_(staging)
             else:
                 for _, piece in chosen:
-                    piece.main.copy_(_slice(staging, piece.offset, piece.spec.numel))
+                    piece.main.copy_(piece.in_chunk(staging))
 
     @torch.no_grad()
     def start(
