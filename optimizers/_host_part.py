@@ -301,20 +301,17 @@ class HostPart:
         grads_final: Any,
         delayed: bool = False,
     ) -> HostStep:
-        """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied on
-        the host by ``grad_factor`` (one fp32 element, on the device; as the device would, see
-        ``HostStep.grad_factor``) and then by ``grad_scale`` in fp32, where given; see [Note: host
-        pipeline]. A chunk whose grads ``grads_ready`` copied, unchanged since, is not copied
-        again. The chunks go last params first (their grads are ready first in backward), or,
-        given ``need_order`` (every record index, in the order the new weights will be needed),
-        by the first param of each chunk needed (a chunk on the host already may go first, see
-        ``_lead_with_a_landed_copy``). Where ``found_inf`` (one element, on the device) is
-        nonzero, the worker steps no chunk and the params are left as they are; the host does
-        not wait for it here. ``grads_final``: an event on the current stream after which the
-        grads and flags are final, recorded before the step in flight was settled (settling
-        makes the current stream wait for every H2D: each chunk's D2H waits for its own below);
-        ``None`` where nothing is recorded (the CPU). ``delayed``: the step is a delayed
-        update's (its weights reach the params at the next step)."""
+        """Queues the D2H copies and CPU steps of every chunk with grads (see [Note: host
+        pipeline]), the grads multiplied on the host by ``grad_factor`` (see
+        ``HostStep.grad_factor``), then by ``grad_scale`` in fp32, where given. The chunks go
+        last params first (their grads are ready first in backward), or, given ``need_order``
+        (every record index, in the order the new weights will be needed), by the first param of
+        each chunk needed (see ``_lead_with_a_landed_copy``). Where ``found_inf`` is nonzero, the
+        worker steps no chunk; the host does not wait for it here. ``grads_final``: an event on
+        the current stream after which the grads and flags are final, recorded before the step
+        in flight was settled (settling makes the current stream wait for every H2D: each
+        chunk's D2H waits for its own below); ``None`` on the CPU. ``delayed``: the step is a
+        delayed update's (its weights reach the params at the next step)."""
         start_event = grads_final
         self.settle()
         previous = self._last_step
