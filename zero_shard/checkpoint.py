@@ -521,15 +521,12 @@ def load(
     anything is loaded, on every rank. Each rank's random number generators are restored when
     the checkpoint has this rank's (``restore_rng``).
 
-    The checkpoint is read into host memory first, and copied into ``model`` and ``optimizer``
-    only once every rank has read its part whole: it takes as much host memory as this rank's
-    part of the model's state dict (a replicated model's: all of it) and of the optimizer's
-    state, and no accelerator memory; where that would leave less than a quarter of a host's
-    memory available, it is read twice instead, in batches to verify it, then in place ([Note:
-    loads read before they write] in ``zero_shard/_reading.py``). A checkpoint that cannot be
-    read whole (a data file missing or truncated, a damaged ``.metadata``) raises
-    ``DamagedCheckpointError`` naming the file on every rank, and the model and optimizer are
-    left as they were.
+    The checkpoint is read into host memory first (this rank's part of the model's and the
+    optimizer's state), and copied into ``model`` and ``optimizer`` only once every rank has read
+    its part whole; where the host lacks the memory, it is read twice instead, in batches, then in
+    place ([Note: loads read before they write] in ``zero_shard/_reading.py``). A checkpoint
+    that cannot be read whole raises ``DamagedCheckpointError`` naming the file on every rank,
+    and the model and optimizer are left as they were.
 
     ``optimizer`` may also be a plain torch optimizer (the checkpoint saved from one over the same
     model, or from a ZeroShardOptimizer); one that has not stepped yet gets its state created
