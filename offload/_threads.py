@@ -34,10 +34,6 @@ def usable_cores() -> int:
     return max(os.cpu_count() or 1, 1)
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def resolve_thread_budget(requested: int | None = None, *, keep_free: int = 0) -> ThreadBudget:
     """Chooses the CPU optimizer's thread count for this rank, logs it and returns it.
 
@@ -59,7 +55,7 @@ def resolve_thread_budget(requested: int | None = None, *, keep_free: int = 0) -
         budget = ThreadBudget(requested, "argument")
     else:
         omp = os.environ.get("OMP_NUM_THREADS", "")
-        from_torchrun = omp == "1" and _under_torchrun()
+        from_torchrun = omp == "1" and "TORCHELASTIC_RUN_ID" in os.environ
         if omp.isdigit() and int(omp) >= 1 and not from_torchrun:
             budget = ThreadBudget(int(omp), "OMP_NUM_THREADS")
         else:

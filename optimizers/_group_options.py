@@ -117,7 +117,7 @@ def leave_kernel_where_unmet(chunks: Sequence[HostChunk]) -> list[torch.Tensor]:
         if chunk.spec.dtype != torch.float32:  # fp32 grads are stepped where they land
             chunk.grad = torch.zeros(chunk.spec.numel, dtype=torch.float32)
             for _, piece in chunk.pieces:
-                piece.grad = chunk.grad[piece.offset : piece.offset + piece.spec.numel]
+                piece.grad = piece.in_chunk(chunk.grad)
             made.append(chunk.grad)
     if moved:
         named = ", ".join(f"param group {index} ({option})" for index, option in moved.items())

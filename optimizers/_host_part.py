@@ -42,6 +42,7 @@ import logging
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -117,10 +118,6 @@ def _checked_staging(
         setting="the offload fraction",
     )
     return kind
-
-
-def _slice(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
-    return tensor[start : start + numel]
 
 
 class HostPart:
@@ -220,33 +217,34 @@ class HostPart:
         hyper = {k: v for k, v in group.items() if k != "params"}
         main_offset = grad_offset = 0
         for chunk_index, spec, kernel in group_specs:
-            main = _slice(main_flat, main_offset, spec.numel)
+            main = main_flat.narrow(0, main_offset, spec.numel)
             grad = None
             if _needs_grad_buffer(spec, kernel):
-                grad = _slice(grad_flat, grad_offset, spec.numel)
+                grad = grad_flat.narrow(0, grad_offset, spec.numel)
                 grad_offset += spec.numel
             main_offset += spec.numel
-            pieces_main, offset = [], 0
-            for piece_spec in spec.pieces:
-                pieces_main.append(_slice(main, offset, piece_spec.numel))
-                offset += piece_spec.numel
+            offsets = list(accumulate((p.numel for p in spec.pieces[:-1]), initial=0))
+            pieces_main = [
+                main.narrow(0, o, p.numel) for o, p in zip(offsets, spec.pieces, strict=True)
+            ]
             optimizer = build_sub_optimizer(
                 optimizer_spec, [{"params": pieces_main, **hyper}], "cpu"
             )
-            pieces, offset = [], 0
-            for piece_spec, piece_main in zip(spec.pieces, pieces_main, strict=True):
+            pieces = []
+            for piece_spec, offset, piece_main in zip(
+                spec.pieces, offsets, pieces_main, strict=True
+            ):
                 piece = Piece(
                     spec=piece_spec,
                     group=optimizer.param_groups[0],
                     main=piece_main,
-                    grad=None if grad is None else _slice(grad, offset, piece_spec.numel),
+                    grad=None if grad is None else grad.narrow(0, offset, piece_spec.numel),
                     optimizer=optimizer,
                     offset=offset,
                 )
                 record = records[piece_spec.param_index]
                 record.pieces.append(piece)
                 pieces.append((record, piece))
-                offset += piece_spec.numel
             self.chunks.append(HostChunk(spec, chunk_index, pieces, main, grad, optimizer, kernel))
         self.chunks.sort(key=lambda chunk: chunk.index)
 
@@ -280,10 +278,7 @@ class HostPart:
             chosen = [(r, p) for r, p in chunk.pieces if indices is None or r.index in indices]
             staging = self.staging.view(self.staging.slot(chunk.index, chunk), chunk.spec)
             pairs = [
-                CopyPair(
-                    _slice(staging, piece.offset, piece.spec.numel),
-                    _slice(flat_param(r.param), piece.spec.start, piece.spec.numel),
-                )
+                CopyPair(piece.in_chunk(staging), piece.of_param(flat_param(r.param)))
                 for r, piece in chosen
             ]
             # Synchronous: the next chunk may reuse the buffer.
@@ -292,7 +287,7 @@ class HostPart:
                 chunk.main.copy_(staging)
             else:
                 for _, piece in chosen:
-                    piece.main.copy_(_slice(staging, piece.offset, piece.spec.numel))
+                    piece.main.copy_(piece.in_chunk(staging))
 
     @torch.no_grad()
     def start(
@@ -306,20 +301,17 @@ class HostPart:
         grads_final: Any,
         delayed: bool = False,
     ) -> HostStep:
-        """Queues the D2H copies and CPU steps of every chunk with grads, the grads multiplied on
-        the host by ``grad_factor`` (one fp32 element, on the device; as the device would, see
-        ``HostStep.grad_factor``) and then by ``grad_scale`` in fp32, where given; see [Note: host
-        pipeline]. A chunk whose grads ``grads_ready`` copied, unchanged since, is not copied
-        again. The chunks go last params first (their grads are ready first in backward), or,
-        given ``need_order`` (every record index, in the order the new weights will be needed),
-        by the first param of each chunk needed (a chunk on the host already may go first, see
-        ``_lead_with_a_landed_copy``). Where ``found_inf`` (one element, on the device) is
-        nonzero, the worker steps no chunk and the params are left as they are; the host does
-        not wait for it here. ``grads_final``: an event on the current stream after which the
-        grads and flags are final, recorded before the step in flight was settled (settling
-        makes the current stream wait for every H2D: each chunk's D2H waits for its own below);
-        ``None`` where nothing is recorded (the CPU). ``delayed``: the step is a delayed
-        update's (its weights reach the params at the next step)."""
+        """Queues the D2H copies and CPU steps of every chunk with grads (see [Note: host
+        pipeline]), the grads multiplied on the host by ``grad_factor`` (see
+        ``HostStep.grad_factor``), then by ``grad_scale`` in fp32, where given. The chunks go
+        last params first (their grads are ready first in backward), or, given ``need_order``
+        (every record index, in the order the new weights will be needed), by the first param of
+        each chunk needed (see ``_lead_with_a_landed_copy``). Where ``found_inf`` is nonzero, the
+        worker steps no chunk; the host does not wait for it here. ``grads_final``: an event on
+        the current stream after which the grads and flags are final, recorded before the step
+        in flight was settled (settling makes the current stream wait for every H2D: each
+        chunk's D2H waits for its own below); ``None`` on the CPU. ``delayed``: the step is a
+        delayed update's (its weights reach the params at the next step)."""
         start_event = grads_final
         self.settle()
         previous = self._last_step

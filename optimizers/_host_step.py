@@ -58,10 +58,6 @@ from ._records import HostChunk, ParamRecord, Piece, flat_param
 __all__ = ["ChunkJob", "HostStep"]
 
 
-def _piece_of(flat: torch.Tensor, piece: Piece) -> torch.Tensor:
-    return flat[piece.spec.start : piece.spec.start + piece.spec.numel]
-
-
 @dataclass
 class ChunkJob:
     """One chunk's part of a step: its staging buffer, copies and CPU step."""
@@ -84,7 +80,7 @@ class ChunkJob:
     #     when it completes the job
 
     def staging_of(self, piece: Piece) -> torch.Tensor:
-        return self.staging[piece.offset : piece.offset + piece.spec.numel]
+        return piece.in_chunk(self.staging)
 
     def landed(self) -> bool:
         """Whether the job's grads were copied and are on the host now (no wait)."""
@@ -202,7 +198,7 @@ class HostStep:
         try:
             with phase("zero_shard::d2h"):
                 pairs = [
-                    CopyPair(job.staging_of(piece), _piece_of(grad, piece))
+                    CopyPair(job.staging_of(piece), piece.of_param(grad))
                     for grad, (_, piece) in zip(job.grads, job.active, strict=True)
                 ]
                 job.d2h_done = self._engine.d2h(pairs, after=after)
@@ -217,7 +213,7 @@ class HostStep:
         """Queues the job's new weights from its staging buffer into the params, behind the
         events the writes wait for."""
         pairs = [
-            CopyPair(_piece_of(flat_param(record.param), piece), job.staging_of(piece))
+            CopyPair(piece.of_param(flat_param(record.param)), job.staging_of(piece))
             for record, piece in job.active
         ]
         with self._writes_lock:

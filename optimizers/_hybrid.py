@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from offload import (
+    ThreadBudget,
     current_stream,
     intra_op_threads,
     record_event,
@@ -34,12 +35,11 @@ from ._host_part import HostPart
 from ._host_step import HostStep
 from ._policy import DelayedUpdate, OffloadPolicy, StagingKind
 from ._records import ParamRecord, collect_grads
-from ._split import ParamInfo, plan_split
+from ._split import DeviceSplit, ParamInfo, plan_split
 from ._state import (
     StateView,
     check_saved_state,
     init_state,
-    load_main,
     match_saved,
     record_state,
     scatter_state,
@@ -53,8 +53,7 @@ __all__ = ["HybridDeviceOptimizer", "MemoryReport"]
 class MemoryReport:
     """Where the optimizer's memory is (the model's own params and grads not counted)."""
 
-    device: str  # the params' device ("cuda:0"; "cpu" when training on the CPU, where both
-    #              shares live in host memory)
+    device: str  # the params' device ("cuda:0"; "cpu" in a CPU run: both shares on the host)
     device_bytes: int  # fp32 main weights, main grads and state of the accelerator's share
     host_bytes: int  # the same for the CPU's share, plus the staging buffers
     host_staging_bytes: int  # of host_bytes: the staging buffers for host<->device copies
@@ -109,10 +108,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _optimizer_spec: OptimizerSpec  # how every sub-optimizer is constructed
     _records: list[ParamRecord] | None  # one per param over all groups; None while building
     _device: DevicePart
-    host_num_threads: int | None  # the intra-op threads its step uses where the params
-    #                               themselves are on the host (a CPU run, FSDP2's
-    #                               CPUOffloadPolicy), for other passes over them and their grads
-    #                               too (norms, clipping); None where they are on an accelerator
+    host_num_threads: int | None  # intra-op threads for passes over params on the host (a CPU
+    #                               run, FSDP2's CPUOffloadPolicy): its step, norms, clipping;
+    #                               None where they are on an accelerator
     _host: HostPart
     _state_keys: list[StateKeys]  # per param group: the state the optimizer keeps per param
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
@@ -235,52 +233,52 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for record in records:
             check_param(record.param, record.index, device)
         trainable = [record for record in records if record.param.requires_grad]
+        policy, delay, spec = self.policy, self._delay, self._optimizer_spec
         split = plan_split(
             [ParamInfo(r.param.numel(), r.group_index, r.param.dtype) for r in trainable],
-            self.policy.fraction,
-            self.policy.chunk_numel,
+            policy.fraction,
+            policy.chunk_numel,
         )
-        state_keys = [probe_state_keys(self._optimizer_spec, group) for group in self.param_groups]
-        delay = self._delay
-        keep_free = 0 if delay is None else delay.CORES_KEPT_FREE
-        # Params on the host (a CPU run, FSDP2's CPUOffloadPolicy) are stepped in place by the
-        # device part, on the caller's thread: with the budget, not torchrun's one thread.
-        on_host = device.type == "cpu" and bool(split.device_pieces)
-        threads = (
-            resolve_thread_budget(self.policy.num_threads, keep_free=keep_free)
-            if split.host_chunks or on_host
-            else None
+        state_keys = [probe_state_keys(spec, group) for group in self.param_groups]
+        threads = self._thread_budget(split, device)
+        kernel = select_cpu_kernel(
+            policy.cpu_kernel, self.optimizer_cls, self.param_groups, split.host_chunks, threads
         )
-        self.host_num_threads = threads.num_threads if on_host else None
-        policy, cls, groups = self.policy, self.optimizer_cls, self.param_groups
-        kernel = select_cpu_kernel(policy.cpu_kernel, cls, groups, split.host_chunks, threads)
         self._host = HostPart(
             trainable,
             split.host_chunks,
             self.param_groups,
-            self._optimizer_spec,
+            spec,
             device,
-            pin_memory=self.policy.pin_memory,
+            pin_memory=policy.pin_memory,
             threads=threads,
             num_state_tensors=max(len(keys.elementwise_keys) for keys in state_keys),
             kernel=kernel,
-            staging=self.policy.host_staging if delay is None else delay.STAGING,
-            switch_interval=self.policy.gil_switch_interval,
+            staging=policy.host_staging if delay is None else delay.STAGING,
+            switch_interval=policy.gil_switch_interval,
             early_copies=delay is None,
         )
         self._device = DevicePart(
-            trainable,
-            split.device_pieces,
-            self.param_groups,
-            self._optimizer_spec,
-            device,
-            self.policy.device_impl,
+            trainable, split.device_pieces, self.param_groups, spec, device, policy.device_impl
         )
         num_host = split.num_host_elements
         self._num_elements = (split.num_elements - num_host, num_host)
         init_state(trainable, self.optimizer_cls, state_keys)
         self._state_keys = state_keys
         self._records = records
+
+    def _thread_budget(self, split: DeviceSplit, device: torch.device) -> ThreadBudget | None:
+        """The CPU threads of the host chunks' steps, and ``host_num_threads`` set; ``None``
+        where the CPU steps nothing."""
+        keep_free = 0 if self._delay is None else self._delay.CORES_KEPT_FREE
+        # Params on the host (a CPU run, FSDP2's CPUOffloadPolicy) are stepped in place by the
+        # device part, on the caller's thread: with the budget, not torchrun's one thread.
+        on_host = device.type == "cpu" and bool(split.device_pieces)
+        threads = None
+        if split.host_chunks or on_host:
+            threads = resolve_thread_budget(self.policy.num_threads, keep_free=keep_free)
+        self.host_num_threads = threads.num_threads if on_host else None
+        return threads
 
     def _sub_groups(self) -> Iterable[tuple[dict[str, Any], dict[str, Any]]]:
         """(sub-optimizer group, the user's group it follows), for both devices."""
@@ -382,21 +380,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ) -> HostStep:
         """Starts a step and returns before the CPU's share of it is done.
 
-        The accelerator's share is stepped on the current stream; the CPU's share runs on the worker
+        The accelerator's share is stepped on the current stream; the CPU's share on the worker
         thread, chunk by chunk in ``need_order`` (every param index over all param groups, as in
-        ``state_dict()``, in the order the new weights will be needed; default: index order; a chunk
-        whose grads :meth:`grads_ready` copied may go first while the first is still on its way).
-        The returned :class:`HostStep` completes it: ``wait_for(indices)`` once the params with
-        those indices are needed, ``wait()`` for all; each makes the current stream see the new
-        weights (a stream wait; the host goes on). Anything else that reads or writes the
-        optimizer's state (``step``, ``state_dict``, ``load_state_dict``, ``reload_model_params``,
-        ``param_state``) completes it first. The model's params of the CPU's share must not be read
-        (no forward) before their chunks are completed, and the grads not written (no backward)
-        before the whole step is. The chunks may be completed from another thread than the one that
-        launched the step (each caller's current stream is made to wait). ``grad_scale``,
-        ``found_inf`` and ``grad_factor`` are as for :meth:`step`. With
-        ``OffloadPolicy(delayed_update=True)`` past its warm-up the returned step's ``delayed`` is
-        True: its weights are for the next step, which completes it (as :meth:`step` does).
+        ``state_dict()``, in the order the new weights will be needed; default: index order).
+        The returned :class:`HostStep` completes it, from any thread: ``wait_for(indices)`` once
+        those params are needed, ``wait()`` for all; each makes the current stream see the new
+        weights (a stream wait; the host goes on). ``step``, ``state_dict``, ``load_state_dict``,
+        ``reload_model_params`` and ``param_state`` complete it first. The CPU share's params must
+        not be read (no forward) before their chunks are completed, nor the grads written (no
+        backward) before the whole step is. ``grad_scale``, ``found_inf`` and ``grad_factor`` are
+        as for :meth:`step`. With ``OffloadPolicy(delayed_update=True)`` past its warm-up the
+        step's ``delayed`` is True: its weights are for the next step, which completes it.
+        See [Note: deferred host step] in ``optimizers/_host_step.py``.
         """
         if need_order is None:
             need_order = range(len(self._records))
@@ -415,7 +410,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         *,
         need_order: Sequence[int] | None,
     ) -> HostStep:
-        check_wrapped_groups(None if self._wrapped is None else self._wrapped(), self.param_groups)
+        check_wrapped_groups(self._wrapped_optimizer(), self.param_groups)
         if grad_scale is not None and not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale}")
         device = self._records[0].param.device
@@ -465,22 +460,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # has `_opt_called` set, which only a call through its scheduler-patched `step` does:
         # launch_step() bypasses that on this optimizer, and wrap()'s original is never stepped.
         self._opt_called = True
-        wrapped = None if self._wrapped is None else self._wrapped()
+        wrapped = self._wrapped_optimizer()
         if wrapped is not None:
             wrapped._opt_called = True  # type: ignore[attr-defined]
+
+    def _wrapped_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer ``wrap`` took over, while it is alive; ``None``: not wrapped."""
+        return None if self._wrapped is None else self._wrapped()
 
     def grads_ready(self, grads: Mapping[int, torch.Tensor]) -> None:
         """Says that these grads (by param index over all param groups, as in ``state_dict()``;
         each the param's grad or its memory, contiguous) are final for the next step as the
-        current stream holds them. With ``OffloadPolicy(host_staging="per_chunk")`` (and no
-        delayed update), the CPU's chunks whose params' grads have all been given since the last
-        step are copied to the host now, while backward runs on, instead of when the step
-        starts. The step uses a chunk's copy only if each of its grads is the same memory and
-        its version counter did not move since (no in-place torch op on it: accumulation, a
-        clip, an unscale); otherwise it copies the chunk again. Writes that bypass the version
-        counter (through ``.data``, or raw pointers) are not seen: give only grads nothing
-        writes that way. Does nothing with bounded staging or while a step is in flight.
-        ``zero_shard.wrap`` calls it for a plain model's reduced grads."""
+        current stream holds them. With a staging buffer per chunk and no delayed update, the
+        CPU's chunks whose grads have all been given since the last step are copied to the host
+        now, while backward runs on. The step copies a chunk again unless each of its grads is
+        the same memory, its version counter unmoved (no in-place torch op on it); writes that
+        bypass the counter (``.data``, raw pointers) are not seen: give only grads nothing writes
+        that way ([Note: early grad copies] in ``optimizers/_early.py``). Does nothing with
+        bounded staging or while a step is in flight."""
         flat = {}
         for index, grad in grads.items():
             param = self._records[index].param
@@ -549,11 +546,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         devices or chunks is presented as a CPU copy.
         """
         self._host.settle()
-        state: dict[int, dict[str, Any]] = {}
-        for record in self._records:
-            param_state = self._record_state(record)
-            if param_state:
-                state[record.index] = param_state
+        states = {record.index: self._record_state(record) for record in self._records}
+        state = {index: param_state for index, param_state in states.items() if param_state}
         param_groups = []
         for group_index, group in enumerate(self.param_groups):
             packed = {key: value for key, value in group.items() if key != "params"}
@@ -600,16 +594,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._device.reload_from_params(without_main)
         self._host.reload_from_params(without_main)
         for record, saved_id in pairs:
-            if record.ignored:
-                continue
-            saved = saved_state.get(saved_id)
-            if saved is None:
-                for piece in record.pieces:
-                    piece.optimizer.state.pop(piece.main, None)
-                continue
-            scatter_state(record, saved, self._state_keys[record.group_index].elementwise_keys)
-            main = saved.get("main_param")
-            if main is not None:
-                load_main(record, main)
+            if not record.ignored:
+                keys = self._state_keys[record.group_index].elementwise_keys
+                scatter_state(record, saved_state.get(saved_id), keys)
         init_state(self._records, self.optimizer_cls, self._state_keys)
         self._host.num_updates = state_step_count(self._records)

@@ -32,6 +32,14 @@ class Piece:
     def state(self) -> dict:
         return self.optimizer.state.get(self.main, {})
 
+    def of_param(self, flat: torch.Tensor) -> torch.Tensor:
+        """The piece's elements of ``flat``, a 1-D tensor of the whole param (its grad, ...)."""
+        return flat[self.spec.start : self.spec.start + self.spec.numel]
+
+    def in_chunk(self, flat: torch.Tensor) -> torch.Tensor:
+        """The piece's elements of ``flat``, a 1-D tensor of its host chunk (staging, ...)."""
+        return flat[self.offset : self.offset + self.spec.numel]
+
 
 @dataclass
 class ParamRecord:

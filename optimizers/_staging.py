@@ -103,10 +103,6 @@ ChunkPieces = tuple[HostChunk, list[tuple[ParamRecord, Piece]]]  # a chunk, its 
 Grads = Mapping[int, torch.Tensor]  # record index -> its flat grad
 
 
-def _slice(tensor: torch.Tensor, start: int, numel: int) -> torch.Tensor:
-    return tensor[start : start + numel]
-
-
 class Staging(Protocol):
     """Staging buffers and the order of the copies through them; see [Note: staging ring]."""
 
@@ -307,10 +303,7 @@ class PerChunkStaging(Staging):
         staging = self.view(chunk.index, chunk.spec)
         given = {record.index: self._early_grads[record.index] for record, _ in chunk.pieces}
         pairs = [
-            CopyPair(
-                _slice(staging, piece.offset, piece.spec.numel),
-                _slice(given[record.index], piece.spec.start, piece.spec.numel),
-            )
+            CopyPair(piece.in_chunk(staging), piece.of_param(given[record.index]))
             for record, piece in chunk.pieces
         ]
         # Once the last step's H2D out of the buffer is done: its weights have left.

@@ -195,20 +195,23 @@ def check_saved_state(record: ParamRecord, saved: dict[str, Any]) -> None:
 
 
 def scatter_state(
-    record: ParamRecord, saved: dict[str, Any], elementwise_keys: tuple[str, ...]
+    record: ParamRecord, saved: dict[str, Any] | None, elementwise_keys: tuple[str, ...]
 ) -> None:
-    """Replaces each piece's state with its slice of ``saved`` (checked by check_saved_state).
+    """Replaces each piece's state with its slice of ``saved`` (checked by check_saved_state),
+    and the main weight with ``saved["main_param"]`` where given; ``None`` clears the state.
     ``elementwise_keys`` are shaped like the param: a 0-dim param's are 0-dim too, and become
     1-element tensors as its flat main weight is (the fused kernels want one layout)."""
     for piece in record.pieces:
+        if saved is None:
+            piece.optimizer.state.pop(piece.main, None)
+            continue
         group = piece.group
-        start, numel = piece.spec.start, piece.spec.numel
         state: dict[str, Any] = {}
         for key, value in saved.items():
             if key == "main_param":
                 continue
             if torch.is_tensor(value) and (value.dim() > 0 or key in elementwise_keys):
-                flat = value.detach().reshape(-1)[start : start + numel]
+                flat = piece.of_param(value.detach().reshape(-1))
                 state[key] = flat.to(device=piece.main.device, dtype=torch.float32, copy=True)
             elif key == "step":
                 state[key] = _step_tensor(value, piece, group)
@@ -217,6 +220,9 @@ def scatter_state(
             else:
                 state[key] = value
         piece.optimizer.state[piece.main] = state
+    main = None if saved is None else saved.get("main_param")
+    if main is not None:
+        load_main(record, main)
 
 
 def match_saved(
@@ -257,6 +263,6 @@ def load_main(record: ParamRecord, main: torch.Tensor) -> None:
     """Loads a saved fp32 main weight into the record's pieces and its model param."""
     flat = main.detach().reshape(-1)
     for piece in record.pieces:
-        piece.main.copy_(flat[piece.spec.start : piece.spec.start + piece.spec.numel])
+        piece.main.copy_(piece.of_param(flat))
     # The model param becomes the main weight in the model dtype, as after a step.
     flat_param(record.param).copy_(flat.to(record.param.device))

@@ -19,6 +19,7 @@ batches are cut from the checkpoint's own index, the same on every rank.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,48 @@ from offload import available_after
 from ._state_dict import staged
 from ._verdict import on_any_rank
 
-__all__ = ["read_whole"]
+__all__ = ["DamagedCheckpointError", "read_metadata", "read_whole"]
 
 _BATCH_BYTES = 1 << 30  # global bytes of the entries one verifying read takes
+
+
+class DamagedCheckpointError(RuntimeError):
+    """The checkpoint's save finished, but its files cannot be read whole (one is missing or
+    truncated, or its ``.metadata`` is damaged); ``load`` changed nothing."""
+
+    __module__ = "zero_shard.checkpoint"  # its public home, which re-exports it
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The index of the checkpoint at ``path``; raises ``DamagedCheckpointError`` where it
+    cannot be read, or a data file it names is missing or shorter than the entries it places
+    there (DCP would fail midway through its reads)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # truncated or garbled: UnpicklingError, EOFError, OSError, ...
+        raise DamagedCheckpointError(
+            f"the checkpoint at {path} is damaged: its index {path / '.metadata'} cannot be read "
+            f"({type(err).__name__}: {err}); nothing was loaded. Load an earlier checkpoint"
+        ) from err
+    entries: dict[str, list[tuple[int, str]]] = {}  # file -> (end, FQN) of each entry in it
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            entries.setdefault(name, []).append((info.offset + info.length, index.fqn))
+    for name, ends in sorted(entries.items()):
+        size = (path / name).stat().st_size if (path / name).is_file() else None
+        lost = sorted({fqn for end, fqn in ends if size is None or end > size})
+        if not lost:
+            continue
+        match = re.match(r"__(\d+)_", name)  # DCP names a rank's files __<rank>_<n>.distcp
+        file = f"data file {name}" + (f", written by rank {match.group(1)}," if match else "")
+        damage = "missing" if size is None else f"truncated ({size} bytes of {max(ends)[0]})"
+        more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+        raise DamagedCheckpointError(
+            f"the checkpoint at {path} is damaged: its {file} is {damage}, so {lost[:3]}{more} "
+            "cannot be read; nothing was loaded. Load an earlier checkpoint"
+        )
+    return metadata
 
 
 def _local_bytes(value: Any) -> int:
@@ -111,7 +151,6 @@ def read_whole(
     state: dict[str, Any],
     path: Path,
     metadata: Metadata,
-    *,
     device: torch.device,
     check: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
@@ -120,8 +159,29 @@ def read_whole(
     read whole in batches ([Note: loads read before they write]). ``check`` (collective) sees
     what was read before anything live is written: the whole staged copy, or the live state
     with the checkpoint's values of its entries other than tensors (param groups, pickled
-    extras) in their place. A failed read raises DCP's ``CheckpointException`` on every rank
-    before anything live is written."""
+    extras) in their place. A read that fails on any rank fails on every rank (DCP shares the
+    failures): it raises ``DamagedCheckpointError`` there, before anything live is written."""
+    try:
+        return _read_whole(state, path, metadata, device, check)
+    except dcp.CheckpointException as err:
+        errors = {rank: f[0] if isinstance(f, tuple) else f for rank, f in err.failures.items()}
+        failures = "; ".join(
+            f"rank {rank}: {type(error).__name__}: {error}"
+            for rank, error in sorted(errors.items())
+        )
+        raise DamagedCheckpointError(
+            f"the checkpoint at {path} could not be read whole ({failures}); nothing was "
+            "loaded: the model and optimizer are as they were. Load an earlier checkpoint"
+        ) from err
+
+
+def _read_whole(
+    state: dict[str, Any],
+    path: Path,
+    metadata: Metadata,
+    device: torch.device,
+    check: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
     # The staged copy, then the load's own copy of the optimizer state beside the live one.
     fits = _staging_fits(2 * _local_bytes(state))
     if dist.is_initialized():

@@ -257,7 +257,7 @@ def _norms_of(
 
 
 def _clamp_bounds(func: Any, bound: dict[str, Any]) -> tuple[float | None, float | None]:
-    if func in (aten.clamp_.default,):
+    if func is aten.clamp_.default:
         return bound["min"], bound["max"]
     if func is aten.clamp_min_.default:
         return bound["min"], None

@@ -66,11 +66,12 @@ __all__ = [
 ]
 
 
-def describe_layout(param: DTensor) -> str:
-    """A DTensor param's placements and mesh, for error messages."""
-    names = param.device_mesh.mesh_dim_names
-    return f"placements {tuple(param.placements)} on a mesh of shape " + (
-        f"{tuple(param.device_mesh.shape)}" + (f" {names}" if names else "")
+def describe_layout(layout: DTensor | DTensorSpec) -> str:
+    """A DTensor param's (or a layout's) placements and mesh, for error messages."""
+    spec = layout._spec if isinstance(layout, DTensor) else layout
+    names = spec.mesh.mesh_dim_names
+    return f"placements {tuple(spec.placements)} on a mesh of shape {tuple(spec.mesh.shape)}" + (
+        f" {names}" if names else ""
     )
 
 
@@ -92,13 +93,6 @@ def as_dtensor(param: torch.Tensor) -> DTensor:
     copy: a write into it is a write into the param, seen by its version counter)."""
     spec = param._st_info  # type: ignore[attr-defined]
     return DTensor(param.detach(), spec, requires_grad=False)
-
-
-def _describe(spec: DTensorSpec) -> str:
-    names = spec.mesh.mesh_dim_names
-    return f"placements {tuple(spec.placements)} on a mesh of shape {tuple(spec.mesh.shape)}" + (
-        f" {names}" if names else ""
-    )
 
 
 @dataclass(frozen=True)
@@ -163,7 +157,7 @@ def tp_mesh_of(params: Sequence[tuple[torch.Tensor, str]]) -> DeviceMesh | None:
             continue
         if spec.mesh.ndim != 1 or any(p.is_partial() for p in spec.placements):
             raise ValueError(
-                f"param {fqn!r} has {_describe(spec)}: zero-shard shards a tensor-parallel "
+                f"param {fqn!r} has {describe_layout(spec)}: zero-shard shards a tensor-parallel "
                 "param over the data-parallel mesh when it is split or replicated over one "
                 "tensor-parallel mesh dim (parallelize_module over mesh['tp'])"
             )

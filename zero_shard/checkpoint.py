@@ -40,7 +40,6 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -58,7 +57,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ._host_group import default_timeout
 from ._optimizer import ZeroShardOptimizer
-from ._reading import read_whole
+from ._reading import DamagedCheckpointError, read_metadata, read_whole
 from ._snapshots import Snapshotter
 from ._state_dict import (
     check_saved_groups,
@@ -91,11 +90,6 @@ T = TypeVar("T")
 
 class IncompleteCheckpointError(RuntimeError):
     """The checkpoint's save did not finish (no completion marker)."""
-
-
-class DamagedCheckpointError(RuntimeError):
-    """The checkpoint's save finished, but its files cannot be read whole (one is missing or
-    truncated, or its ``.metadata`` is damaged); ``load`` changed nothing."""
 
 
 def _paths(path: str | os.PathLike) -> tuple[Path, Path, Path]:
@@ -438,39 +432,6 @@ def _resolve(path: str | os.PathLike) -> Path:
     raise FileNotFoundError(f"no checkpoint at {final}{hint}")
 
 
-def _read_metadata(path: Path) -> Metadata:
-    try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # truncated or garbled: UnpicklingError, EOFError, OSError, ...
-        raise DamagedCheckpointError(
-            f"the checkpoint at {path} is damaged: its index {path / '.metadata'} cannot be read "
-            f"({type(err).__name__}: {err}); nothing was loaded. Load an earlier checkpoint"
-        ) from err
-
-
-def _check_files(path: Path, metadata: Metadata) -> None:
-    """Raises ``DamagedCheckpointError`` unless every data file the index names is there and long
-    enough for every entry it places in it (DCP would fail midway through its reads)."""
-    entries: dict[str, list[tuple[int, str]]] = {}  # file -> (end, FQN) of each entry in it
-    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-        name = getattr(info, "relative_path", None)
-        if name is not None:
-            entries.setdefault(name, []).append((info.offset + info.length, index.fqn))
-    for name, ends in sorted(entries.items()):
-        size = (path / name).stat().st_size if (path / name).is_file() else None
-        lost = sorted({fqn for end, fqn in ends if size is None or end > size})
-        if not lost:
-            continue
-        match = re.match(r"__(\d+)_", name)  # DCP names a rank's files __<rank>_<n>.distcp
-        file = f"data file {name}" + (f", written by rank {match.group(1)}," if match else "")
-        damage = "missing" if size is None else f"truncated ({size} bytes of {max(ends)[0]})"
-        more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
-        raise DamagedCheckpointError(
-            f"the checkpoint at {path} is damaged: its {file} is {damage}, so {lost[:3]}{more} "
-            "cannot be read; nothing was loaded. Load an earlier checkpoint"
-        )
-
-
 class _LoadPlan(NamedTuple):
     """What ``load`` reads, and into what."""
 
@@ -490,8 +451,7 @@ def _load_plan(
 ) -> _LoadPlan:
     """The checkpoint to load, checked against the model and optimizer, and where to read it."""
     resolved = _resolve(path)
-    metadata = _read_metadata(resolved)
-    _check_files(resolved, metadata)
+    metadata = read_metadata(resolved)
     saved = metadata.state_dict_metadata
     state = _state(model, optimizer, None)
     check_saved_model(resolved, saved, state["model"])
@@ -530,26 +490,6 @@ def _load_plan(
     return _LoadPlan(resolved, metadata, state, group_fqns, numbered)
 
 
-def _read(
-    plan: _LoadPlan, device: torch.device, check: Callable[[dict[str, Any]], None]
-) -> dict[str, Any]:
-    """What to load from: the checkpoint read whole (see ``read_whole``). A read that fails on
-    any rank fails on every rank (DCP shares the failures): it raises ``DamagedCheckpointError``
-    there, before anything live is written."""
-    try:
-        return read_whole(plan.state, plan.path, plan.metadata, device=device, check=check)
-    except dcp.CheckpointException as err:
-        errors = {rank: f[0] if isinstance(f, tuple) else f for rank, f in err.failures.items()}
-        failures = "; ".join(
-            f"rank {rank}: {type(error).__name__}: {error}"
-            for rank, error in sorted(errors.items())
-        )
-        raise DamagedCheckpointError(
-            f"the checkpoint at {plan.path} could not be read whole ({failures}); nothing was "
-            "loaded: the model and optimizer are as they were. Load an earlier checkpoint"
-        ) from err
-
-
 def _loaded_optim_state(
     plan: _LoadPlan, read: dict[str, Any], optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
@@ -581,15 +521,12 @@ def load(
     anything is loaded, on every rank. Each rank's random number generators are restored when
     the checkpoint has this rank's (``restore_rng``).
 
-    The checkpoint is read into host memory first, and copied into ``model`` and ``optimizer``
-    only once every rank has read its part whole: it takes as much host memory as this rank's
-    part of the model's state dict (a replicated model's: all of it) and of the optimizer's
-    state, and no accelerator memory; where that would leave less than a quarter of a host's
-    memory available, it is read twice instead, in batches to verify it, then in place ([Note:
-    loads read before they write] in ``zero_shard/_reading.py``). A checkpoint that cannot be
-    read whole (a data file missing or truncated, a damaged ``.metadata``) raises
-    ``DamagedCheckpointError`` naming the file on every rank, and the model and optimizer are
-    left as they were.
+    The checkpoint is read into host memory first (this rank's part of the model's and the
+    optimizer's state), and copied into ``model`` and ``optimizer`` only once every rank has read
+    its part whole; where the host lacks the memory, it is read twice instead, in batches, then in
+    place ([Note: loads read before they write] in ``zero_shard/_reading.py``). A checkpoint
+    that cannot be read whole raises ``DamagedCheckpointError`` naming the file on every rank,
+    and the model and optimizer are left as they were.
 
     ``optimizer`` may also be a plain torch optimizer (the checkpoint saved from one over the same
     model, or from a ZeroShardOptimizer); one that has not stepped yet gets its state created
@@ -616,7 +553,7 @@ def load(
                     lambda: _loaded_optim_state(loading, read, optimizer), mesh=None, device=device
                 )
 
-        state = _read(loading, device, check)
+        state = read_whole(loading.state, loading.path, loading.metadata, device, check)
         if optimizer is not None:
             optim_state = _loaded_optim_state(loading, state, optimizer)  # checked: it passes
     except BaseException:  # DCP's CheckpointException is not an Exception
