@@ -170,17 +170,40 @@ class GPT(nn.Module):
         return self.head(self.ln_final(x))
 
 
-def parallelize(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+def parallelize(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> GPT:
     """Tensor parallelism over ``tp_mesh`` (Megatron-LM's layout, in torch's
     ``parallelize_module``): column-parallel ``qkv`` and first MLP layer, row-parallel ``proj``
-    and second MLP layer, row-parallel (vocab-split) embeddings, and sequence parallelism between
-    them (the norms and residuals hold this rank's positions). The tied head is split as the
-    token embedding is, and tied again. Compose with FSDP2 over the data-parallel dim after."""
+    and second MLP layer, each rank attending with its own heads. Compose with zero-shard's
+    sharding (or FSDP2) over the data-parallel dim after.
+
+    Args:
+        model: the GPT, on its device.
+        tp_mesh: the 1-D tensor-parallel mesh (``mesh["tp"]`` of a ``("dp", "tp")`` mesh).
+        sequence_parallel: default ``False``: the row-parallel layers all-reduce their outputs
+            into plain tensors, so the norms, residuals and attention run on local tensors, and
+            the embeddings, final norm and tied head stay plain (replicated over ``tp``; the
+            vocabulary is 256 bytes). ``True``: sequence parallelism between the linears (the
+            norms and residuals hold this rank's positions, as DTensors) and vocab-split
+            embeddings with the tied head split alike: less activation memory per rank, and an
+            eager DTensor op for each norm, residual add and layout change.
+    """
     config, size = model.config, tp_mesh.size()
-    for name, value in (("num_heads", config.num_heads), ("seq_len", config.seq_len),
-                        ("vocab size", VOCAB_SIZE)):  # fmt: skip
+    divisors = [("num_heads", config.num_heads)]
+    if sequence_parallel:
+        divisors += [("seq_len", config.seq_len), ("vocab size", VOCAB_SIZE)]
+    for name, value in divisors:
         if value % size:
             raise ValueError(f"{name} {value} must divide over {size} tensor-parallel ranks")
+    if not sequence_parallel:
+        block_plan = {
+            "attn.qkv": ColwiseParallel(),
+            "attn.proj": RowwiseParallel(),
+            "mlp.0": ColwiseParallel(),
+            "mlp.2": RowwiseParallel(),
+        }
+        for block in model.blocks:
+            parallelize_module(block, tp_mesh, block_plan)
+        return model
     parallelize_module(
         model,
         tp_mesh,
