@@ -147,10 +147,10 @@ def test_tensor_parallel_plans_follow_one_rank_and_resume_across_layouts(
     curves: dict[str, dict], tmp_path: Path
 ) -> None:
     """``--tp 2`` on two ranks (tensor parallel, dp 1 x tp 2) follows one process's curve in
-    both of ``gpt.parallelize``'s plans: the sequence-parallel one for steps 1-10, the default
-    one (plain tensors between the linears, embeddings and tied head replicated over tp) resumed
-    from its checkpoint for steps 11-20, and one process without tensor parallelism resumed
-    from that for the rest."""
+    both of ``gpt.parallelize``'s plans: torch's sequence-parallel one for steps 1-10, the
+    default one (``ColumnParallelLinear`` / ``RowParallelLinear`` on local tensors, everything
+    else plain and replicated over tp) resumed from its checkpoint for steps 11-20, and one
+    process without tensor parallelism resumed from that for the rest."""
     flags = ["--steps", str(NUM_STEPS), "--checkpoint-dir", str(tmp_path / "ckpt")]
     torchrun(tmp_path / "sp", *flags, "--tp", "2", "--sequence-parallel", "--stop-after", "10")
     torchrun(tmp_path / "plain", *flags, "--tp", "2", "--resume", "--stop-after", "20")
