@@ -25,10 +25,11 @@ one GPU) and ``--optimizer fsdp2-offload`` with FSDP2's CPUOffloadPolicy (fp32 p
 ``--dtype`` per unit, any number of ranks; see ``offload_peers.py``): the peers that zero-shard's
 speed is compared with (``benchmarks/e2e_gpt.py peers``). ``--tp N`` splits each layer over N ranks
 (tensor parallelism, ``gpt.parallelize``) on a ``("dp", "tp")`` mesh, and zero-shard shards
-each rank's parts over ``dp``: the linears are column- and row-parallel, and the norms,
-residuals, attention over the rank's heads, embeddings and tied head run on plain tensors
-(replicated over ``tp``); ``--sequence-parallel`` splits the norms and residuals over the
-sequence instead (eager DTensor ops between the linears). ``--help`` lists every flag.
+each rank's parts over ``dp``: the linears are column- and row-parallel, computed on their
+local shards with one explicit all-reduce each, and the norms, residuals, attention over the
+rank's heads, embeddings and tied head run on plain tensors (replicated over ``tp``);
+``--sequence-parallel`` runs torch's ``parallelize_module`` plan instead, which splits the
+norms and residuals over the sequence (eager DTensor ops for the linears and between them). ``--help`` lists every flag.
 """
 
 from __future__ import annotations
@@ -722,9 +723,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--stage", type=int, choices=[1, 2], default=2)
     add("--tp", type=int, default=1, help="tensor-parallel ranks per layer (default 1): a "
         "(dp, tp) mesh, zero-shard sharding over dp; zero-shard only")  # fmt: skip
-    add("--sequence-parallel", action="store_true", help="with --tp: sequence parallelism "
-        "between the linears and vocab-split embeddings (the norms and residuals as DTensors); "
-        "default: the norms, residuals and embeddings on plain tensors, replicated over tp")  # fmt: skip
+    add("--sequence-parallel", action="store_true", help="with --tp: torch's plan with "
+        "sequence parallelism between the linears and vocab-split embeddings (eager DTensor "
+        "ops); default: the linears on local shards, the rest plain, replicated over tp")  # fmt: skip
     add("--threads", type=int, help="CPU optimizer threads per rank (the peers: torch's "
         "intra-op threads); default: cores / ranks")  # fmt: skip
     add("--gil-switch-interval", type=float, metavar="SECONDS", help="the GIL switch interval "
