@@ -29,7 +29,8 @@ each rank's parts over ``dp``: the linears are column- and row-parallel, compute
 local shards with one explicit all-reduce each, and the norms, residuals, attention over the
 rank's heads, embeddings and tied head run on plain tensors (replicated over ``tp``);
 ``--sequence-parallel`` runs torch's ``parallelize_module`` plan instead, which splits the
-norms and residuals over the sequence (eager DTensor ops for the linears and between them). ``--help`` lists every flag.
+norms and residuals over the sequence (eager DTensor ops for the linears and between them).
+``--help`` lists every flag.
 """
 
 from __future__ import annotations
