@@ -12,12 +12,15 @@ from __future__ import annotations
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -170,17 +173,150 @@ class GPT(nn.Module):
         return self.head(self.ln_final(x))
 
 
-def parallelize(model: GPT, tp_mesh: DeviceMesh) -> GPT:
-    """Tensor parallelism over ``tp_mesh`` (Megatron-LM's layout, in torch's
-    ``parallelize_module``): column-parallel ``qkv`` and first MLP layer, row-parallel ``proj``
-    and second MLP layer, row-parallel (vocab-split) embeddings, and sequence parallelism between
-    them (the norms and residuals hold this rank's positions). The tied head is split as the
-    token embedding is, and tied again. Compose with FSDP2 over the data-parallel dim after."""
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward, all-reduce backward: the input of a column-parallel linear is the same
+    on every tensor-parallel rank, and each rank's input grad is its heads' (or hidden units')
+    part of the sum (Megatron-LM's "copy to model parallel region")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # In place, as Megatron does: the output's only consumer is the F.linear in
+        # ColumnParallelLinear.forward, so this grad is the input grad its matmul just allocated
+        # (or a view of it) and no other live tensor shares its storage. contiguous() returns it
+        # or a fresh copy.
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """All-reduce forward, identity backward: sums the row-parallel partial outputs, and the
+    summed output's grad is already each rank's whole grad (Megatron-LM's "reduce from model
+    parallel region")."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        # In place on the F.linear output of RowParallelLinear.forward, which nothing else holds
+        # or saved for backward (a matmul saves its inputs, not its output). Not marked dirty, as
+        # in Megatron: autograd then returns it as a view of itself, which is all the identity
+        # backward needs, while Dynamo graph-breaks at ctx.mark_dirty under no_grad.
+        partial = partial.contiguous()
+        dist.all_reduce(partial, group=group)
+        return partial
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _TensorParallelLinear(nn.Module):
+    """An ``nn.Linear``'s params split over a tensor-parallel mesh, computed on local tensors.
+
+    The params are DTensors in the layouts of torch's ``ColwiseParallel`` / ``RowwiseParallel``
+    (so zero-shard, FSDP2 and DCP see what they see under ``parallelize_module``), under the
+    names ``weight`` and ``bias`` (so a checkpoint's keys are an ``nn.Linear``'s). The forward
+    takes their local shards and does its one collective itself, where torch's plan runs each
+    op of a linear as an eager DTensor op, dispatched in Python (about 16 a linear each step).
+    """
+
+    weight_placement: Placement
+    bias_placement: Placement
+    group: ProcessGroup  # the tp mesh's: the all-reduces run over it
+    weight: nn.Parameter  # DTensor over tp, placed by weight_placement
+    bias: nn.Parameter | None  # DTensor over tp, placed by bias_placement
+
+    def __init__(self, linear: nn.Linear, *, tp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group = tp_mesh.get_group()
+        self.weight = nn.Parameter(
+            distribute_tensor(linear.weight.detach(), tp_mesh, [self.weight_placement])
+        )
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(
+                distribute_tensor(linear.bias.detach(), tp_mesh, [self.bias_placement])
+            )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, weight={self.weight_placement}"
+        )
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
+    """Output features split over tensor-parallel ranks (weight and bias ``Shard(0)``): takes
+    the whole input, returns this rank's features."""
+
+    weight_placement = Shard(0)
+    bias_placement = Shard(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _CopyToTensorParallel.apply(x, self.group)
+        bias = None if self.bias is None else self.bias.to_local()
+        return F.linear(x, self.weight.to_local(), bias)
+
+
+class RowParallelLinear(_TensorParallelLinear):
+    """Input features split over tensor-parallel ranks (weight ``Shard(1)``, bias
+    ``Replicate()``): takes this rank's features, returns the whole output on every rank."""
+
+    weight_placement = Shard(1)
+    bias_placement = Replicate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _ReduceFromTensorParallel.apply(F.linear(x, self.weight.to_local()), self.group)
+        # After the sum: the bias is added once, not once per rank.
+        return out if self.bias is None else out + self.bias.to_local()
+
+
+def parallelize(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> GPT:
+    """Tensor parallelism over ``tp_mesh`` in Megatron-LM's layout: column-parallel ``qkv`` and
+    first MLP layer, row-parallel ``proj`` and second MLP layer, each rank attending with its
+    own heads. Compose with zero-shard's sharding (or FSDP2) over the data-parallel dim after.
+
+    Both plans give the linears' params the same DTensor layouts under the same names, so a
+    checkpoint of either (or of the model without tensor parallelism) resumes in the other.
+
+    Args:
+        model: the GPT, on its device.
+        tp_mesh: the 1-D tensor-parallel mesh (``mesh["tp"]`` of a ``("dp", "tp")`` mesh).
+        sequence_parallel: default ``False``: the four linears of each block become
+            ``ColumnParallelLinear`` / ``RowParallelLinear``, which compute on local tensors
+            with one all-reduce each (the row-parallel ones' in forward, the column-parallel
+            ones' in backward); the norms, residuals, attention, embeddings and tied head run
+            on plain tensors, replicated over ``tp`` (the vocabulary is 256 bytes). ``True``:
+            torch's ``parallelize_module`` with sequence parallelism between the linears (the
+            norms and residuals hold this rank's positions) and vocab-split embeddings with the
+            tied head split alike: less activation memory per rank, and every op on a param or
+            between the linears an eager DTensor op.
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
+        model = parallelize(GPT(config).cuda(), mesh["tp"])
+        optimizer = zero_shard.wrap(torch.optim.AdamW(model.parameters()), model)
+    """
     config, size = model.config, tp_mesh.size()
-    for name, value in (("num_heads", config.num_heads), ("seq_len", config.seq_len),
-                        ("vocab size", VOCAB_SIZE)):  # fmt: skip
+    divisors = [("num_heads", config.num_heads)]
+    if sequence_parallel:
+        divisors += [("seq_len", config.seq_len), ("vocab size", VOCAB_SIZE)]
+    for name, value in divisors:
         if value % size:
             raise ValueError(f"{name} {value} must divide over {size} tensor-parallel ranks")
+    if not sequence_parallel:
+        for block in model.blocks:
+            block.attn.qkv = ColumnParallelLinear(block.attn.qkv, tp_mesh=tp_mesh)
+            block.attn.proj = RowParallelLinear(block.attn.proj, tp_mesh=tp_mesh)
+            block.mlp[0] = ColumnParallelLinear(block.mlp[0], tp_mesh=tp_mesh)
+            block.mlp[2] = RowParallelLinear(block.mlp[2], tp_mesh=tp_mesh)
+        return model
     parallelize_module(
         model,
         tp_mesh,

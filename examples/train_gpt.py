@@ -25,7 +25,12 @@ one GPU) and ``--optimizer fsdp2-offload`` with FSDP2's CPUOffloadPolicy (fp32 p
 ``--dtype`` per unit, any number of ranks; see ``offload_peers.py``): the peers that zero-shard's
 speed is compared with (``benchmarks/e2e_gpt.py peers``). ``--tp N`` splits each layer over N ranks
 (tensor parallelism, ``gpt.parallelize``) on a ``("dp", "tp")`` mesh, and zero-shard shards
-each rank's parts over ``dp``. ``--help`` lists every flag.
+each rank's parts over ``dp``: the linears are column- and row-parallel, computed on their
+local shards with one explicit all-reduce each, and the norms, residuals, attention over the
+rank's heads, embeddings and tied head run on plain tensors (replicated over ``tp``);
+``--sequence-parallel`` runs torch's ``parallelize_module`` plan instead, which splits the
+norms and residuals over the sequence (eager DTensor ops for the linears and between them).
+``--help`` lists every flag.
 """
 
 from __future__ import annotations
@@ -247,7 +252,7 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             mesh = init_device_mesh(
                 ranks.device.type, (ranks.dp_size, ranks.tp), mesh_dim_names=("dp", "tp")
             )
-            model = parallelize(model, mesh["tp"])
+            model = parallelize(model, mesh["tp"], sequence_parallel=args.sequence_parallel)
             groups = weight_decay_groups(model, weight_decay=0.1)
         adamw = torch.optim.AdamW(groups, lr=args.lr, betas=betas)
         options = {}  # unset: the policy's defaults; a switch interval of 0: the interpreter's
@@ -669,8 +674,9 @@ def describe_optimizer(args: argparse.Namespace) -> str:
     if args.optimizer == "fsdp2-offload":
         return f"FSDP2 CPUOffloadPolicy, fp32 params computed in {args.dtype}, AdamW fused"
     if args.tp > 1:
+        sequence = ", sequence parallel" if args.sequence_parallel else ""
         return (
-            f"zero-shard stage {args.stage} with tp {args.tp}, offload fraction "
+            f"zero-shard stage {args.stage} with tp {args.tp}{sequence}, offload fraction "
             f"{args.offload_fraction}"
         )
     delayed = ""
@@ -718,6 +724,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--stage", type=int, choices=[1, 2], default=2)
     add("--tp", type=int, default=1, help="tensor-parallel ranks per layer (default 1): a "
         "(dp, tp) mesh, zero-shard sharding over dp; zero-shard only")  # fmt: skip
+    add("--sequence-parallel", action="store_true", help="with --tp: torch's plan with "
+        "sequence parallelism between the linears and vocab-split embeddings (eager DTensor "
+        "ops); default: the linears on local shards, the rest plain, replicated over tp")  # fmt: skip
     add("--threads", type=int, help="CPU optimizer threads per rank (the peers: torch's "
         "intra-op threads); default: cores / ranks")  # fmt: skip
     add("--gil-switch-interval", type=float, metavar="SECONDS", help="the GIL switch interval "
@@ -779,6 +788,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
                      "for zero-shard (plain AdamW's params are fp32 already)")  # fmt: skip
     if args.tp > 1 and args.optimizer != "zero-shard":
         parser.error("--tp runs with --optimizer zero-shard only")
+    if args.sequence_parallel and args.tp == 1:
+        parser.error("--sequence-parallel splits the sequence over --tp ranks: add --tp 2 or more")
     if args.delayed_update_warmup and not args.delayed_update:
         parser.error("--delayed-update-warmup counts the exact steps before --delayed-update: "
                      "add --delayed-update")  # fmt: skip

@@ -143,22 +143,33 @@ def test_stop_after_and_resume_equals_the_straight_run(
         run_in_process(tmp_path / "bad", "--stop-after", str(NUM_STEPS + 1))
 
 
-def test_tensor_parallel_follows_one_rank_and_resumes_without_it(
+def test_tensor_parallel_plans_follow_one_rank_and_resume_across_layouts(
     curves: dict[str, dict], tmp_path: Path
 ) -> None:
-    """``--tp 2`` on two ranks (tensor parallel, dp 1 x tp 2) follows one process's
-    curve; its checkpoint, taken at step 10, resumes in one process without tensor parallelism
-    and goes on along the same curve."""
+    """``--tp 2`` on two ranks (tensor parallel, dp 1 x tp 2) follows one process's curve in
+    both of ``gpt.parallelize``'s plans: torch's sequence-parallel one for steps 1-10, the
+    default one (``ColumnParallelLinear`` / ``RowParallelLinear`` on local tensors, everything
+    else plain and replicated over tp) resumed from its checkpoint for steps 11-20, and one
+    process without tensor parallelism resumed from that for the rest."""
     flags = ["--steps", str(NUM_STEPS), "--checkpoint-dir", str(tmp_path / "ckpt")]
-    torchrun(tmp_path, *flags, "--tp", "2", "--stop-after", "10")
-    log = json.loads((tmp_path / "out" / "log.json").read_text())
-    assert log["config"]["tp"] == 2
-    resumed = train_gpt.main([*COMMON, *flags, "--resume", "--out", str(tmp_path / "resumed")])
-    assert len(losses(log)) == 10 and len(losses(resumed)) == NUM_STEPS
-    for name, run in (("tp 2", log), ("resumed", resumed)):
-        reference = losses(curves["0.5"])[: len(losses(run))]
-        for step, (got, want) in enumerate(zip(losses(run), reference, strict=True)):
-            assert got == pytest.approx(want, rel=RANKS_RTOL), f"{name}, step {step + 1}"
+    torchrun(tmp_path / "sp", *flags, "--tp", "2", "--sequence-parallel", "--stop-after", "10")
+    torchrun(tmp_path / "plain", *flags, "--tp", "2", "--resume", "--stop-after", "20")
+    runs = {}
+    for name in ("sp", "plain"):
+        runs[name] = json.loads((tmp_path / name / "out" / "log.json").read_text())
+        assert runs[name]["config"]["tp"] == 2
+    assert runs["sp"]["config"]["sequence_parallel"]
+    assert not runs["plain"]["config"]["sequence_parallel"]
+    runs["resumed"] = train_gpt.main(
+        [*COMMON, *flags, "--resume", "--out", str(tmp_path / "resumed")]
+    )
+    # A resumed run's log holds the steps before its checkpoint too.
+    reference = losses(curves["0.5"])
+    for name, last in (("sp", 10), ("plain", 20), ("resumed", NUM_STEPS)):
+        assert [record["step"] for record in runs[name]["steps"]] == list(range(1, last + 1))
+        pairs = zip(losses(runs[name]), reference[:last], strict=True)
+        for step, (got, want) in enumerate(pairs, start=1):
+            assert got == pytest.approx(want, rel=RANKS_RTOL), f"{name}, step {step}"
 
 
 def test_bf16_accumulation_and_async_checkpoint(tmp_path: Path) -> None:
