@@ -226,22 +226,29 @@ class _TensorParallelLinear(nn.Module):
 
     weight_placement: Placement
     bias_placement: Placement
-    group: ProcessGroup  # the tp mesh's: the all-reduces run over it
     weight: nn.Parameter  # DTensor over tp, placed by weight_placement
     bias: nn.Parameter | None  # DTensor over tp, placed by bias_placement
 
     def __init__(self, linear: nn.Linear, *, tp_mesh: DeviceMesh) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group = tp_mesh.get_group()
+        # (distribute_tensor takes tp rank 0's values; a frozen linear stays frozen.)
         self.weight = nn.Parameter(
-            distribute_tensor(linear.weight.detach(), tp_mesh, [self.weight_placement])
+            distribute_tensor(linear.weight.detach(), tp_mesh, [self.weight_placement]),
+            requires_grad=linear.weight.requires_grad,
         )
         self.bias = None
         if linear.bias is not None:
             self.bias = nn.Parameter(
-                distribute_tensor(linear.bias.detach(), tp_mesh, [self.bias_placement])
+                distribute_tensor(linear.bias.detach(), tp_mesh, [self.bias_placement]),
+                requires_grad=linear.bias.requires_grad,
             )
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The tp mesh's group, which the all-reduces run over (asked of the weight's mesh, not
+        kept: a process group cannot be copied, and ``copy.deepcopy(model)`` must work)."""
+        return self.weight.device_mesh.get_group()
 
     def extra_repr(self) -> str:
         return (
@@ -291,7 +298,8 @@ def parallelize(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool = Fa
             ``ColumnParallelLinear`` / ``RowParallelLinear``, which compute on local tensors
             with one all-reduce each (the row-parallel ones' in forward, the column-parallel
             ones' in backward); the norms, residuals, attention, embeddings and tied head run
-            on plain tensors, replicated over ``tp`` (the vocabulary is 256 bytes). ``True``:
+            on plain tensors, replicated over ``tp`` (the vocabulary is 256 bytes): build the
+            model alike on every ``tp`` rank (the same seed), as nothing broadcasts them. ``True``:
             torch's ``parallelize_module`` with sequence parallelism between the linears (the
             norms and residuals hold this rank's positions) and vocab-split embeddings with the
             tied head split alike: less activation memory per rank, and every op on a param or

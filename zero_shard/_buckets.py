@@ -283,8 +283,9 @@ def build_buckets(
 
     Each shard is filled with this rank's rows of its parameter; no bucket holds grads yet.
     """
-    # get_local_rank() would need the mesh's group, which a one-process mesh lacks
-    rank, world_size = mesh.get_coordinate()[0], mesh.size()
+    # The rank in the mesh's group, which the reductions and gathers index by (a mesh may list
+    # its ranks in another order); a mesh of one rank needs none (a one-process mesh has none).
+    rank, world_size = 0 if mesh.size() == 1 else mesh.get_local_rank(), mesh.size()
     locals_ = [local_tensor(p) for p in params]
     specs = [shard_spec(local.shape, rank, world_size) for local in locals_]
     layouts = plan_buckets(specs, [p.dtype for p in params], world_size, bucket_bytes, units)

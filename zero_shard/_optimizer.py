@@ -371,18 +371,23 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 "opt = zero_shard.wrap(torch_opt, model) (its optimizer state starts afresh). "
                 "Load state into the wrapper (opt.load_state_dict), not into torch_opt"
             )
+        self._check_still_alone()
+        if self._retired:
+            raise RuntimeError(
+                "this ZeroShardOptimizer was retired: a later zero_shard.wrap over its params took "
+                "them over (as a new torch optimizer replaces an old one). Step the new wrapper, "
+                "and build LR schedulers on it"
+            )
+
+    def _check_still_alone(self) -> None:
+        """Refuses to go on where a wrapper made in one process with no group finds a group of
+        more ranks: its grads, norms and state would be this rank's alone."""
         if self._alone and dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError(
                 "this ZeroShardOptimizer was wrapped in one process with no process group, so it "
                 f"shards over that process alone; init_process_group has since made a group of "
                 f"{dist.get_world_size()} ranks, whose grads it would never average. Wrap again "
                 "after init_process_group, on every rank"
-            )
-        if self._retired:
-            raise RuntimeError(
-                "this ZeroShardOptimizer was retired: a later zero_shard.wrap over its params took "
-                "them over (as a new torch optimizer replaces an old one). Step the new wrapper, "
-                "and build LR schedulers on it"
             )
 
     def _retire(self) -> None:
@@ -438,6 +443,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         piece, copies where it straddles devices or chunks), plus ``main_param`` (fp32) for
         low-precision params. Save it with ``torch.distributed.checkpoint`` on every rank.
         """
+        self._check_still_alone()
         self.finish_param_sync()
         self._stale.check(self.stale_params)
         state = {}
@@ -460,6 +466,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         the model's params; the model's params are then refreshed from the main weights.
         Everything is checked before anything changes. Collective: call it on every rank.
         """
+        self._check_still_alone()
         # The last step's update reaches the params first: where the state dict holds no
         # main_param, the main weights come from them.
         self.finish_param_sync()
@@ -533,6 +540,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def _finalize_grads(self, *, reduce: bool = True) -> None:
         """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream;
         ``reduce=False``: without reducing grads left unreduced (no collective)."""
+        self._check_still_alone()
         self._warn_unfrozen()
         self.kind.finalize_grads(reduce=reduce)
 

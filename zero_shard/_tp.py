@@ -114,9 +114,10 @@ class StateLayout:
 
     def counted_here(self, dims: Sequence[int]) -> bool:
         """Whether this rank's part counts in a sum over mesh ``dims``: each element once, so a
-        part replicated over one of them counts on that dim's first rank."""
+        part replicated over one of them counts on that dim's first rank (a dim of one rank
+        needs no group to tell: a one-process mesh has none)."""
         return all(
-            self.mesh.get_local_rank(dim) == 0
+            self.mesh.size(dim) == 1 or self.mesh.get_local_rank(dim) == 0
             for dim in dims
             if self.placements[dim].is_replicate()
         )

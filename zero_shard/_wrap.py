@@ -119,7 +119,8 @@ def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> 
             that issues the gathers (inside its stream), as
             ``dist.all_gather_into_tensor(out, shard, group=group, async_op=True)``; it returns
             a handle whose ``wait()`` makes that thread's current stream see ``out``. Default
-            ``None``: that call. Refused under FSDP2, which gathers its params itself
+            ``None``: that call. Not called where the data-parallel mesh has one rank (its
+            shard is the whole bucket). Refused under FSDP2, which gathers its params itself
             (``FSDPModule.set_custom_all_gather``).
 
     Example:

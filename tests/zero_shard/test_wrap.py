@@ -26,6 +26,7 @@ from _models import (
     mse,
     step_reference,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import zero_shard
@@ -497,6 +498,29 @@ def state_dict_round_trip_through_dcp_into_another_fraction(rank: int, world: in
     dist.barrier()
     if rank == 0:
         shutil.rmtree(paths[0])
+
+
+@case
+def a_mesh_listing_its_ranks_in_another_order_trains_as_torch(rank: int, world: int) -> None:
+    # DeviceMesh("cpu", [2, 1, 0]): a rank's coordinate is not its rank in the mesh's group, by
+    # which the reductions and gathers place its rows.
+    mesh = DeviceMesh("cpu", list(reversed(range(world))))
+    model, ref = make_model(), make_model()
+    opt = zero_shard.wrap(adamw(model), model, mesh=mesh, offload=offload(0.5),
+                          bucket_mb=TINY_BUCKETS)  # fmt: skip
+    ref_opt = adamw(ref)
+    for step in range(3):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "after 3 steps")
 
 
 @case
