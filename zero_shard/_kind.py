@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from offload import intra_op_threads
 from optimizers import HostStep, OffloadPolicy
 
-from ._buckets import Bucket, ShardedParam, shard_grads
+from ._buckets import Bucket, ShardedParam, norm_copies, norm_grads, shard_grads
 from ._collectives import AllGather
 from ._copies import mark_hook
 from ._gather import DelayedUpdate
@@ -133,6 +133,11 @@ class Kind(Protocol):
 
     def checked_grads(self) -> list[torch.Tensor]:  # what the non-finite check reads
         return shard_grads(self.sharded)
+
+    # A global norm's inputs: the grads this rank counts, and its copies of grads another rank
+    # counts (see [Note: uncounted copies in the verdict] in _norms.py).
+    def norm_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return norm_grads(self.sharded), norm_copies(self.sharded)
 
     def grads_marker(self) -> Any:  # changes when the grads do
         return grads_marker(self.sharded)

@@ -420,6 +420,17 @@ class ReplicatedKind(_Replicas):
         # Each bucket's reduced grads in one piece: its gaps and padding hold zeros.
         return [b.grad_buffer[: b.layout.shard_numel] for b in self.buckets if b.has_grads]
 
+    def norm_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # Each bucket's reduced grads in a few pieces, as the non-finite check reads them.
+        counted: list[torch.Tensor] = []
+        copies: list[torch.Tensor] = []
+        for bucket in self.buckets:
+            if bucket.has_grads:
+                mine, others = bucket.norm_pieces()
+                counted += mine
+                copies += others
+        return counted, copies
+
     def device_bytes(self) -> int:
         """Bytes of the shard buffers and of the reduced grads (held from backward to
         ``zero_grad``)."""
