@@ -276,7 +276,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             clip.apply()  # a clip before: these grads are the clipped ones
         counted, copies = self.kind.norm_grads()
         with self.kind.host_threads():
-            norm = global_norm(counted, norm_type, self._groups, self._reduce_device, copies=copies)
+            norm = global_norm(
+                counted, norm_type, self._groups, self._reduce_device, copies=copies,
+                rows_from=self.kind.norm_rows_from,
+            )  # fmt: skip
         if self._grad_scale is not None:  # fp16 grads still carry the loss scale
             norm = norm * self._grad_scale
         coefficient = clip_coefficient(norm, float(max_norm))
