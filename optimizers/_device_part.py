@@ -30,6 +30,20 @@ class Round(NamedTuple):
     group_map: list[int]  # sub-optimizer group i steps the user's group group_map[i]
     # Per piece, the views a step of a low-precision piece takes, made once (None: fp32)
     views: list[PieceViews | None]
+    whole: WholeRound | None = None  # its step's lists, where every piece is a whole param
+
+
+class WholeRound(NamedTuple):
+    """A round whose every piece is a whole low-precision param: the lists of its step while
+    every piece has a grad and each param keeps the memory it had (every step of training),
+    made once with the round's views, so that such a step makes none piece by piece."""
+
+    indices: list[int]  # each piece's record index: the key of its grad
+    params: list[torch.Tensor]  # each piece's model param
+    param_ptrs: list[int]  # their data_ptr() when ``weights`` were taken
+    scratch: list[torch.Tensor]  # each piece's cast grad in the scratch, one after another
+    mains: list[torch.Tensor]
+    weights: list[torch.Tensor]  # each param, 1-D: the new weights go there
 
 
 class PieceViews(NamedTuple):
@@ -104,6 +118,7 @@ class DevicePart:
         self._grad_scratch = torch.empty(scratch_numel, dtype=torch.float32, device=device)
         for round_ in self.rounds:
             round_.views.extend(_piece_views(round_.pieces, self._grad_scratch))
+        self.rounds = [round_._replace(whole=_whole_round(round_)) for round_ in self.rounds]
 
     def _make_mains(
         self, records: Sequence[ParamRecord], specs: Sequence[PieceSpec], device: torch.device
@@ -194,6 +209,31 @@ class DevicePart:
         found_inf: torch.Tensor | None,
         grad_factor: torch.Tensor | None,
     ) -> None:
+        lists = _whole_lists(round_, grads)
+        if lists is None:
+            lists = self._round_lists(round_, grads)
+        cast_dst, cast_src, written_params, written_mains, in_place = lists
+        if not cast_dst and not in_place:
+            return
+        if grad_factor is not None:
+            scale_grads_(cast_src + in_place, grad_factor)
+        if cast_dst:
+            torch._foreach_copy_(cast_dst, cast_src)
+        if grad_scale is not None:
+            torch._foreach_mul_(cast_dst + in_place, grad_scale)
+        round_.optimizer.found_inf = found_inf
+        try:
+            round_.optimizer.step()
+        finally:
+            round_.optimizer.found_inf = None
+            for _, piece in round_.pieces:
+                piece.main.grad = None  # drop references to the model's grads and the scratch
+        if written_params:
+            torch._foreach_copy_(written_params, written_mains)
+
+    def _round_lists(self, round_: Round, grads: dict[int, torch.Tensor]) -> _RoundLists:
+        """The round's step, piece by piece: each piece's main grad set (or ``None``), and the
+        lists of its step."""
         cast_dst, cast_src, written_params, written_mains, in_place = [], [], [], [], []
         offset = 0
         for (record, piece), views in zip(round_.pieces, round_.views, strict=True):
@@ -221,23 +261,7 @@ class DevicePart:
             else:  # the param was given other memory
                 written_params.append(flat_param(record.param)[start : start + numel])
             written_mains.append(piece.main)
-        if not cast_dst and not in_place:
-            return
-        if grad_factor is not None:
-            scale_grads_(cast_src + in_place, grad_factor)
-        if cast_dst:
-            torch._foreach_copy_(cast_dst, cast_src)
-        if grad_scale is not None:
-            torch._foreach_mul_(cast_dst + in_place, grad_scale)
-        round_.optimizer.found_inf = found_inf
-        try:
-            round_.optimizer.step()
-        finally:
-            round_.optimizer.found_inf = None
-            for _, piece in round_.pieces:
-                piece.main.grad = None  # drop references to the model's grads and the scratch
-        if written_params:
-            torch._foreach_copy_(written_params, written_mains)
+        return cast_dst, cast_src, written_params, written_mains, in_place
 
     @torch.no_grad()
     def reload_from_params(self, indices: set[int] | None = None) -> None:
@@ -264,6 +288,48 @@ def _piece_views(
         scratch_view = scratch[offset : offset + numel]
         yield PieceViews(scratch_view, offset, weights, record.param.data_ptr())
         offset += numel
+
+
+# A round's step: (cast grads' places, their sources, params written, their mains, fp32 grads)
+_RoundLists = tuple[
+    list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
+    list[torch.Tensor],
+]  # fmt: skip
+
+
+def _whole_round(round_: Round) -> WholeRound | None:
+    """The round's ``WholeRound``, if every piece is a whole low-precision param."""
+    pieces = list(zip(round_.pieces, round_.views, strict=True))
+    if not all(
+        views is not None and piece.spec.start == 0 and piece.spec.numel == record.param.numel()
+        for (record, piece), views in pieces
+    ):
+        return None
+    views = [views for _, views in pieces]
+    return WholeRound(
+        indices=[record.index for record, _ in round_.pieces],
+        params=[record.param for record, _ in round_.pieces],
+        param_ptrs=[v.param_ptr for v in views],
+        scratch=[v.scratch for v in views],
+        mains=[piece.main for _, piece in round_.pieces],
+        weights=[v.weights for v in views],
+    )
+
+
+def _whole_lists(round_: Round, grads: dict[int, torch.Tensor]) -> _RoundLists | None:
+    """The lists of a ``WholeRound``'s step, its main grads set, where every piece has a grad
+    and each param keeps its memory; else ``None`` (the step goes piece by piece)."""
+    whole = round_.whole
+    if whole is None:
+        return None
+    sources = [grads[index] for index in whole.indices if index in grads]
+    if len(sources) != len(whole.indices):
+        return None
+    if [param.data_ptr() for param in whole.params] != whole.param_ptrs:
+        return None  # a param was given other memory
+    for main, scratch in zip(whole.mains, whole.scratch, strict=True):
+        main.grad = scratch  # the scratch is free here, as in _round_lists
+    return whole.scratch, sources, whole.weights, whole.mains, []
 
 
 def _low_numel(records: Sequence[ParamRecord], specs: Iterable[PieceSpec]) -> int:

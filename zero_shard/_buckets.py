@@ -19,6 +19,7 @@ from ._tp import StateLayout, dtensor_layout, local_tensor, placements_over, row
 __all__ = [
     "Bucket",
     "FlagsBefore",
+    "NormRuns",
     "ShardedParam",
     "build_buckets",
     "fsdp_sharded_param",
@@ -169,6 +170,11 @@ def norm_grads(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
     return [s.shard.grad for s in records if s.counted and s.shard.grad is not None]
 
 
+def norm_copies(records: Sequence[ShardedParam]) -> list[torch.Tensor]:
+    """The shards' grads that another rank counts in a global norm (see ``counted``)."""
+    return [s.shard.grad for s in records if not s.counted and s.shard.grad is not None]
+
+
 class FlagsBefore(Enum):
     """A dropped grad buffer's presence flags where no copy of them was kept."""
 
@@ -182,6 +188,33 @@ class SlotCuts(NamedTuple):
 
     sizes: tuple[int, ...]  # in memory order: shards, gaps, the flags
     places: tuple[int, ...]  # each param's piece
+
+
+class NormRuns(NamedTuple):
+    """A grad buffer's shard elements as runs (start, end) for global norms, planned at wrap:
+    each run is consecutive params' slots with the padding between them, those this rank
+    counts apart from those another rank does (see ``ShardedParam.counted``). The flags are in
+    none. A norm over a run is its params' norm: padding holds zeros, as does the slot of a
+    param with no grad (no rank had one, or its ``.grad`` was cleared after the reduction)."""
+
+    counted: tuple[tuple[int, int], ...]
+    copies: tuple[tuple[int, int], ...]
+
+
+def _norm_runs(
+    layout: BucketLayout, specs: Sequence[ShardSpec], counted: Sequence[bool]
+) -> NormRuns:
+    runs: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    last = None  # whether the param before counted
+    for offset, spec, counts in zip(layout.offsets, specs, counted, strict=True):
+        if counts == last:  # the run goes on, over the padding in between
+            start, _ = runs[counts].pop()
+        else:
+            start = offset
+        runs[counts].append((start, offset + spec.numel))
+        last = counts
+    nonempty = {counts: tuple(r for r in found if r[1] > r[0]) for counts, found in runs.items()}
+    return NormRuns(counted=nonempty[True], copies=nonempty[False])
 
 
 def _slot_cuts(layout: BucketLayout, specs: Sequence[ShardSpec]) -> SlotCuts:
@@ -209,6 +242,7 @@ class Bucket:
     reduce_copies: RowCopies  # the params' rows in a reduction's packed grads
     gather_copies: RowCopies  # the params' rows in an all-gather's output
     slot_cuts: SlotCuts  # the params' shards in the grad buffer
+    norm_runs: NormRuns  # the grad buffer's runs a global norm reads
     grad_buffer: torch.Tensor | None = None  # 1-D, layout.segment_numel: this rank's reduced
     #   grads, then one flag per param; held from the first reduction after zero_grad until the
     #   grads are cleared ([Note: reduced grads held]); always None when grads arrive reduced (DDP)
@@ -238,6 +272,15 @@ class Bucket:
             sharded.grad_slot = (
                 pieces[place] if shard.dim() == 1 else pieces[place].view(shard.shape)
             )
+
+    def norm_pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The held grad buffer's elements that this rank counts in a global norm, and its
+        copies of elements another rank counts, in a few 1-D pieces (see ``NormRuns``)."""
+        buffer = self.grad_buffer
+        if buffer is None:
+            raise AssertionError("expected a held grad buffer, got none")
+        counted, copies = self.norm_runs
+        return [buffer[a:b] for a, b in counted], [buffer[a:b] for a, b in copies]
 
     def drop_grads(self) -> None:
         """Frees the grad buffer (the grads were cleared) and the shards' ``.grad`` views of it,
@@ -324,8 +367,11 @@ def build_buckets(
             for numel in (layout.segment_numel, layout.shard_numel)
         )
         slot_cuts = _slot_cuts(layout, members_specs)
+        norm_runs = _norm_runs(layout, members_specs, [s.counted for s in members])
         buckets.append(
-            Bucket(layout, members, shard_buffer, reduce_copies, gather_copies, slot_cuts)
+            Bucket(
+                layout, members, shard_buffer, reduce_copies, gather_copies, slot_cuts, norm_runs
+            )
         )
     return sharded, buckets
 

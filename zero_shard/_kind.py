@@ -22,10 +22,11 @@ from torch.distributed.tensor import DTensor
 from offload import intra_op_threads
 from optimizers import HostStep, OffloadPolicy
 
-from ._buckets import Bucket, ShardedParam, shard_grads
+from ._buckets import Bucket, ShardedParam, norm_copies, norm_grads, shard_grads
 from ._collectives import AllGather
 from ._copies import mark_hook
 from ._gather import DelayedUpdate
+from ._norms import HOST_ROWS_FROM
 from ._released_ops import DeferredClip
 from ._stale import ReplicaWrites
 from ._units import Units
@@ -135,6 +136,14 @@ class Kind(Protocol):
 
     def checked_grads(self) -> list[torch.Tensor]:  # what the non-finite check reads
         return shard_grads(self.sharded)
+
+    # A global norm's inputs: the grads this rank counts, and its copies of grads another rank
+    # counts (see [Note: uncounted copies in the verdict] in _norms.py); host pieces of
+    # norm_rows_from elements or more are reduced by rows (global_norm).
+    norm_rows_from: int = HOST_ROWS_FROM
+
+    def norm_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return norm_grads(self.sharded), norm_copies(self.sharded)
 
     def grads_marker(self) -> Any:  # changes when the grads do
         return grads_marker(self.sharded)

@@ -22,7 +22,7 @@ from optimizers import (
     constructor_defaults,
 )
 
-from ._buckets import ShardedParam, norm_grads, shard_grads
+from ._buckets import ShardedParam, shard_grads
 from ._collectives import AllGather
 from ._gather import DelayedUpdate
 from ._kind import Kind, Meshes
@@ -278,22 +278,25 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         clip = self.kind.clip
         if clip is not None:
             clip.apply()  # a clip before: these grads are the clipped ones
-        grads = shard_grads(self._sharded)
-        copies = [s.shard.grad for s in self._sharded if not s.counted and s.shard.grad is not None]
+        counted, copies = self.kind.norm_grads()
         with self.kind.host_threads():
             norm = global_norm(
-                norm_grads(self._sharded), norm_type, self._groups, self._reduce_device,
-                copies=copies,
+                counted, norm_type, self._groups, self._reduce_device, copies=copies,
+                rows_from=self.kind.norm_rows_from,
             )  # fmt: skip
         if self._grad_scale is not None:  # fp16 grads still carry the loss scale
             norm = norm * self._grad_scale
         coefficient = clip_coefficient(norm, float(max_norm))
         coefficient = torch.where(torch.isfinite(norm), coefficient, torch.ones_like(coefficient))
-        if grads and clip is not None:  # see [Note: clip at the step]
-            clip.defer([s for s in self._sharded if s.shard.grad is not None], coefficient)
-        elif grads:
+        if clip is not None:  # see [Note: clip at the step]
+            records = [s for s in self._sharded if s.shard.grad is not None]
+            if records:
+                clip.defer(records, coefficient)
+        elif any([s.shard.grad is not None for s in self._sharded]):
+            # In as few pieces as the kind holds them: a bucket's whole shard (its padding and
+            # the slots of absent grads hold zeros, which stay zeros).
             with self.kind.host_threads():
-                scale_grads_(grads, coefficient)
+                scale_grads_(self.kind.checked_grads(), coefficient)
             self._edits.count += 1
         self._window_norm = norm
         self._clipped_marker = self.kind.grads_marker()

@@ -91,6 +91,7 @@ class GradReducer:
     _early: EarlyCopies | None  # hands each reduced bucket on to the host's early copies
     _accumulators: list[Any]  # the params' grad accumulators (autograd nodes) the hooks are on
     num_changes: int  # reductions, and clears seen after one, so far: the grads changed if it did
+    _finished_at: int  # num_changes when finish() last set the shards' grads
 
     def __init__(
         self,
@@ -122,6 +123,7 @@ class GradReducer:
         self._early = early
         self._accumulators = []
         self.num_changes = 0
+        self._finished_at = -1
 
     def register_hooks(self) -> list[Any]:
         """On each param, a pre-hook on its grad accumulator that takes the placeholder ``.grad``
@@ -245,7 +247,10 @@ class GradReducer:
                     world * layout.segment_numel, dtype=layout.dtype, device=self._device
                 )
             with phase("zero_shard::pack"):
-                pack_grads(packed, layout, bucket.reduce_copies, grads, world)
+                if into_buffer:
+                    _pack_into_slots(bucket, grads)
+                else:
+                    pack_grads(packed, layout, bucket.reduce_copies, grads, world)
                 if any(zeroed):
                     _flag_zeroed_as_before(packed, bucket, zeroed, before, world)
             for sharded, grad in zip(bucket.params, grads, strict=True):
@@ -316,7 +321,12 @@ class GradReducer:
         untouched = [_untouched(bucket) for bucket in self.buckets]
         self._warn_late_grads(untouched)
         self._wait_reductions()
+        # No reduction or clear since the last pass: an untouched bucket's shards hold their
+        # grads as it left them (the clip's finalize and the step's find the same).
+        settled = self._finished_at == self.num_changes
         for bucket, as_reduced in zip(self.buckets, untouched, strict=True):
+            if settled and as_reduced:
+                continue
             if not bucket.has_grads:  # none reduced since the grads were cleared
                 for sharded in bucket.params:
                     sharded.shard.grad = None
@@ -336,6 +346,7 @@ class GradReducer:
                 sharded.shard.grad = sharded.grad_slot if stepped else None
                 if not has_grad:
                     sharded.watch.drop()  # no rank had one: None, as torch's .grad
+        self._finished_at = self.num_changes
 
     def _warn_late_grads(self, untouched: list[bool]) -> None:
         if self._warned_late_grads:
@@ -430,6 +441,23 @@ def _local_grad(taken: Taken, sharded: ShardedParam) -> torch.Tensor | None:
     if tuple(grad.placements) != tuple(param.placements):
         grad = grad.redistribute(param.device_mesh, param.placements)
     return grad._local_tensor
+
+
+def _pack_into_slots(bucket: Bucket, grads: Sequence[torch.Tensor | None]) -> None:
+    """One rank: each grad into its slot of the zeroed grad buffer, which has the grad's shape
+    (the shard is the whole param), and its flag set, as ``pack_grads`` packs them but with no
+    cut of the buffer or of the grads."""
+    slots = [s.grad_slot for s, grad in zip(bucket.params, grads, strict=True) if grad is not None]
+    present = [grad for grad in grads if grad is not None]
+    if present:
+        torch._foreach_copy_(slots, present)
+    flags = bucket.grad_buffer[bucket.layout.shard_numel :]
+    if len(present) == len(grads):
+        flags.fill_(1)
+    else:
+        for position, grad in enumerate(grads):
+            if grad is not None:
+                flags[position].fill_(1)
 
 
 def _clear_slots(bucket: Bucket, cleared: list[bool]) -> None:

@@ -36,6 +36,7 @@ from ._kind import (
     refuse_delayed_update,
     watch_state_dict_entries,
 )
+from ._norms import HOST_ROW
 from ._outer_ddp import register_outer_ddp_check
 from ._owners import is_claimed
 from ._reduce import GradReducer
@@ -441,6 +442,19 @@ class ReplicatedKind(_Replicas):
     def checked_grads(self) -> list[torch.Tensor]:
         # Each bucket's reduced grads in one piece: its gaps and padding hold zeros.
         return [b.grad_buffer[: b.layout.shard_numel] for b in self.buckets if b.has_grads]
+
+    norm_rows_from = HOST_ROW  # a bucket's long pieces: as accurate as the grads' own norms
+
+    def norm_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        # Each bucket's reduced grads in a few pieces, as the non-finite check reads them.
+        counted: list[torch.Tensor] = []
+        copies: list[torch.Tensor] = []
+        for bucket in self.buckets:
+            if bucket.has_grads:
+                mine, others = bucket.norm_pieces()
+                counted += mine
+                copies += others
+        return counted, copies
 
     def device_bytes(self) -> int:
         """Bytes of the shard buffers and of the reduced grads (held from backward to

@@ -9,6 +9,7 @@ of ``L`` and of ``2 L`` blocks in one bucket, bf16. What grows with the params i
 
 - ``clip_grad_norm_``, ``step()`` and ``zero_grad()``: calls per bucket only (none per param),
   and one aten op per param at most (the flat view of a fresh grad handed to torch's kernels);
+  the clip's ops take the grads per bucket (a multi-tensor op's list does not grow);
 - backward: the two autograd hooks of each param and the reduction's ``take`` / ``release``;
 - forward: the wait hook of each module.
 
@@ -78,12 +79,19 @@ class _Calls:
 
 
 class _Ops(TorchDispatchMode):
+    """The aten ops dispatched, and the tensors handed to them in lists (a multi-tensor op's
+    inputs, a stack's), in the clip and elsewhere."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.in_clip = False
+        self.clip_listed = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.count += 1
+        if self.in_clip:
+            self.clip_listed += sum(len(arg) for arg in args if isinstance(arg, (list, tuple)))
         return func(*args, **(kwargs or {}))
 
 
@@ -98,9 +106,9 @@ def _profiled(calls: _Calls) -> Iterator[None]:
         threading.setprofile(None)
 
 
-def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int]:
-    """Per step: the calls by phase, the aten ops of clip + step + zero_grad; the params and
-    modules of the model."""
+def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int, int]:
+    """Per step: the calls by phase, the aten ops of clip + step + zero_grad, the tensors listed
+    to the clip's ops; the params and modules of the model."""
     import zero_shard
 
     model = _model(num_blocks)
@@ -111,6 +119,7 @@ def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int]:
     def phase(name: str, action: Callable[[], Any], counted: bool) -> Any:
         calls.phase = name if counted else None
         if counted and name in ("clip", "step", "zero_grad"):
+            ops.in_clip = name == "clip"
             with ops:
                 return action()
         return action()
@@ -131,12 +140,13 @@ def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int]:
         raise AssertionError(f"expected one bucket, got {len(opt.kind.buckets)}")
     per_step = {name: calls.counts[name] // NUM_STEPS for name in PHASES}
     num_params = len(list(model.parameters()))
-    return per_step, ops.count // NUM_STEPS, num_params, len(list(model.modules()))
+    num_modules = len(list(model.modules()))
+    return per_step, ops.count // NUM_STEPS, ops.clip_listed // NUM_STEPS, num_params, num_modules
 
 
 def _case_per_bucket(rank: int, world_size: int) -> None:
-    small, small_ops, small_params, small_modules = _count(6)
-    large, large_ops, large_params, large_modules = _count(12)
+    small, small_ops, small_listed, small_params, small_modules = _count(6)
+    large, large_ops, large_listed, large_params, large_modules = _count(12)
     added_params, added_modules = large_params - small_params, large_modules - small_modules
     shown = f"{small} -> {large} calls per step, +{added_params} params"
     for name in ("clip", "step", "zero_grad", "threads"):
@@ -148,6 +158,9 @@ def _case_per_bucket(rank: int, world_size: int) -> None:
     ops_bound = STEP_OPS_PER_PARAM * added_params + SLACK
     shown = f"{small_ops} -> {large_ops}, +{added_params} params"
     assert large_ops - small_ops <= ops_bound, f"aten ops of clip + step + zero_grad: {shown}"
+    # The clip's norm and multiply take each bucket's grads in a few pieces, not one a param.
+    shown = f"{small_listed} -> {large_listed}, +{added_params} params"
+    assert large_listed == small_listed, f"tensors listed to the clip's ops: {shown}"
 
 
 CASES = {"per_bucket": _case_per_bucket}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zero_shard._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
+from zero_shard._buckets import _norm_runs
 
 # Private free functions, unit-tested: the public API shows neither the layout nor the packing.
 from zero_shard._collectives import (
@@ -111,6 +112,30 @@ def test_pack_and_unpack_round_trip(world: int) -> None:
     unpack_params(gathered, _copies(layout, specs_by_rank[0], world, reduce=False), targets)
     for target, param in zip(targets, params, strict=True):
         assert torch.equal(target, param)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_norm_runs_cover_the_counted_slots_and_their_padding(world: int) -> None:
+    shapes = [(7, 15), (3,), (), (2, 5), (5, 0), (0, 4), (9,)]
+    counted = [True, True, False, True, True, False, False]
+    for rank in range(world):
+        specs = [shard_spec(shape, rank, world) for shape in shapes]
+        layout = plan_buckets(specs, [torch.float32] * len(shapes), world, 1 << 20)[0]
+        runs = _norm_runs(layout, specs, counted)
+        # Marks each slot's elements with its param's index + 1; padding and flags hold 0.
+        buffer = torch.zeros(layout.segment_numel)
+        for position, (spec, offset) in enumerate(zip(specs, layout.offsets, strict=True)):
+            buffer[offset : offset + spec.numel] = position + 1
+        for found, counts in ((runs.counted, True), (runs.copies, False)):
+            marks = torch.cat([buffer[start:end] for start, end in found] + [torch.zeros(0)])
+            expected = [
+                float(i + 1) for i, spec in enumerate(specs) if counted[i] == counts
+                for _ in range(spec.numel)
+            ]  # fmt: skip
+            assert marks[marks > 0].tolist() == expected, (rank, counts, found)
+            assert all(end <= layout.shard_numel for _, end in found)  # no flag
+        covered = [set(range(start, end)) for start, end in (*runs.counted, *runs.copies)]
+        assert sum(map(len, covered)) == len(set().union(*covered))  # no element twice
 
 
 def test_reduce_scaling_is_a_mean() -> None:
