@@ -79,7 +79,7 @@ class GradReducer:
     _world_size: int
     _scatter: bool  # stage 2: reduce-scatter; stage 1: all-reduce
     _device: torch.device
-    _stream: Any  # the side stream reductions run on; None on the CPU
+    _stream: Any  # the side stream reductions run on; None on the CPU and at one rank
     _event: Any  # on _stream after the last reduction; None when none is in flight (or CPU)
     _next: int  # the next bucket to reduce in this backward (they go from last to first)
     _in_backward: bool  # an end-of-backward callback is queued
@@ -111,7 +111,9 @@ class GradReducer:
         self._world_size = 1 if group is None else dist.get_world_size(group)
         self._scatter = stage == 2
         self._device = device
-        self._stream = side_stream(device)
+        # One rank has no collective to overlap: it packs on backward's own stream, so that no
+        # grad needs record_stream (each would leave the allocator an event to poll at reuse).
+        self._stream = side_stream(device) if self._world_size > 1 else None
         self._event = None
         self._next = len(self.buckets) - 1
         self._in_backward = False
