@@ -202,10 +202,11 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.ready.clear()
 
-    @torch.no_grad()
-    def _reduce(self, bucket: Bucket) -> None:
-        if self._clip is not None:  # this reduction may add to the grads held
-            self._clip.apply()
+    def _take_grads(
+        self, bucket: Bucket
+    ) -> tuple[list[torch.Tensor | None], list[bool], list[bool]]:
+        """Takes the bucket's grads off its params (the placeholders' watches): each local grad
+        or ``None``, whether the grads held are kept and added to, and which were zeroed."""
         taken = [sharded.watch.take() for sharded in bucket.params]
         grads = [
             _local_grad(each, sharded)
@@ -213,9 +214,6 @@ class GradReducer:
             else each.grad
             for each, sharded in zip(taken, bucket.params, strict=True)
         ]
-        has_grads = bucket.has_grads
-        kept = [has_grads and each.kept for each in taken]
-        zeroed = [each.zeroed for each in taken]
         for sharded, grad in zip(bucket.params, grads, strict=True):
             if grad is not None and (grad.is_sparse or grad.device != self._device):
                 raise TypeError(
@@ -223,6 +221,24 @@ class GradReducer:
                     f"{'' if grad.is_sparse else grad.device}; zero-shard reduces dense grads on "
                     f"{self._device}"
                 )
+        has_grads = bucket.has_grads
+        return grads, [has_grads and each.kept for each in taken], [e.zeroed for e in taken]
+
+    def _hold_buffer(self, bucket: Bucket) -> None:
+        """A grad buffer for a bucket that holds none, made on the current stream, where the step
+        reads it; the side stream's writes are recorded, so that its memory waits for them once
+        the grads are dropped."""
+        layout = bucket.layout
+        buffer = torch.empty(layout.segment_numel, dtype=layout.dtype, device=self._device)
+        if self._stream is not None:
+            buffer.record_stream(self._stream)
+        bucket.hold_grads(buffer)
+
+    @torch.no_grad()
+    def _reduce(self, bucket: Bucket) -> None:
+        if self._clip is not None:  # this reduction may add to the grads held
+            self._clip.apply()
+        grads, kept, zeroed = self._take_grads(bucket)
         layout, world = bucket.layout, self._world_size
         adds = any(kept)
         # The grads are complete on the stream current here (backward's); read it before
@@ -230,12 +246,7 @@ class GradReducer:
         compute = current_stream(self._device)
         before = _flags_before(bucket)
         if not bucket.has_grads:
-            # On the current stream, where the step reads it; the side stream's writes are
-            # recorded, so that its memory waits for them once the grads are dropped.
-            buffer = torch.empty(layout.segment_numel, dtype=layout.dtype, device=self._device)
-            if self._stream is not None:
-                buffer.record_stream(self._stream)
-            bucket.hold_grads(buffer)
+            self._hold_buffer(bucket)
         # One rank: the packed grads are the reduced ones, packed straight into the buffer
         # unless added to it (or its flags are still to be read).
         alone = world == 1

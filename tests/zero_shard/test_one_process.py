@@ -273,13 +273,13 @@ def test_a_wrapper_made_alone_refuses_to_step_in_a_bigger_group() -> None:
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         for rank in range(2)
     ]  # fmt: skip
-    for process in processes:
-        try:
-            out, err = process.communicate(timeout=300)
-        finally:
-            for each in processes:
-                if each.poll() is None:
-                    each.kill()
+    try:  # both to the end (one may end before the other has left the group)
+        results = [process.communicate(timeout=300) for process in processes]
+    finally:  # a hang, or a failure to communicate: the other is not left running
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for process, (out, err) in zip(processes, results, strict=True):
         assert process.returncode == 0, err[-3000:]
         assert out.count("refused") == 3, out
 
