@@ -261,6 +261,15 @@ class HostStep:
         for event in {id(job.d2h_done): job.d2h_done for job in self._jobs}.values():
             wait_for_event(stream, event)
 
+    def wait_grads_read(self) -> None:
+        """Makes the current stream wait until the step reads its grads no more: their copies to
+        the host, where every one is queued (a buffer per chunk), else the whole step (bounded
+        staging copies them as its buffers free up)."""
+        if all(job.d2h_queued.is_set() for job in self._jobs):
+            self.wait_grads_copied()
+        else:
+            self.wait()
+
     def wait(self) -> None:
         """Completes every chunk: the current stream then sees all the new weights."""
         self._complete_through(len(self._jobs) - 1)

@@ -525,6 +525,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._device.reload_from_params(indices)
         self._host.reload_from_params(indices)
 
+    def host_ranges(self, index: int) -> list[tuple[int, int]]:
+        """Where the elements of param ``index`` (its position over all groups) that the CPU
+        steps lie in its flat param: ``(start, numel)`` per host piece."""
+        if self._records is None:
+            raise RuntimeError("the optimizer is still being built")
+        pieces = self._records[index].pieces
+        return [(p.spec.start, p.spec.numel) for p in pieces if p.offset is not None]
+
     def memory_report(self) -> MemoryReport:
         """Bytes of optimizer memory on each device, and whether the staging is pinned."""
         buffers = self._host.staging.buffers

@@ -339,11 +339,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._skips.read(block=True)  # the last step's verdict, on the host long since
         if written is not None:
             self._stale.check(self.stale_params, agree=True, written=written)
+        clip, grad_factor = self.kind.clip, None
         try:
             skip, found_inf = self._check_nonfinite()
             if skip:
                 return loss
-            clip = self.kind.clip
             grad_factor = None if clip is None else clip.take()
             host_step = self._hybrid.launch_step(
                 grad_scale=self._grad_scale,
@@ -351,10 +351,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 grad_factor=grad_factor,
                 need_order=self.kind.need_order,
             )
+            if clip is not None and grad_factor is not None:
+                clip.read_by(host_step)
             self.kind.after_step(host_step)
         finally:
-            if self.kind.clip is not None:  # a factor the step did not take (skipped, failed)
-                self.kind.clip.apply()
+            if clip is not None and grad_factor is None:  # a factor the step did not take
+                clip.apply()  # (skipped, or differing between grads)
             self._end_window()
             self.kind.end_window()
         self._skips.read(block=False)  # at once where the device is the CPU
@@ -415,6 +417,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's grads and this rank's reduced grads."""
         super().zero_grad(set_to_none)
+        if self.kind.clip is not None:
+            self.kind.clip.end()  # the grads are gone: nothing left to multiply
         self.kind.reset()
         self._hybrid.drop_grads_ready()
         for sharded in self._sharded:
@@ -510,6 +514,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         for sharded in self._sharded:
             if sharded.param is param:
                 self._finalize_grads(reduce=False)  # no collective: any rank may call it
+                if self.kind.clip is not None:  # a clip's factor not applied yet
+                    self.kind.clip.apply()
                 grad = sharded.shard.grad
                 return None if grad is None else to_dtensor(sharded, grad)
         raise KeyError(f"a param of shape {tuple(param.shape)} is not optimized here")
@@ -532,8 +538,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     # -- internals --------------------------------------------------------------------------
 
     def _end_window(self) -> None:
-        if self.kind.clip is not None:
-            self.kind.clip.end()  # applied, or the grads are gone
         self._edits.count += 1
         self._window_norm = None
         self._clipped_marker = None

@@ -51,9 +51,14 @@ A factor is pending per param (``ShardedParam.grad_factor``): torch's clip on th
 multiplies them one by one ([Note: torch's clip on released grads]). The step takes a factor
 pending alike on every grad it steps; factors that differ (a clip of some params only) are
 applied to the grads first, in place.
+A factor the step took stays pending on the grads held after it: torch's grads stay clipped
+through the step, and grads kept (no ``zero_grad``) are what the next backward adds to or a
+second step steps again. ``zero_grad`` drops the factors with the grads.
 Anything that changes or reads the grads otherwise first applies the factors still pending: a
 reduction (another backward), a second clip, a norm or a clamp of a placeholder, GradScaler's
-unscale, and a step that does not take them. DDP's and FSDP2's grads are the model's own, which
+unscale, ``main_grad``, and a step that does not take them. After a step that took them, that
+multiply in place first waits until the step reads the grads no more
+(``HostStep.wait_grads_read``). DDP's and FSDP2's grads are the model's own, which
 users may read after the clip: there the clip multiplies them at once, as before.
 """
 
@@ -70,7 +75,7 @@ from ._norms import param_norms, scale_grads_
 from ._released import ReleasedGrad
 
 if TYPE_CHECKING:
-    from optimizers import HybridDeviceOptimizer
+    from optimizers import HostStep, HybridDeviceOptimizer
 
     from ._buckets import Bucket, ShardedParam
     from ._optimizer import ZeroShardOptimizer
@@ -237,31 +242,56 @@ class DeferredClip:
     _records: list[ShardedParam]  # every sharded param: each holds its pending grad_factor
     _edits: GradEdits  # the optimizer's, counting each multiply applied here
     _pending: bool  # some record's grad_factor is set
+    _stepped: bool  # a step took the factors: its device share multiplied its grads in place,
+    #                 and only the host share's grads wait for them
+    _read_by: HostStep | None  # that step, which may still read the host share's grads
+    _hybrid: HybridDeviceOptimizer  # where each param's host share lies (record i is its index i)
 
-    def __init__(self, records: Sequence[ShardedParam], edits: GradEdits) -> None:
+    def __init__(
+        self, records: Sequence[ShardedParam], edits: GradEdits, hybrid: HybridDeviceOptimizer
+    ) -> None:
         self._records = list(records)
         self._edits = edits
+        self._hybrid = hybrid
         self._pending = False
+        self._stepped = False
+        self._read_by = None
 
     def apply(self) -> None:
         """Multiplies the grads in place by the factors still pending: one ``scale_grads_`` per
-        factor."""
+        factor, once a step that read them with the factors is done reading."""
         if not self._pending:
             return
         self._pending = False
         by_factor: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        for sharded in self._records:
+        for index, sharded in enumerate(self._records):
             factor, sharded.grad_factor = sharded.grad_factor, None
             if factor is not None and sharded.shard.grad is not None:
-                by_factor.setdefault(id(factor), (factor, []))[1].append(sharded.shard.grad)
+                grads = by_factor.setdefault(id(factor), (factor, []))[1]
+                grads += self._unscaled(index, sharded.shard.grad)
+        by_factor = {key: value for key, value in by_factor.items() if value[1]}
+        self._stepped = False
+        read_by, self._read_by = self._read_by, None
+        if by_factor and read_by is not None:  # (none where the grads were dropped since)
+            read_by.wait_grads_read()
         for factor, grads in by_factor.values():
             scale_grads_(grads, factor)
             edited(grads)
             self._edits.count += 1
 
+    def _unscaled(self, index: int, grad: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of param ``index``'s grad its pending factor is still to multiply: all of
+        it, or after a step that took the factor, its host share's elements."""
+        if not self._stepped:
+            return [grad]
+        flat = grad.view(-1)
+        return [flat[start : start + numel] for start, numel in self._hybrid.host_ranges(index)]
+
     def defer(self, records: list[ShardedParam], factor: torch.Tensor) -> None:
         """Notes ``factor`` for the grads of ``records``, for the step to apply; a factor already
         pending on one of them is applied first."""
+        if self._stepped:  # what a step left (apply() waits until it reads the grads no more)
+            self.apply()
         for sharded in records:
             if sharded.grad_factor is not None:
                 scale_grads_([sharded.shard.grad], sharded.grad_factor)
@@ -272,8 +302,14 @@ class DeferredClip:
 
     def take(self) -> torch.Tensor | None:
         """At the step: the factor pending on every grad alike, for the step to apply; factors
-        that differ between grads (a clip of some params only) are applied here instead."""
+        that differ between grads (a clip of some params only) are applied here instead. A
+        factor taken stays pending on the host share's grads held after the step (``read_by``;
+        the device share multiplies its grads in place): torch's grads stay clipped, so what
+        reads or adds to them next (another backward, a clip, a second step) applies it first."""
         if not self._pending:
+            return None
+        if self._stepped:  # a second step of the same grads: as torch's, clipped once
+            self.apply()
             return None
         factors = {
             id(s.grad_factor): s.grad_factor for s in self._records if s.shard.grad is not None
@@ -281,15 +317,22 @@ class DeferredClip:
         if len(factors) != 1 or None in factors.values():
             self.apply()
             return None
-        self.end()
         return next(iter(factors.values()))
 
+    def read_by(self, step: HostStep | None) -> None:
+        """``step`` took the factors and may read the grads until it is done: an in-place
+        multiply waits for that (``HostStep.wait_grads_read``)."""
+        self._stepped = True
+        self._read_by = step
+
     def end(self) -> None:
-        """The factors are applied, or the grads are gone."""
+        """The grads are gone (cleared): nothing is left to multiply."""
         if self._pending:
             for sharded in self._records:
                 sharded.grad_factor = None
         self._pending = False
+        self._stepped = False
+        self._read_by = None
 
 
 class EarlyCopies:

@@ -411,7 +411,7 @@ class ReplicatedKind(_Replicas):
         handles = super().install(optimizer, overlap=overlap)
         hybrid, early = optimizer._hybrid, None
         if hybrid.memory_report().num_host_elements:  # see [Note: clip at the step]
-            self.clip = DeferredClip(self.sharded, optimizer._edits)
+            self.clip = DeferredClip(self.sharded, optimizer._edits, hybrid)
             if hybrid.copies_grads_early:  # else no per-bucket work in backward's hooks
                 early = EarlyCopies(hybrid, self.buckets, self._bucket_indices)
         self.reducer = GradReducer(

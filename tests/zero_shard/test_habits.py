@@ -181,6 +181,41 @@ def steps_without_a_backward_in_between(rank: int, world: int) -> None:
             assert_params_close(model, ref, f"{name}, step {step}")
 
 
+@case
+def a_clip_stays_on_grads_kept_across_the_step(rank: int, world: int) -> None:
+    # torch clips the grads in place, so grads kept after the step are clipped ones: the next
+    # backward adds to them and a second step steps them again. With a CPU share the clip is
+    # deferred into the step ([Note: clip at the step]), which multiplies only what it reads.
+    for staging in ("per_chunk", "bounded"):
+        for name in ("never", "model.zero_grad()", "out.weight.grad = None"):
+            clear = CLEARS[name]
+            model, ref = make_model(), make_model()
+            policy = OffloadPolicy(fraction=0.5, num_threads=1, chunk_numel=16,
+                                   host_staging=staging)  # fmt: skip
+            opt = zero_shard.wrap(adamw(model), model, offload=policy, bucket_mb=TINY_BUCKETS)
+            ref_opt = adamw(ref)
+            for step in range(STEPS):
+                x, y = global_batch(step)
+                mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                mse(ref(x), y).backward()
+                if step % 2:
+                    norm = opt.clip_grad_norm_(0.01)
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+                where = f"{staging}, {name}, step {step}"
+                torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-7, msg=where)
+                for optimizer in (opt, ref_opt):
+                    optimizer.step()
+                    if step == 2:
+                        optimizer.step()  # the same grads, clipped once, again
+                if clear is not None:
+                    clear(model, opt)
+                    clear(ref, ref_opt)
+                opt.finish_param_sync()
+                assert_params_close(model, ref, where)
+
+
 def other_loss(model: nn.Module, step: int) -> torch.Tensor:
     x, y = global_batch(100 + step)
     return mse(model(x[:4]), y[:4])
