@@ -106,7 +106,7 @@ def ensure_process_group(device: torch.device) -> None:
     no collective there and leaves ``torch.distributed`` uninitialized, for a later
     ``init_process_group`` and for libraries that read it as a distributed run (see
     ``one_process_mesh``). A torch whose ``DeviceMesh`` cannot be built without a group gets a
-    group of one, as before (a later ``init_process_group`` then raises: call it first)."""
+    group of one instead (a later ``init_process_group`` then raises: call it first)."""
     if not dist.is_available():
         raise RuntimeError(
             "zero_shard.wrap needs torch.distributed, which this build of torch lacks; for one "
