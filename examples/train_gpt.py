@@ -540,23 +540,42 @@ def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     return log.to_json()
 
 
-@contextlib.contextmanager
-def profiled(step: int, ranks: Ranks, args: argparse.Namespace) -> Iterator[None]:
-    """``--profile-step STEP``: that step under ``torch.profiler``; rank 0 writes the op table
-    (``profile.txt``) and a Chrome trace (``trace.json``) into ``--out``."""
-    if step != args.profile_step:
+class StepProfiler:
+    """``--profile-step STEP`` (``--profile-steps N``: that many steps from STEP on) under
+    ``torch.profiler``; rank 0 writes the op table (``profile.txt``) and every rank its Chrome
+    trace (``trace_rank{R}.json``) into ``--out``. At several ranks a collective's time is mostly
+    its wait for the others, which only the traces side by side show; two steps show what the
+    step leaves in flight (the param gathers) and the next forward waiting for it."""
+
+    def __init__(self, ranks: Ranks, args: argparse.Namespace, last: int) -> None:
+        self._ranks, self._args = ranks, args
+        first = args.profile_step
+        self._steps = () if first is None else (first, min(first + args.profile_steps, last + 1))
+        self._profiler: torch.profiler.profile | None = None
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        if self._steps and step == self._steps[0]:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self._ranks.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.__enter__()
         yield
-        return
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if ranks.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
-        yield
-    if ranks.rank == 0 and args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        table = profiler.key_averages().table(sort_by="cpu_time_total", row_limit=60)
-        (args.out / "profile.txt").write_text(table)
-        profiler.export_chrome_trace(str(args.out / "trace.json"))
+        if self._profiler is not None and step == self._steps[1] - 1:
+            profiler, self._profiler = self._profiler, None
+            profiler.__exit__(None, None, None)
+            self._write(profiler)
+
+    def _write(self, profiler: torch.profiler.profile) -> None:
+        out = self._args.out
+        if out is None:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        if self._ranks.rank == 0:
+            table = profiler.key_averages().table(sort_by="cpu_time_total", row_limit=60)
+            (out / "profile.txt").write_text(table)
+        profiler.export_chrome_trace(str(out / f"trace_rank{self._ranks.rank}.json"))
 
 
 def run_steps(
@@ -573,6 +592,7 @@ def run_steps(
     seq_len = PRESETS[args.preset].model.seq_len
     last = last_step(args)
     timer = PhaseTimer(ranks.device)
+    profiler = StepProfiler(ranks, args, last)
     bar = None if args.quiet or ranks.rank else ProgressBar(last, first=first + 1)
     pending = None  # the last async checkpoint's future
     rss_samples = []
@@ -586,7 +606,7 @@ def run_steps(
         checkpoint_now = args.checkpoint_dir is not None and (
             step == last or bool(args.checkpoint_every and step % args.checkpoint_every == 0)
         )
-        with profiled(step, ranks, args):
+        with profiler.step(step):
             # The summary leaves out the first step: its CPU share must not spill into the second.
             settle = evaluate_now or checkpoint_now or step == first + 1
             record = {"step": step, **train_step(trainer, windows, args, timer, settle=settle)}
@@ -759,6 +779,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--checkpoint-dir); the LR schedule stays that of --steps, and --resume goes on")  # fmt: skip
     add("--simulate-crash", type=int, metavar="STEP", help="the last rank dies at STEP (tests)")
     add("--profile-step", type=int, metavar="STEP", help="profile that step (see --out)")
+    add("--profile-steps", type=int, default=1, metavar="N", help="profile N steps from STEP")
     add("--out", type=Path, default=Path("runs/train_gpt"), help="JSON log and plot go here")
     add("--quiet", action="store_true", help="no progress bar")
     return check_args(parser, parser.parse_args(argv))
