@@ -33,6 +33,7 @@ from _models import (
     mse,
 )
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import zero_shard
 from zero_shard import OffloadPolicy
@@ -153,6 +154,32 @@ def grads_cleared_the_ways_torch_users_clear_them(rank: int, world: int) -> None
                 )
             except AssertionError as err:
                 raise AssertionError(f"{name}, stage {stage}, no_sync {no_sync}: {err}") from err
+
+
+@case
+def steps_under_a_torch_dispatch_mode(rank: int, world: int) -> None:
+    """A ``FlopCounterMode`` (a TorchDispatchMode) around whole steps, the way MFU is measured:
+    torch's result, with the gathers in the background and in the step (in-place ops under a
+    Python mode move no version counter; the copy into the params must not look like a user's
+    write)."""
+    for overlap in (True, False):
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(adamw(model), model, overlap_param_gather=overlap,
+                              bucket_mb=TINY_BUCKETS)  # fmt: skip
+        ref_opt = adamw(ref)
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            with FlopCounterMode(display=False):
+                mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                opt.step()
+                opt.zero_grad()
+            mse(ref(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"overlap_param_gather={overlap}")
 
 
 @case
