@@ -341,12 +341,8 @@ def build_buckets(
         for position, (index, offset) in enumerate(
             zip(layout.param_indices, layout.offsets, strict=True)
         ):
-            param, local, spec = params[index], locals_[index], specs[index]
-            shard = _leaf_view(shard_buffer, offset, spec.local_shape(local.shape))
-            with torch.no_grad():
-                shard.view(-1).copy_(
-                    local.detach().reshape(-1)[spec.start : spec.start + spec.numel]
-                )
+            param, spec = params[index], specs[index]
+            shard = _filled_shard(shard_buffer, offset, locals_[index], spec)
             state_layout = rows_layout(param, fqns[index], spec, mesh, joint)
             record = ShardedParam(
                 param=param,
@@ -361,19 +357,36 @@ def build_buckets(
             )
             sharded[index] = record
             members.append(record)
-        members_specs = [specs[index] for index in layout.param_indices]
-        reduce_copies, gather_copies = (
-            plan_row_copies(layout, members_specs, world_size=world_size, segment_numel=numel)
-            for numel in (layout.segment_numel, layout.shard_numel)
-        )
-        slot_cuts = _slot_cuts(layout, members_specs)
-        norm_runs = _norm_runs(layout, members_specs, [s.counted for s in members])
-        buckets.append(
-            Bucket(
-                layout, members, shard_buffer, reduce_copies, gather_copies, slot_cuts, norm_runs
-            )
-        )
+        member_specs = [specs[index] for index in layout.param_indices]
+        buckets.append(_bucket(layout, members, shard_buffer, member_specs, world_size))
     return sharded, buckets
+
+
+def _filled_shard(
+    buffer: torch.Tensor, offset: int, local: torch.Tensor, spec: ShardSpec
+) -> torch.Tensor:
+    """This rank's rows of ``local``, copied into ``buffer`` at ``offset``: the shard's leaf."""
+    shard = _leaf_view(buffer, offset, spec.local_shape(local.shape))
+    with torch.no_grad():
+        shard.view(-1).copy_(local.detach().reshape(-1)[spec.start : spec.start + spec.numel])
+    return shard
+
+
+def _bucket(
+    layout: BucketLayout,
+    members: list[ShardedParam],
+    shard_buffer: torch.Tensor,
+    member_specs: list[ShardSpec],
+    world_size: int,
+) -> Bucket:
+    """A bucket with its copy plans (reduction and gather), slot cuts and norm runs."""
+    reduce_copies, gather_copies = (
+        plan_row_copies(layout, member_specs, world_size=world_size, segment_numel=numel)
+        for numel in (layout.segment_numel, layout.shard_numel)
+    )
+    slot_cuts = _slot_cuts(layout, member_specs)
+    norm_runs = _norm_runs(layout, member_specs, [s.counted for s in members])
+    return Bucket(layout, members, shard_buffer, reduce_copies, gather_copies, slot_cuts, norm_runs)
 
 
 def fsdp_sharded_param(

@@ -239,6 +239,29 @@ class CheckedInputs(NamedTuple):
     units: list[tuple[str, nn.Module]]  # the units other than the root (none under FSDP2)
 
 
+def _check_gather_options(
+    policy: OffloadPolicy, kind: Kind, all_gather: Any
+) -> DelayedUpdate | None:
+    """Checks ``all_gather`` and the delayed update against the kind and the world size;
+    returns the delayed update, if any."""
+    if all_gather is not None and not callable(all_gather):
+        raise TypeError(
+            f"all_gather must be callable as all_gather(shard, out, group), got "
+            f"{type(all_gather).__name__}"
+        )
+    delay = DelayedUpdate.of(policy)
+    kind.check_options(delay, all_gather)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if delay is not None and world_size > 1:
+        raise ValueError(
+            f"OffloadPolicy(delayed_update=True) runs on one process for now, got "
+            f"{world_size}: at more ranks the update in flight would have to be "
+            "gathered by calls that some ranks make alone (finish_param_sync, a module's "
+            "state_dict). Use delayed_update=False, or one process"
+        )
+    return delay
+
+
 def check_inputs(
     optimizer: torch.optim.Optimizer,
     kind: Kind,
@@ -259,21 +282,7 @@ def check_inputs(
 
     def check() -> CheckedInputs:
         policy = check_options(optimizer, **options)
-        if all_gather is not None and not callable(all_gather):
-            raise TypeError(
-                f"all_gather must be callable as all_gather(shard, out, group), got "
-                f"{type(all_gather).__name__}"
-            )
-        delay = DelayedUpdate.of(policy)
-        kind.check_options(delay, all_gather)
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if delay is not None and world_size > 1:
-            raise ValueError(
-                f"OffloadPolicy(delayed_update=True) runs on one process for now, got "
-                f"{world_size}: at more ranks the update in flight would have to be "
-                "gathered by calls that some ranks make alone (finish_param_sync, a module's "
-                "state_dict). Use delayed_update=False, or one process"
-            )
+        delay = _check_gather_options(policy, kind, all_gather)
         fqns = {id(p): name for name, p in module.named_parameters()}
         trainable = trainable_params(optimizer.param_groups, fqns, kind.check_param)
         policy = kind.offload_policy(policy)

@@ -503,6 +503,43 @@ def _loaded_optim_state(
     return keyed_by_position(state, plan.group_fqns)
 
 
+def _read_checked(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: LRScheduler | None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``load``'s reading: the checkpoint's state read whole into host memory, and the
+    optimizer's state dict made of it, both checked on every rank before anything is written.
+    A torch optimizer's state created for the load is dropped again where that fails."""
+    created: list[torch.Tensor] = []
+
+    def plan() -> _LoadPlan:
+        _finish_pending()  # an async save may be writing this very checkpoint
+        if optimizer is not None and not isinstance(optimizer, ZeroShardOptimizer):
+            created.extend(create_missing_state(optimizer))
+        return _load_plan(path, model, optimizer, scheduler)
+
+    device = _device(model)
+    try:
+        loading = on_every_rank(plan, mesh=None, device=device)
+
+        def check(read: dict[str, Any]) -> None:  # on every rank, before anything is written
+            if optimizer is not None:
+                on_every_rank(
+                    lambda: _loaded_optim_state(loading, read, optimizer), mesh=None, device=device
+                )
+
+        state = read_whole(loading.state, loading.path, loading.metadata, device, check)
+        # Checked above: it passes.
+        optim_state = None if optimizer is None else _loaded_optim_state(loading, state, optimizer)
+    except BaseException:  # DCP's CheckpointException is not an Exception
+        for param in created:  # refused or failed: the optimizer has no state again
+            optimizer.state.pop(param, None)  # type: ignore[union-attr]
+        raise
+    return state, optim_state
+
+
 def load(
     path: str | os.PathLike,
     *,
@@ -534,32 +571,7 @@ def load(
     loaded. An ``async_save`` still writing is waited for first (its failure raises here).
     """
     _meet("load")
-    created: list[torch.Tensor] = []
-
-    def plan() -> _LoadPlan:
-        _finish_pending()  # an async save may be writing this very checkpoint
-        if optimizer is not None and not isinstance(optimizer, ZeroShardOptimizer):
-            created.extend(create_missing_state(optimizer))
-        return _load_plan(path, model, optimizer, scheduler)
-
-    device = _device(model)
-    optim_state: dict[str, Any] | None = None
-    try:
-        loading = on_every_rank(plan, mesh=None, device=device)
-
-        def check(read: dict[str, Any]) -> None:  # on every rank, before anything is written
-            if optimizer is not None:
-                on_every_rank(
-                    lambda: _loaded_optim_state(loading, read, optimizer), mesh=None, device=device
-                )
-
-        state = read_whole(loading.state, loading.path, loading.metadata, device, check)
-        if optimizer is not None:
-            optim_state = _loaded_optim_state(loading, state, optimizer)  # checked: it passes
-    except BaseException:  # DCP's CheckpointException is not an Exception
-        for param in created:  # refused or failed: the optimizer has no state again
-            optimizer.state.pop(param, None)  # type: ignore[union-attr]
-        raise
+    state, optim_state = _read_checked(path, model, optimizer, scheduler)
     # The model first: the optimizer's load then takes the params as they are and sets them to
     # its main weights (loading the model after would mark every param as changed under it).
     _load_model(model, optimizer, state["model"])
