@@ -174,7 +174,10 @@ class ReleasedGradOps:
         records = self._records(optimizer, indices)
         if isinstance(factor, torch.Tensor):
             if self._factor is None or self._factor[0] is not factor:
-                self._factor = (factor, factor.detach().reshape(()))
+                # In fp32: a low-precision model's clip makes its coefficient in the grads'
+                # dtype, and the step takes fp32 factors; the cast is exact, and a multiply by
+                # it rounds as torch's multiply by the low-precision one does.
+                self._factor = (factor, factor.detach().reshape(()).float())
             factor = self._factor[1]
         clip = optimizer.kind.clip
         if isinstance(factor, torch.Tensor) and clip is not None:

@@ -104,6 +104,41 @@ def clip_grad_norm_equals_torch_at_every_fraction_stage_and_norm_type(
 
 
 @case
+def a_low_precision_models_clip_steps_alike_at_every_fraction(rank: int, world: int) -> None:
+    """A bf16 or fp16 model: torch's clip makes its coefficient in the grads' dtype; the CPU
+    share's step takes it (as an exact fp32 factor) as the accelerator's share does: the same
+    norms and the same params at fractions 0, 0.5 and 1."""
+    for dtype in (torch.bfloat16, torch.float16):
+        runs = {}
+        for fraction in (0.0, 0.5, 1.0):
+            model = make_model().to(dtype)
+            opt = zero_shard.wrap(
+                adamw(model), model, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+            )
+            norms = []
+            for step, (norm_type, foreach) in enumerate(NORM_STEPS):
+                x, y = global_batch(step)
+                out = model(local_slice(x, rank, world).to(dtype)).float()
+                mse(out, local_slice(y, rank, world)).backward()
+                norms.append(
+                    torch.nn.utils.clip_grad_norm_(
+                        model.parameters(), MAX_NORM, norm_type, foreach=foreach
+                    )
+                )
+                opt.step()
+                opt.zero_grad()
+            opt.finish_param_sync()
+            assert opt.num_skipped_steps == 0
+            runs[fraction] = (norms, [p.detach().clone() for p in model.parameters()])
+        for fraction in (0.5, 1.0):
+            where = f"{dtype}, fraction {fraction} against 0"
+            for got, want in zip(runs[fraction][0], runs[0.0][0], strict=True):
+                assert got.dtype == dtype and torch.equal(got, want), where
+            for got, want in zip(runs[fraction][1], runs[0.0][1], strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=where)
+
+
+@case
 def total_norm_then_clip_with_it_and_clips_of_some_params(rank: int, world: int) -> None:
     # get_total_norm + clip_grads_with_norm_; a clip of one layer's params (the norm of those
     # alone, the others unscaled: factors that differ between grads); max_norm=inf (the norm
