@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -114,7 +113,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _host: HostPart
     _state_keys: list[StateKeys]  # per param group: the state the optimizer keeps per param
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
-    _warned_ignored: bool
     _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over: its
     #                                                     group dicts are ours; None: not wrapped
 
@@ -142,7 +140,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.optimizer_cls = optimizer_cls
         self._optimizer_spec = OptimizerSpec.of(optimizer_cls, optimizer_kwargs)
         self._records = None
-        self._warned_ignored = False
         self._wrapped = None
         # The class's own constructor checks the hyperparameters and supplies their defaults.
         defaults = optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults
@@ -294,16 +291,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if key != "params" and key not in IMPL_KEYS:
                     sub_group[key] = value
 
-    def _warn_ignored(self, record: ParamRecord) -> None:
-        if not self._warned_ignored:
-            self._warned_ignored = True
-            warnings.warn(
-                f"param {record.index} (shape {tuple(record.param.shape)}) has a grad but had "
-                "requires_grad=False when the optimizer was built, so it is not updated; rebuild "
-                "the optimizer to train it",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    @staticmethod
+    def _refuse_unfrozen(record: ParamRecord) -> None:
+        raise RuntimeError(
+            f"param {record.index} (shape {tuple(record.param.shape)}) has a grad but had "
+            "requires_grad=False when the optimizer was built: it holds no state here, and "
+            "torch's optimizer would step it. Build the optimizer again after unfreezing params, "
+            "or set their .grad to None; nothing was stepped"
+        )
 
     @property
     def skips_on_device(self) -> bool:
@@ -422,7 +417,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # copy records that stream on it, so dropping it is safe (copy_async).
         grads, ignored = collect_grads(self._records)
         if ignored is not None:
-            self._warn_ignored(ignored)
+            self._refuse_unfrozen(ignored)
         # The grads (and the flags) are final here, before settle() makes the current stream
         # wait for the last step's H2D copies: their D2H copies wait for this, and each for the
         # H2D out of its own staging buffer only, so a delayed update's grads go to the host

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -105,7 +104,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _alone: bool  # wrapped in one process with no process group: it runs no collective
     _remove_hooks: weakref.finalize  # removes the model hooks, at retirement or collection
     _wrapped: weakref.ref[torch.optim.Optimizer]  # the torch optimizer: its group dicts are ours
-    _warned_unfrozen: bool
     _window_norm: torch.Tensor | None  # the clip norm of the grads since the last step
     _clipped_marker: Any  # the kind's grads_marker() right after that clip
     _grad_scale: float | None  # fp16: the loss scale's inverse, applied in fp32 at the step
@@ -185,7 +183,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._wrapped = weakref.ref(optimizer)
         self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
-        self._warned_unfrozen = False
 
     def _take_over(
         self,
@@ -383,6 +380,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 "them over (as a new torch optimizer replaces an old one). Step the new wrapper, "
                 "and build LR schedulers on it"
             )
+        self._refuse_unfrozen()  # before the stale check may reload anything
 
     def _check_still_alone(self) -> None:
         """Refuses to go on where a wrapper made in one process with no group finds a group of
@@ -548,19 +546,24 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream;
         ``reduce=False``: without reducing grads left unreduced (no collective)."""
         self._check_still_alone()
-        self._warn_unfrozen()
+        self._refuse_unfrozen()
         self.kind.finalize_grads(reduce=reduce)
 
-    def _warn_unfrozen(self) -> None:
-        if self._warned_unfrozen or not any(p.grad is not None for p in self._frozen):
+    def _refuse_unfrozen(self) -> None:
+        """Params frozen at wrap that have grads now (unfrozen since) hold no shard: torch's
+        optimizer would step them, this one cannot. Raised before anything changes."""
+        unfrozen = [p for p in self._frozen if p.grad is not None]
+        if not unfrozen:
             return
-        self._warned_unfrozen = True
-        warnings.warn(
-            "some params had requires_grad=False when the optimizer was wrapped and have a grad "
-            "now; zero-shard did not shard them and does not update them. Wrap the optimizer "
-            "again after unfreezing them",
-            RuntimeWarning,
-            stacklevel=4,
+        fqns = {id(p): name for name, p in self.kind.module.named_parameters()}
+        names = sorted(fqns.get(id(p), f"<shape {tuple(p.shape)}>") for p in unfrozen)
+        shown = f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+        raise RuntimeError(
+            f"params {shown} had requires_grad=False when the optimizer was wrapped and have "
+            "grads now: zero-shard sharded no state for them, and torch's optimizer would step "
+            "them. After unfreezing params, wrap a new optimizer over them (zero_shard.wrap("
+            "torch.optim.AdamW(model.parameters()), model) takes the params over from this one), "
+            "or set their .grad to None; nothing was stepped"
         )
 
     def _check_nonfinite(self) -> tuple[bool, torch.Tensor | None]:

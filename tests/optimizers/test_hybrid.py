@@ -218,10 +218,16 @@ def test_frozen_params_are_ignored_but_keep_their_index() -> None:
     assert 3 not in state_dict["state"]
     assert [g["params"] for g in state_dict["param_groups"]] == [[0, 1, 2], [3, 4, 5]]
     before = params[3].detach().clone()
-    params[3].grad = torch.ones_like(params[3])
-    with pytest.warns(RuntimeWarning, match="requires_grad=False when the optimizer was built"):
-        opt.step()
+    others = [p.detach().clone() for p in params]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    with pytest.raises(RuntimeError, match="requires_grad=False when the optimizer was built"):
+        opt.step()  # refused: torch's optimizer would step it; nothing was stepped
+    assert all(torch.equal(p, o) for p, o in zip(params, others, strict=True))
+    params[3].grad = None
+    opt.step()
     assert torch.equal(params[3], before)
+    assert not torch.equal(params[0], others[0])
 
 
 def test_state_exists_from_construction() -> None:

@@ -225,8 +225,19 @@ def clear_errors_and_warnings(rank: int, world: int) -> None:
     model.out.weight.requires_grad_(True)
     x, y = global_batch(0)
     mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-    with pytest.warns(RuntimeWarning, match="requires_grad=False when the optimizer was wrapped"):
-        opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    for call in (lambda: opt.clip_grad_norm_(1.0), opt.step):
+        with pytest.raises(RuntimeError, match=r"params \['out.weight'\] had requires_grad=False"):
+            call()
+    opt.finish_param_sync()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # Unfrozen, then wrapped again (the new wrapper takes the params over): it trains.
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    opt.step()
+    opt.finish_param_sync()
+    out = [name for name, _ in model.named_parameters()].index("out.weight")
+    assert not torch.equal(before[out], model.out.weight)
 
 
 @pytest.fixture(scope="module")
