@@ -10,6 +10,7 @@ sees the same data.
 from __future__ import annotations
 
 import copy
+import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
@@ -221,8 +223,16 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """What autocast makes of a matmul's operand."""
-    return tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+    """What autocast makes of a matmul's operand (float64 stays as it is, as under autocast)."""
+    if dtype is None or tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return tensor
+    return tensor.to(dtype)
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a matrix of its last dim's vectors (also where that dim is empty: a rank's
+    empty share of a narrow layer)."""
+    return tensor.reshape(math.prod(tensor.shape[:-1]), tensor.shape[-1])
 
 
 def _grad_of(param: DTensor, local: torch.Tensor) -> DTensor:
@@ -251,6 +261,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         return F.linear(x_cast, w, b)
 
     @staticmethod
+    @once_differentiable  # the grads it returns are not differentiable: refuse create_graph
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_cast, w = ctx.saved_tensors
         weight, bias = ctx.params
@@ -259,9 +270,9 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         if need_x:  # in the input's dtype: the sum over ranks is the unsplit layer's input grad
             grad_x = grad.matmul(w).to(ctx.x_dtype)
             work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-        rows = grad.reshape(-1, grad.shape[-1])
+        rows = _rows(grad)
         if need_w:
-            grad_w = _grad_of(weight, rows.t().mm(x_cast.reshape(-1, x_cast.shape[-1])))
+            grad_w = _grad_of(weight, rows.t().mm(_rows(x_cast)))
         if need_b:
             grad_b = _grad_of(bias, rows.sum(0))
         if work is not None:
@@ -287,15 +298,14 @@ class _RowParallelLinearFn(torch.autograd.Function):
         return out if bias is None else out.add_(_cast(bias.to_local(), dtype))
 
     @staticmethod
+    @once_differentiable  # the grads it returns are not differentiable: refuse create_graph
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_cast, w = ctx.saved_tensors
         weight, bias = ctx.params
         need_x, need_w, need_b, _ = ctx.needs_input_grad
-        rows = grad.reshape(-1, grad.shape[-1])
+        rows = _rows(grad)
         grad_x = grad.matmul(w) if need_x else None
-        grad_w = (
-            _grad_of(weight, rows.t().mm(x_cast.reshape(-1, x_cast.shape[-1]))) if need_w else None
-        )
+        grad_w = _grad_of(weight, rows.t().mm(_rows(x_cast))) if need_w else None
         grad_b = _grad_of(bias, rows.sum(0)) if need_b else None
         return grad_x, grad_w, grad_b, None
 
@@ -308,6 +318,7 @@ class _TensorParallelLinear(nn.Module):
     names ``weight`` and ``bias`` (so a checkpoint's keys are an ``nn.Linear``'s). The forward
     takes their local shards and does its one collective itself, where torch's plan runs each
     op of a linear as an eager DTensor op, dispatched in Python (about 16 a linear each step).
+    A second-order grad through them (``create_graph=True``) is refused.
     """
 
     weight_placement: Placement

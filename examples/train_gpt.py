@@ -561,7 +561,13 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profiler = torch.profiler.profile(activities=activities)
             self._profiler.__enter__()
-        yield
+        try:
+            yield
+        except BaseException:
+            if self._profiler is not None:  # the run ends here: stop, write nothing
+                profiler, self._profiler = self._profiler, None
+                profiler.__exit__(None, None, None)
+            raise
         if self._profiler is not None and step == self._steps[1] - 1:
             profiler, self._profiler = self._profiler, None
             profiler.__exit__(None, None, None)
@@ -798,7 +804,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         args.warmup = max(min(preset.steps // 10, args.steps // 4), 1)
     if args.eval_every is None:
         args.eval_every = max(args.steps // 10, 1)
-    for name in ("steps", "batch_size", "micro_batches", "warmup"):
+    for name in ("steps", "batch_size", "micro_batches", "warmup", "profile_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     world_size = int(os.environ.get("WORLD_SIZE", 1))

@@ -2,7 +2,7 @@
 and ``RowParallelLinear`` is one autograd node that computes on the local shards and does its
 own all-reduce. Its loss and grads are the unsplit GPT's, in fp32 and under bf16 autocast, over
 two backwards that accumulate, with a frozen bias in each kind of linear; the grads are DTensors
-in their params' layouts."""
+in their params' layouts. Layers narrower than the ranks work; a second-order grad is refused."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -20,7 +21,14 @@ sys.path.insert(0, str(TESTS.parent / "examples"))
 sys.path.insert(0, str(TESTS / "zero_shard"))
 
 from _harness import check_outcome, run_cases  # noqa: E402
-from gpt import GPT, GPTConfig, cross_entropy, parallelize  # noqa: E402
+from gpt import (  # noqa: E402
+    GPT,
+    ColumnParallelLinear,
+    GPTConfig,
+    RowParallelLinear,
+    cross_entropy,
+    parallelize,
+)
 
 CONFIG = GPTConfig(num_layers=2, num_heads=4, d_model=32, seq_len=16)
 FROZEN = ("blocks.1.mlp.0.bias", "blocks.0.attn.proj.bias")  # a column's and a row's
@@ -71,7 +79,37 @@ def grads_match_under_bf16_autocast(rank: int, world: int) -> None:
     _grads_match_the_unsplit_model(world, autocast=True)
 
 
-CASES = {case.__name__: case for case in (grads_match_in_fp32, grads_match_under_bf16_autocast)}
+def a_rank_with_an_empty_share_and_double_backward(rank: int, world: int) -> None:
+    """Layers narrower than the ranks (one rank's share empty) give the unsplit layers' grads;
+    a second-order grad through them is refused (their backward is not differentiable), not
+    computed wrong."""
+    torch.manual_seed(0)
+    full = nn.Sequential(nn.Linear(8, 1), nn.Linear(1, 8))
+    mesh = init_device_mesh("cpu", (world,))
+    split = nn.Sequential(
+        ColumnParallelLinear(copy.deepcopy(full[0]), tp_mesh=mesh),
+        RowParallelLinear(copy.deepcopy(full[1]), tp_mesh=mesh),
+    )
+    x = torch.randn(3, 8, requires_grad=True)
+    x_split = x.detach().clone().requires_grad_(True)
+    full(x).square().sum().backward()
+    split(x_split).square().sum().backward()
+    torch.testing.assert_close(x_split.grad, x.grad)
+    for (name, want), got in zip(full.named_parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(got.grad.full_tensor(), want.grad, msg=name)
+    (grad,) = torch.autograd.grad(split(x_split).square().sum(), x_split, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.square().sum().backward()
+
+
+CASES = {
+    case.__name__: case
+    for case in (
+        grads_match_in_fp32,
+        grads_match_under_bf16_autocast,
+        a_rank_with_an_empty_share_and_double_backward,
+    )
+}
 
 
 @pytest.fixture(scope="module")
