@@ -13,7 +13,7 @@ from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._grad_factor import scale_grads_
 from ._policy import DeviceImpl
-from ._records import ParamRecord, Piece, flat_param
+from ._records import ParamRecord, Piece, flat_param, reload_mains
 from ._split import PieceSpec
 
 __all__ = ["DevicePart"]
@@ -264,14 +264,18 @@ class DevicePart:
         return cast_dst, cast_src, written_params, written_mains, in_place
 
     @torch.no_grad()
-    def reload_from_params(self, indices: set[int] | None = None) -> None:
+    def reload_from_params(
+        self, indices: set[int] | None = None, *, keep_unchanged: bool = False
+    ) -> None:
         """Refreshes fp32 main weights from the model params (fp32 params are their own): of
-        every param, or of the params whose record index is in ``indices``."""
+        every param, or of the params whose record index is in ``indices``; ``keep_unchanged``:
+        see ``reload_mains``."""
         for record, piece in self.pieces:
             low = record.param.dtype != torch.float32
             if low and (indices is None or record.index in indices):
                 start = piece.spec.start
-                piece.main.copy_(flat_param(record.param)[start : start + piece.spec.numel])
+                values = flat_param(record.param)[start : start + piece.spec.numel]
+                reload_mains(piece.main, values, keep_unchanged=keep_unchanged)
 
 
 def _piece_views(

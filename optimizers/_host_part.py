@@ -66,7 +66,7 @@ from ._fused_backends import build_sub_optimizer
 from ._group_options import leave_kernel_where_unmet, snapshot_hyperparams
 from ._host_step import ChunkJob, HostStep
 from ._policy import HostStaging, StagingKind
-from ._records import HostChunk, ParamRecord, Piece, flat_param
+from ._records import HostChunk, ParamRecord, Piece, flat_param, reload_mains
 from ._split import ChunkSpec
 from ._staging import (
     STAGING_SLOTS,
@@ -268,9 +268,12 @@ class HostPart:
         return None if step is None or step.done else step
 
     @torch.no_grad()
-    def reload_from_params(self, indices: set[int] | None = None) -> None:
+    def reload_from_params(
+        self, indices: set[int] | None = None, *, keep_unchanged: bool = False
+    ) -> None:
         """Refreshes host fp32 main weights from the model params, through staging: of every
-        param, or of the params whose record index is in ``indices``."""
+        param, or of the params whose record index is in ``indices``; ``keep_unchanged``: see
+        ``reload_mains`` (each piece decides)."""
         self.settle()
         self.staging.forget_early_copies()  # their buffers are overwritten here
         after = record_event(current_stream(self.engine.device))
@@ -283,11 +286,12 @@ class HostPart:
             ]
             # Synchronous: the next chunk may reuse the buffer.
             wait_event(self.engine.d2h(pairs, after=[after]))
-            if len(chosen) == len(chunk.pieces):
+            if len(chosen) == len(chunk.pieces) and not keep_unchanged:
                 chunk.main.copy_(staging)
             else:
                 for _, piece in chosen:
-                    piece.main.copy_(piece.in_chunk(staging))
+                    main, values = piece.main, piece.in_chunk(staging)
+                    reload_mains(main, values, keep_unchanged=keep_unchanged)
 
     @torch.no_grad()
     def start(

@@ -507,7 +507,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Refreshes fp32 main weights, on the accelerator and the CPU, from the model: of every
-        param, or of ``params`` only.
+        param, or of ``params`` only. A piece of a low-precision param that holds its main
+        weights' rounding, every element, keeps its main weights (weights swapped out for an
+        evaluation and back lose no precision).
 
         Call it after loading model weights into the params (fine-tuning from a model-only
         checkpoint); otherwise the next step would continue from the old main weights.
@@ -517,8 +519,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if params is not None:
             wanted = {id(param) for param in params}
             indices = {r.index for r in self._records if id(r.param) in wanted}
-        self._device.reload_from_params(indices)
-        self._host.reload_from_params(indices)
+        self._device.reload_from_params(indices, keep_unchanged=True)
+        self._host.reload_from_params(indices, keep_unchanged=True)
 
     def host_ranges(self, index: int) -> list[tuple[int, int]]:
         """Where the elements of param ``index`` (its position over all groups) that the CPU

@@ -10,7 +10,15 @@ import torch
 from ._cpu_kernel import CpuAdamKernel, KernelTable
 from ._split import ChunkSpec, PieceSpec
 
-__all__ = ["HostChunk", "ParamRecord", "Piece", "collect_grads", "flat_grad", "flat_param"]
+__all__ = [
+    "HostChunk",
+    "ParamRecord",
+    "Piece",
+    "collect_grads",
+    "flat_grad",
+    "flat_param",
+    "reload_mains",
+]
 
 
 @dataclass
@@ -78,6 +86,18 @@ class HostChunk:
 def flat_param(param: torch.Tensor) -> torch.Tensor:
     """The param's storage as a 1-D view (params are checked contiguous at construction)."""
     return param.detach().view(-1)
+
+
+def reload_mains(mains: torch.Tensor, values: torch.Tensor, *, keep_unchanged: bool) -> None:
+    """Sets fp32 main weights from the model's ``values`` (in the model's dtype). With
+    ``keep_unchanged``, a piece whose every element equals its main weight's rounding keeps its
+    main weights: a write that left the params as the optimizer set them (weights swapped out
+    for an evaluation and back) carries nothing new, and reloading would round the main weights
+    to the model's dtype; a piece with any other element takes the values, as a weight load."""
+    if keep_unchanged and values.dtype != mains.dtype:
+        if torch.equal(values, mains.to(values.dtype)):
+            return
+    mains.copy_(values)
 
 
 def flat_grad(param: torch.Tensor) -> torch.Tensor | None:

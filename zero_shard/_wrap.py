@@ -90,7 +90,9 @@ def wrap(optimizer: torch.optim.Optimizer, model: nn.Module, **options: Any) -> 
         stale_params: model params written outside the optimizer since it last set them (weights
             loaded into the model after wrapping, as fine-tuning does) have older fp32 main
             weights: ``"reload"`` (default) reloads those from the params at the next step or
-            ``state_dict()`` and logs once; ``"error"`` raises there instead. Detected by the
+            ``state_dict()`` and logs once (a low-precision param that holds exactly what the
+            optimizer set keeps its main weights: weights swapped out for an evaluation and
+            back lose nothing); ``"error"`` raises there instead. Detected by the
             params' version counters, which in-place writes (``load_state_dict``, ``copy_``,
             ``torch.nn.init``) bump; a write through ``.data`` is not seen. The ranks agree at
             each step in one small all-reduce, read by the host: a plain or DDP model's param

@@ -182,6 +182,53 @@ def steps_under_a_torch_dispatch_mode(rank: int, world: int) -> None:
         assert_params_close(model, ref, f"overlap_param_gather={overlap}")
 
 
+def _train_bf16(rank: int, world: int, fraction: float, between: Callable | None) -> list:
+    model = make_model().to(torch.bfloat16)
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(fraction), bucket_mb=TINY_BUCKETS)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        out = model(local_slice(x, rank, world).bfloat16()).float()
+        mse(out, local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        if between is not None:
+            opt.finish_param_sync()
+            with torch.no_grad():
+                between(model, x)
+    opt.finish_param_sync()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _swap_for_an_evaluation(model: nn.Module, x: torch.Tensor) -> None:
+    saved = [p.detach().clone() for p in model.parameters()]
+    for param in model.parameters():
+        param.mul_(0.5)  # an EMA's weights, say
+    model(x.bfloat16())
+    for param, values in zip(model.parameters(), saved, strict=True):
+        param.copy_(values)
+
+
+@case
+def weights_swapped_out_for_an_evaluation_and_back_keep_the_main_weights(
+    rank: int, world: int
+) -> None:
+    """A bf16 model's weights swapped for others between steps (an EMA's, to evaluate) and
+    copied back bit for bit: training goes on as without the swap, the fp32 main weights keep
+    their precision (reloading them from the bf16 params would round them, as it did). A param
+    with an element written to another value is reloaded."""
+    for fraction in (0.0, 0.5):
+        plain = _train_bf16(rank, world, fraction, None)
+        swapped = _train_bf16(rank, world, fraction, _swap_for_an_evaluation)
+        for got, want in zip(swapped, plain, strict=True):
+            assert torch.equal(got, want), f"fraction {fraction}: {(got - want).abs().max()}"
+
+        def write_one(model: nn.Module, x: torch.Tensor) -> None:
+            next(model.parameters()).view(-1)[0] += 1.0
+
+        written = _train_bf16(rank, world, fraction, write_one)
+        assert (written[0].view(-1)[0] - plain[0].view(-1)[0]).abs() > 1.0, f"fraction {fraction}"
+
+
 @case
 def steps_without_a_backward_in_between(rank: int, world: int) -> None:
     # A second step with the grads left as they are steps them again, as torch does; grads
