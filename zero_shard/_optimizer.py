@@ -271,6 +271,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+        self._refuse_unfrozen()
         self._finalize_grads()
         clip = self.kind.clip
         if clip is not None:
@@ -317,6 +318,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            self._refuse_unfrozen()  # the closure's backward may have given them grads
         if wrapped is not None:  # an LR scheduler built on it checks that it stepped
             wrapped._opt_called = True  # type: ignore[attr-defined]
         # Gathers of the last step read the shards this step writes: they must be done (a
@@ -548,12 +550,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream;
         ``reduce=False``: without reducing grads left unreduced (no collective)."""
         self._check_still_alone()
-        self._refuse_unfrozen()
         self.kind.finalize_grads(reduce=reduce)
 
     def _refuse_unfrozen(self) -> None:
         """Params frozen at wrap that have grads now (unfrozen since) hold no shard: torch's
-        optimizer would step them, this one cannot. Raised before anything changes."""
+        optimizer would step them, this one cannot. Raised at the clip and the step, before
+        anything changes, on each rank that holds such a grad (unfrozen alike everywhere, every
+        rank; a grad on some ranks only leaves the others waiting in the step's collectives)."""
         unfrozen = [p for p in self._frozen if p.grad is not None]
         if not unfrozen:
             return

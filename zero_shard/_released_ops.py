@@ -108,9 +108,9 @@ class ReleasedGradOps:
     _optimizer: weakref.ref[ZeroShardOptimizer]
     _cached: _Norms | None
     _finalized: _Finalized | None
-    _factor: tuple[torch.Tensor, torch.Tensor] | None  # the last factor given, and its 0-dim
-    #   form: torch's one-by-one path gives every grad the same factor, which the step must see
-    #   as one ([Note: clip at the step])
+    _factor: tuple[torch.Tensor, torch.Tensor, int] | None  # the last factor given, its 0-dim
+    #   form and its version then: torch's one-by-one path gives every grad the same factor,
+    #   which the step must see as one ([Note: clip at the step])
 
     def __init__(self, optimizer: ZeroShardOptimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
@@ -173,11 +173,16 @@ class ReleasedGradOps:
         self._finalize(optimizer, indices)
         records = self._records(optimizer, indices)
         if isinstance(factor, torch.Tensor):
-            if self._factor is None or self._factor[0] is not factor:
-                # In fp32: a low-precision model's clip makes its coefficient in the grads'
+            kept = self._factor
+            if kept is None or kept[0] is not factor or kept[2] != factor._version:
+                # In fp32 where low: a bf16/fp16 model's clip makes its coefficient in the grads'
                 # dtype, and the step takes fp32 factors; the cast is exact, and a multiply by
-                # it rounds as torch's multiply by the low-precision one does.
-                self._factor = (factor, factor.detach().reshape(()).float())
+                # it rounds as torch's multiply by the low-precision one does. (A copy, so a
+                # factor updated in place since is taken anew: its version moved.)
+                scalar = factor.detach().reshape(())
+                if scalar.dtype in (torch.bfloat16, torch.float16):
+                    scalar = scalar.float()
+                self._factor = (factor, scalar, factor._version)
             factor = self._factor[1]
         clip = optimizer.kind.clip
         if isinstance(factor, torch.Tensor) and clip is not None:

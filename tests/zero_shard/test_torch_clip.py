@@ -139,6 +139,35 @@ def a_low_precision_models_clip_steps_alike_at_every_fraction(rank: int, world: 
 
 
 @case
+def a_factor_tensor_updated_in_place_between_steps_is_taken_anew(rank: int, world: int) -> None:
+    """Grads multiplied by one 0-dim tensor kept across steps and refilled each step (a grad
+    multiplier buffer), bf16 and fp32 models, fractions 0 and 0.5: each step multiplies by the
+    value the tensor holds then, as with a new tensor each step."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for fraction in (0.0, 0.5):
+            runs = []
+            for reuse in (False, True):
+                model = make_model().to(dtype)
+                opt = zero_shard.wrap(
+                    adamw(model), model, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+                )
+                kept = torch.ones((), dtype=dtype)
+                for step, value in enumerate((0.5, 0.25, 0.125)):
+                    x, y = global_batch(step)
+                    out = model(local_slice(x, rank, world).to(dtype)).float()
+                    mse(out, local_slice(y, rank, world)).backward()
+                    factor = kept.fill_(value) if reuse else torch.tensor(value, dtype=dtype)
+                    for param in model.parameters():
+                        param.grad.mul_(factor)
+                    opt.step()
+                    opt.zero_grad()
+                opt.finish_param_sync()
+                runs.append([p.detach().clone() for p in model.parameters()])
+            for got, want in zip(*runs, strict=True):
+                assert torch.equal(got, want), f"{dtype}, fraction {fraction}"
+
+
+@case
 def total_norm_then_clip_with_it_and_clips_of_some_params(rank: int, world: int) -> None:
     # get_total_norm + clip_grads_with_norm_; a clip of one layer's params (the norm of those
     # alone, the others unscaled: factors that differ between grads); max_norm=inf (the norm
