@@ -143,8 +143,9 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor) -> list[str]:
     written = [s.changed or v != s.version for s, v in zip(bucket.params, before, strict=True)]
     locals_ = local_tensors(bucket.params)
     targets = [None if w else local for local, w in zip(locals_, written, strict=True)]
-    # Out of the user's TorchDispatchModes (FlopCounterMode around a step): an in-place op
-    # dispatched to a Python mode moves no version counter, and these counts must be ours.
+    # Out of the user's TorchDispatchModes (FlopCounterMode around a step): a multi-tensor
+    # in-place op dispatched to a Python mode moves no version counter, and these counts must
+    # be ours.
     with phase("zero_shard::unpack"), _disable_current_modes():
         unpack_params(gathered, bucket.gather_copies, targets)
     after = model_versions(bucket.params)
