@@ -242,6 +242,29 @@ def _grad_of(param: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor(local.to(param.dtype), copy.copy(param._spec), requires_grad=False)
 
 
+def _save_operands(
+    ctx: Any, x: torch.Tensor, weight: Any, bias: Any
+) -> tuple[torch.dtype | None, torch.Tensor, torch.Tensor]:
+    """A tensor-parallel linear's forward operands, as autocast makes them, saved for its
+    backward: the autocast dtype, the input and the local weight."""
+    dtype = _autocast_dtype(x)
+    x_cast, w = _cast(x, dtype), _cast(weight.to_local(), dtype)
+    ctx.save_for_backward(x_cast, w)
+    ctx.params = (weight, bias)
+    return dtype, x_cast, w
+
+
+def _param_grads(ctx: Any, grad: torch.Tensor) -> tuple[Any, Any]:
+    """The weight's and the bias's grads (``None`` where not needed) from the output's."""
+    x_cast, _ = ctx.saved_tensors
+    weight, bias = ctx.params
+    _, need_w, need_b, _ = ctx.needs_input_grad
+    rows = _rows(grad)
+    grad_w = _grad_of(weight, rows.t().mm(_rows(x_cast))) if need_w else None
+    grad_b = _grad_of(bias, rows.sum(0)) if need_b else None
+    return grad_w, grad_b
+
+
 class _ColumnParallelLinearFn(torch.autograd.Function):
     """A column-parallel linear as one autograd node: forward on the local shards; backward
     starts the input grad's all-reduce, computes the weight and bias grads while it runs
@@ -253,28 +276,21 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: Any, bias: Any, group: ProcessGroup
     ) -> torch.Tensor:
-        dtype = _autocast_dtype(x)
-        x_cast, w = _cast(x, dtype), _cast(weight.to_local(), dtype)
+        dtype, x_cast, w = _save_operands(ctx, x, weight, bias)
+        ctx.group, ctx.x_dtype = group, x.dtype
         b = None if bias is None else _cast(bias.to_local(), dtype)
-        ctx.save_for_backward(x_cast, w)
-        ctx.params, ctx.group, ctx.x_dtype = (weight, bias), group, x.dtype
         return F.linear(x_cast, w, b)
 
     @staticmethod
     @once_differentiable  # the grads it returns are not differentiable: refuse create_graph
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_cast, w = ctx.saved_tensors
-        weight, bias = ctx.params
-        need_x, need_w, need_b, _ = ctx.needs_input_grad
-        grad_x = grad_w = grad_b = work = None
-        if need_x:  # in the input's dtype: the sum over ranks is the unsplit layer's input grad
+        grad_x = work = None
+        if ctx.needs_input_grad[0]:
+            _, w = ctx.saved_tensors
+            # In the input's dtype: the sum over ranks is the unsplit layer's input grad.
             grad_x = grad.matmul(w).to(ctx.x_dtype)
             work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-        rows = _rows(grad)
-        if need_w:
-            grad_w = _grad_of(weight, rows.t().mm(_rows(x_cast)))
-        if need_b:
-            grad_b = _grad_of(bias, rows.sum(0))
+        grad_w, grad_b = _param_grads(ctx, grad)  # while the all-reduce runs
         if work is not None:
             work.wait()
         return grad_x, grad_w, grad_b, None
@@ -289,10 +305,7 @@ class _RowParallelLinearFn(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, weight: Any, bias: Any, group: ProcessGroup
     ) -> torch.Tensor:
-        dtype = _autocast_dtype(x)
-        x_cast, w = _cast(x, dtype), _cast(weight.to_local(), dtype)
-        ctx.save_for_backward(x_cast, w)
-        ctx.params = (weight, bias)
+        dtype, x_cast, w = _save_operands(ctx, x, weight, bias)
         out = F.linear(x_cast, w)
         dist.all_reduce(out, group=group)
         return out if bias is None else out.add_(_cast(bias.to_local(), dtype))
@@ -300,14 +313,9 @@ class _RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the grads it returns are not differentiable: refuse create_graph
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_cast, w = ctx.saved_tensors
-        weight, bias = ctx.params
-        need_x, need_w, need_b, _ = ctx.needs_input_grad
-        rows = _rows(grad)
-        grad_x = grad.matmul(w) if need_x else None
-        grad_w = _grad_of(weight, rows.t().mm(_rows(x_cast))) if need_w else None
-        grad_b = _grad_of(bias, rows.sum(0)) if need_b else None
-        return grad_x, grad_w, grad_b, None
+        _, w = ctx.saved_tensors
+        grad_x = grad.matmul(w) if ctx.needs_input_grad[0] else None
+        return grad_x, *_param_grads(ctx, grad), None
 
 
 class _TensorParallelLinear(nn.Module):
