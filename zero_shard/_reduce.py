@@ -24,6 +24,18 @@ reduction adds to a param's reduced grad unless its ``.grad`` was cleared since 
 grads]), and ``zero_grad`` clears them all. A step with no backward since the last step (grads set
 by hand, or none at all) reduces every bucket then, as grads left from before are kept.
 
+[Note: grads after their reduction]
+Autograd runs a param's post-accumulate-grad hook once per graph task, so in one backward a grad
+comes again only from a backward nested in it: reentrant activation checkpointing
+(``use_reentrant=True``) runs one per checkpointed call. A param used both inside and outside
+such a call, or in several, gets a grad after its bucket may have been reduced. A hook that runs
+in another graph task than the one the end-of-backward callback is queued on marks the backward
+as nested; at its end, the ranks agree (one small all-reduce over the reducer's group, only after
+such a backward) on the buckets where any rank holds a grad no reduction took, and each of those
+is reduced again and added, in the same order on every rank. Reductions are sums, so the result is
+the grad of the whole backward. Whether a bucket was reduced before a late grad came depends on
+which params had grads on the rank, hence the agreement.
+
 At one rank the packed grads are the reduced ones: they are packed straight into the grad buffer
 and no collective runs.
 
@@ -83,6 +95,8 @@ class GradReducer:
     _event: Any  # on _stream after the last reduction; None when none is in flight (or CPU)
     _next: int  # the next bucket to reduce in this backward (they go from last to first)
     _in_backward: bool  # an end-of-backward callback is queued
+    _round_task: int  # the autograd graph task the callback is queued on
+    _nested: bool  # a hook ran in a backward nested in that task (reentrant checkpointing)
     _reduced_in_window: bool  # some reduction ran since the last step or zero_grad
     _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
     _warned_late_grads: bool
@@ -117,6 +131,8 @@ class GradReducer:
         self._event = None
         self._next = len(self.buckets) - 1
         self._in_backward = False
+        self._round_task = -1
+        self._nested = False
         self._reduced_in_window = False
         self._unreduced_backward = False
         self._warned_late_grads = False
@@ -158,6 +174,7 @@ class GradReducer:
         as torch leaves them), so the next backward reduces every bucket afresh."""
         if self._in_backward and torch._C._current_graph_task_id() == -1:
             self._in_backward = False
+            self._nested = False
             self._next = len(self.buckets) - 1
             for bucket in self.buckets:
                 bucket.ready.clear()
@@ -167,10 +184,14 @@ class GradReducer:
         if not self.enabled:
             self._unreduced_backward = True
             return
+        task = torch._C._current_graph_task_id()
         if not self._in_backward:
             self._in_backward = True
+            self._round_task = task
             self._before_first_reduction()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        elif task != self._round_task:
+            self._nested = True  # see [Note: grads after their reduction]
         self.buckets[sharded.bucket].ready.add(sharded.position)
         while self._next >= 0:
             bucket = self.buckets[self._next]
@@ -198,9 +219,25 @@ class GradReducer:
         while self._next >= 0:
             self._reduce(self.buckets[self._next])
             self._next -= 1
+        if self._nested:
+            self._reduce_late()
         self._next = len(self.buckets) - 1
         for bucket in self.buckets:
             bucket.ready.clear()
+
+    def _reduce_late(self) -> None:
+        """After a backward with nested backwards: the buckets where any rank holds grads that
+        came after the bucket's reduction are reduced again, added to the reduced grads. See
+        [Note: grads after their reduction]."""
+        self._nested = False
+        late = [any([s.watch.holds_unreduced_grad() for s in b.params]) for b in self.buckets]
+        if self._group is not None:
+            agreed = torch.tensor(late, dtype=torch.uint8, device=self._device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._group)
+            late = [bool(flag) for flag in agreed.tolist()]
+        for index in reversed(range(len(self.buckets))):
+            if late[index]:
+                self._reduce(self.buckets[index])
 
     def _take_grads(
         self, bucket: Bucket
@@ -405,6 +442,7 @@ class GradReducer:
             bucket.ready.clear()
         self._next = len(self.buckets) - 1
         self._in_backward = False
+        self._nested = False
         self._reduced_in_window = False
         self._unreduced_backward = False
 

@@ -33,6 +33,7 @@ from _models import (
     mse,
 )
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 import zero_shard
@@ -321,6 +322,60 @@ def clears_around_autograd_grad_and_no_sync_micro_batches(rank: int, world: int)
             ref_opt.step()
             opt.finish_param_sync()
             assert_params_close(model, ref, f"stage {stage}, step {step}")
+
+
+class ReentrantNet(nn.Module):
+    """Reentrant activation checkpointing where a param gets grads in several backwards of one:
+    a block applied twice, each call checkpointed (ALBERT's shared layer), its weight also used
+    outside them, and a layer that rank 0's first rows use inside a checkpointed call and every
+    rank uses outside (so which of its grads comes after its bucket's reduction differs by rank).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(15, 7)
+        self.shared = nn.Linear(7, 7)
+        self.out = nn.Linear(7, 2)
+        self.side = nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor, first_rows: int = 0) -> torch.Tensor:
+        def block(h: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(self.shared(h))
+
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = checkpoint(block, h, use_reentrant=True)
+        y = self.out(h)
+        if first_rows:
+            side = checkpoint(self.side, h[:first_rows], use_reentrant=True)
+            y = torch.cat([y[:first_rows] + side, y[first_rows:]])
+        return y
+
+    def penalty(self) -> torch.Tensor:
+        return 1e-2 * (self.shared.weight.square().sum() + self.side.weight.square().sum())
+
+
+@case
+def reentrant_checkpointing_with_grads_in_several_backwards_of_one(rank: int, world: int) -> None:
+    # See [Note: grads after their reduction]: every grad of the backward is reduced, once.
+    for fraction in (0.0, 0.5):
+        model, ref = ReentrantNet(), ReentrantNet()
+        opt = zero_shard.wrap(adamw(model), model, offload=offload(fraction),
+                              bucket_mb=TINY_BUCKETS)  # fmt: skip
+        ref_opt = adamw(ref)
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            rows = SIDE_ROWS if rank == 0 else 0
+            local = mse(model(local_slice(x, rank, world), rows), local_slice(y, rank, world))
+            (local + model.penalty()).backward()
+            opt.step()
+            opt.zero_grad()
+            (mse(ref(x, SIDE_ROWS), y) + ref.penalty()).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f"fraction {fraction}, step {step}")
 
 
 @case
