@@ -3,11 +3,13 @@
 from ._checks import check_param_kind
 from ._elementwise import check_elementwise, constructor_defaults
 from ._grad_factor import scale_grads_
+from ._group_options import GroupsAtBuild
 from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
 
 __all__ = [
+    "GroupsAtBuild",
     "HostStep",
     "HybridDeviceOptimizer",
     "MemoryReport",

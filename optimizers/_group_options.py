@@ -27,6 +27,7 @@ from ._cpu_kernel import unmet_option
 from ._records import HostChunk, ParamRecord
 
 __all__ = [
+    "GroupsAtBuild",
     "check_impl_flags",
     "check_wrapped_groups",
     "leave_kernel_where_unmet",
@@ -54,26 +55,59 @@ def check_impl_flags(groups: Sequence[dict[str, Any]]) -> None:
         )
 
 
+class GroupsAtBuild:
+    """The param groups an optimizer laid its buffers out for: the group dicts, and the params
+    each held. Their ``params`` lists stay editable, as torch's are; an edit would go unstepped."""
+
+    _groups: list[dict[str, Any]]
+    _param_ids: list[tuple[int, ...]]  # id of each param, group by group (the dicts hold them)
+
+    def __init__(self, groups: Sequence[dict[str, Any]]) -> None:
+        self._groups = list(groups)
+        self._param_ids = [tuple(map(id, group["params"])) for group in groups]
+
+    def change(self, groups: Sequence[dict[str, Any]]) -> str | None:
+        """What differs in ``groups`` from the groups at build, in words; ``None``: nothing."""
+        if len(groups) != len(self._groups) or any(
+            [a is not b for a, b in zip(groups, self._groups, strict=True)]
+        ):
+            return (
+                f"{len(self._groups)} param groups then, {len(groups)} now, or a group dict "
+                "replaced: add_param_group(...), param_groups.append(...) or load_state_dict(...)?"
+            )
+        for index, (group, ids) in enumerate(zip(groups, self._param_ids, strict=True)):
+            if tuple(map(id, group["params"])) != ids:
+                return (
+                    f"param_groups[{index}]['params'] held {len(ids)} params then and holds "
+                    f"{len(group['params'])} now, or one was replaced or moved to another group"
+                )
+        return None
+
+
 def check_wrapped_groups(
-    wrapped: torch.optim.Optimizer | None, groups: Sequence[dict[str, Any]]
+    at_build: GroupsAtBuild,
+    groups: Sequence[dict[str, Any]],
+    wrapped: torch.optim.Optimizer | None,
 ) -> None:
-    """Raises unless ``wrapped`` (the optimizer ``HybridDeviceOptimizer.wrap`` took over, if any
-    and alive) still holds exactly ``groups``, the dicts it was wrapped with: a group added to it
-    or a dict replaced there would never be stepped."""
-    if wrapped is None:
-        return
-    theirs = wrapped.param_groups
-    if len(theirs) == len(groups) and all(a is b for a, b in zip(theirs, groups, strict=True)):
-        return
-    raise RuntimeError(
-        f"the param_groups of the {type(wrapped).__name__} that HybridDeviceOptimizer.wrap took "
-        f"over changed after wrapping ({len(groups)} groups wrapped, {len(theirs)} now, or a "
-        "group dict replaced: torch_opt.add_param_group(...) or torch_opt.load_state_dict(...)"
-        "?), and this optimizer would not step them: it lays out its buffers at wrap. Add every "
-        "param group before wrapping, or wrap again after adding it: opt = "
-        "HybridDeviceOptimizer.wrap(torch_opt, ...) (its optimizer state starts afresh); load "
-        "state into the wrapper, opt.load_state_dict(...), not into torch_opt"
-    )
+    """Raises unless ``groups`` (a HybridDeviceOptimizer's) and those of ``wrapped`` (the
+    optimizer ``HybridDeviceOptimizer.wrap`` took over, if any and alive) are still the groups
+    it was built with, holding the same params: a group added or a param put in one would never
+    be stepped, and a param moved to another group would step with the old group's options."""
+    owners = [("HybridDeviceOptimizer", groups)]
+    if wrapped is not None:
+        owner = f"{type(wrapped).__name__} that HybridDeviceOptimizer.wrap took over"
+        owners.append((owner, wrapped.param_groups))
+    for owner, theirs in owners:
+        change = at_build.change(theirs)
+        if change is None:
+            continue
+        raise RuntimeError(
+            f"the param_groups of the {owner} changed after it was built ({change}), and it "
+            "would not step them so: it lays out its buffers at build. Put every param in its "
+            "group before building, or build again after the change: opt = "
+            "HybridDeviceOptimizer.wrap(torch_opt, ...) (its optimizer state starts afresh); "
+            "load state into the optimizer with its load_state_dict(...)"
+        )
 
 
 def snapshot_hyperparams(groups: Iterable[dict[str, Any]]) -> None:

@@ -29,7 +29,12 @@ from ._elementwise import (
     constructor_defaults,
     probe_state_keys,
 )
-from ._group_options import check_impl_flags, check_wrapped_groups, prepare_amsgrad_state
+from ._group_options import (
+    GroupsAtBuild,
+    check_impl_flags,
+    check_wrapped_groups,
+    prepare_amsgrad_state,
+)
 from ._host_part import HostPart
 from ._host_step import HostStep
 from ._policy import DelayedUpdate, OffloadPolicy, StagingKind
@@ -115,6 +120,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
     _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over: its
     #                                                     group dicts are ours; None: not wrapped
+    _groups_at_build: GroupsAtBuild  # the groups and params the buffers are laid out for
 
     def __init__(
         self,
@@ -146,6 +152,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         check_impl_flags(self.param_groups)
         self._build()
+        self._groups_at_build = GroupsAtBuild(self.param_groups)
         self.state = StateView(self._records, self._host)
 
     @classmethod
@@ -405,7 +412,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         *,
         need_order: Sequence[int] | None,
     ) -> HostStep:
-        check_wrapped_groups(self._wrapped_optimizer(), self.param_groups)
+        check_wrapped_groups(self._groups_at_build, self.param_groups, self._wrapped_optimizer())
         if grad_scale is not None and not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale}")
         device = self._records[0].param.device

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from optimizers import (
+    GroupsAtBuild,
     HybridDeviceOptimizer,
     MemoryReport,
     OffloadPolicy,
@@ -98,6 +99,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _meshes: Meshes  # the data-parallel mesh, a tensor-parallel model's 2-D one, the sums' groups
     _groups: list[dist.ProcessGroup]  # the groups the grads are sharded over (norms, inf checks)
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
+    _groups_at_wrap: GroupsAtBuild  # the group dicts and their params that the shards are for
     _building: bool
     _frozen: list[torch.Tensor]  # params of the groups with requires_grad=False at wrap time
     _retired: bool  # a later wrap took its params over: it steps no more
@@ -182,6 +184,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._building = False
         self._wrapped = weakref.ref(optimizer)
         self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
+        self._groups_at_wrap = GroupsAtBuild(self.param_groups)
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
 
     def _take_over(
@@ -364,16 +367,20 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def _check_steppable(self, wrapped: torch.optim.Optimizer | None) -> None:
         """Refuses a step of a retired wrapper, or of one whose torch optimizer's groups changed
         (rank-local: each rank made the same calls)."""
-        theirs = [] if wrapped is None else wrapped.param_groups
-        if wrapped is not None and [id(g) for g in theirs] != [id(g) for g in self.param_groups]:
+        owners = [("ZeroShardOptimizer", self.param_groups)]
+        if wrapped is not None:
+            owners.append((f"wrapped {type(wrapped).__name__}", wrapped.param_groups))
+        for owner, groups in owners:
+            change = self._groups_at_wrap.change(groups)
+            if change is None:
+                continue
             raise RuntimeError(
-                f"the wrapped {type(wrapped).__name__}'s param_groups changed after wrap "
-                f"({len(self.param_groups)} groups wrapped, {len(theirs)} now, or a group dict "
-                "replaced: torch_opt.add_param_group(...) or torch_opt.load_state_dict(...)?), "
-                "and this wrapper would never step them: it lays out its shards at wrap. Add "
-                "every param group before wrapping, or drop this wrapper and wrap again: del opt; "
-                "opt = zero_shard.wrap(torch_opt, model) (its optimizer state starts afresh). "
-                "Load state into the wrapper (opt.load_state_dict), not into torch_opt"
+                f"the param_groups of the {owner} changed after wrap ({change}), and this "
+                "wrapper would not step them so: it lays out its shards at wrap. Put every param "
+                "in its group before wrapping, or drop this wrapper and wrap again after the "
+                "change: del opt; opt = zero_shard.wrap(torch_opt, model) (its optimizer state "
+                "starts afresh). Load state into the wrapper (opt.load_state_dict), not into "
+                "torch_opt"
             )
         self._check_still_alone()
         if self._retired:

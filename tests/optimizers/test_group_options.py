@@ -186,6 +186,12 @@ ADDERS: dict[str, Callable[[torch.optim.Optimizer], None]] = {
         0, {**torch_opt.param_groups[0]}
     ),
     "load_state_dict": lambda torch_opt: torch_opt.load_state_dict(torch_opt.state_dict()),
+    "a param appended to a group": lambda torch_opt: torch_opt.param_groups[0]["params"].append(
+        torch.nn.Parameter(torch.randn(4))
+    ),
+    "a param moved to another group": lambda torch_opt: torch_opt.param_groups[1]["params"].append(
+        torch_opt.param_groups[0]["params"].pop()
+    ),
 }
 
 

@@ -166,7 +166,7 @@ def refused_without_change(opt: zero_shard.ZeroShardOptimizer, model: nn.Module,
              if isinstance(v, DTensor)}  # fmt: skip
     for _ in range(2):  # every step, not once
         with pytest.raises(
-            RuntimeError, match=r"param_groups changed after wrap.*zero_shard\.wrap"
+            RuntimeError, match=r"param_groups of the .* changed after wrap.*zero_shard\.wrap"
         ):
             step_on_batch(model, opt, step, rank, world)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
@@ -184,6 +184,22 @@ def groups_changed_on_the_torch_optimizer_are_refused_until_wrapped_again(
     torch_opt, opt = wrapped_without_the_out_layer(model)
     torch_opt.load_state_dict(torch_opt.state_dict())  # new group dicts: not the wrapper's
     refused_without_change(opt, model, 0, rank, world)
+    # The params lists are the user's to edit, as in torch (progressive unfreezing, a param moved
+    # to a group with other options), and the groups list too: each edit is refused.
+    edits = [
+        lambda torch_opt, opt: torch_opt.param_groups[0]["params"].extend(model.out.parameters()),
+        lambda torch_opt, opt: torch_opt.param_groups[1]["params"].append(
+            torch_opt.param_groups[0]["params"].pop()
+        ),
+        lambda torch_opt, opt: opt.param_groups.append(
+            {**opt.param_groups[1], "params": list(model.out.parameters())}
+        ),
+    ]
+    for edit in edits:
+        del opt
+        torch_opt, opt = wrapped_without_the_out_layer(model)
+        edit(torch_opt, opt)
+        refused_without_change(opt, model, 0, rank, world)
     del opt
     torch_opt, opt = wrapped_without_the_out_layer(model)
     step_on_batch(model, opt, 0, rank, world)
