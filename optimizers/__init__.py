@@ -7,6 +7,7 @@ from ._group_options import GroupsAtBuild
 from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
+from ._state import ParamState
 
 __all__ = [
     "GroupsAtBuild",
@@ -14,6 +15,7 @@ __all__ = [
     "HybridDeviceOptimizer",
     "MemoryReport",
     "OffloadPolicy",
+    "ParamState",
     "check_elementwise",
     "check_param_kind",
     "constructor_defaults",

@@ -41,13 +41,16 @@ from ._policy import DelayedUpdate, OffloadPolicy, StagingKind
 from ._records import ParamRecord, collect_grads
 from ._split import DeviceSplit, ParamInfo, plan_split
 from ._state import (
+    StateEdits,
     StateView,
     check_saved_state,
     init_state,
     match_saved,
     record_state,
+    reset_state,
     scatter_state,
     state_step_count,
+    write_state,
 )
 
 __all__ = ["HybridDeviceOptimizer", "MemoryReport"]
@@ -108,7 +111,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     policy: OffloadPolicy
     _delay: DelayedUpdate | None  # policy.delay: None where every update is exact
     optimizer_cls: type[torch.optim.Optimizer]
-    state: StateView  # type: ignore[assignment]
+    _state_view: StateView  # what `state` shows ([Note: state edits] in _state.py)
+    _edits: StateEdits  # copies of the state handed out, written back where edited
     _optimizer_spec: OptimizerSpec  # how every sub-optimizer is constructed
     _records: list[ParamRecord] | None  # one per param over all groups; None while building
     _device: DevicePart
@@ -153,7 +157,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         check_impl_flags(self.param_groups)
         self._build()
         self._groups_at_build = GroupsAtBuild(self.param_groups)
-        self.state = StateView(self._records, self._host)
+        self._edits = StateEdits()
+        self.state = StateView(self._records, self)
+
+    @property
+    def state(self) -> StateView:  # type: ignore[override]
+        """Each param's state as torch users read and edit it (see ``StateView``)."""
+        return self._state_view
+
+    @state.setter
+    def state(self, value: Mapping[Any, Any]) -> None:
+        view = self.__dict__.get("_state_view")
+        if isinstance(view, StateView) and not isinstance(value, StateView):
+            view.replace(value)  # optimizer.state = defaultdict(dict): drops every state
+        else:
+            self._state_view = value  # type: ignore[assignment]  # torch's __init__, then ours
 
     @classmethod
     def wrap(
@@ -413,6 +431,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         need_order: Sequence[int] | None,
     ) -> HostStep:
         check_wrapped_groups(self._groups_at_build, self.param_groups, self._wrapped_optimizer())
+        self._edits.apply()  # edits of state handed out land before the step reads it
+        self._edits.expire()
         if grad_scale is not None and not math.isfinite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number, got {grad_scale}")
         device = self._records[0].param.device
@@ -558,7 +578,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         devices or chunks is presented as a CPU copy.
         """
         self._host.settle()
-        states = {record.index: self._record_state(record) for record in self._records}
+        states = {record.index: self.read_state(record) for record in self._records}
         state = {index: param_state for index, param_state in states.items() if param_state}
         param_groups = []
         for group_index, group in enumerate(self.param_groups):
@@ -567,18 +587,89 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             param_groups.append(packed)
         return {"state": state, "param_groups": param_groups}
 
-    def _record_state(self, record: ParamRecord) -> dict[str, Any]:
-        self._host.wait_for_worker()  # the worker may be writing it
-        return record_state(record)
+    def read_state(self, record: ParamRecord, *, watch: bool = True) -> dict[str, Any]:
+        """The param's state as ``record_state`` shows it, edits of copies handed out before
+        written back first. Where the param is in several pieces the tensors are copies (its
+        ``step`` too), watched for edits unless ``watch`` is False ([Note: state edits] in
+        ``_state.py``)."""
+        self.wait_for_worker()  # the worker may be writing it
+        self._edits.apply()
+        state = record_state(record)
+        if len(record.pieces) > 1:
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()  # every piece keeps its own
+            for key, value in state.items():
+                if watch and key != "main_param" and torch.is_tensor(value):
+                    self.hand_out(record.param, key, value)
+        return state
 
-    def param_state(self, param: torch.Tensor) -> dict[str, Any]:
-        """One param's state as ``state_dict()`` shows it (``{}`` before it has any): tensors in
-        the param's shape (views of the live state where the param is in one piece, else CPU
-        copies), scalars such as ``step``, and ``main_param`` (fp32) for low-precision params."""
+    def state_is_copied(self, param: torch.Tensor) -> bool:
+        """Whether ``param_state(param)`` hands out copies (the param is in several pieces)."""
+        return len(self._record_of(param).pieces) > 1
+
+    def hand_out(
+        self,
+        param: torch.Tensor,
+        key: str,
+        copy: torch.Tensor,
+        local: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Watches ``copy``, a copy of ``param``'s state ``key`` handed out (or a tensor assigned
+        to it): an edit of it is written back, ``local(copy)`` if given, before the state is
+        next read or stepped."""
+        record = self._record_of(param)
+
+        def write_back(tensor: torch.Tensor) -> None:
+            self.wait_for_worker()
+            write_state(record, key, tensor if local is None else local(tensor))
+
+        self._edits.hand_out(copy, write_back, record)
+
+    def write_state(self, record: ParamRecord, key: str, value: Any, *, watch: bool = True) -> None:
+        """Writes ``value`` into the param's state ``key`` (``optimizer.state[param][key] =
+        value``); a tensor assigned stays watched for edits (unless ``watch`` is False), as it
+        would be torch's state."""
+        self.wait_for_worker()
+        self._edits.apply()
+        write_state(record, key, value)
+        if watch and torch.is_tensor(value):
+            self.hand_out(record.param, key, value)
+
+    def reset_state(self, records: Sequence[ParamRecord]) -> None:
+        """The params' state as before their first step (``del optimizer.state[param]``): see
+        ``reset_state`` in ``_state.py``."""
+        self.wait_for_worker()
+        self._edits.apply()
+        self._edits.forget(records)
+        for record in records:
+            reset_state(record, self.optimizer_cls, self._state_keys[record.group_index])
+
+    def wait_for_worker(self) -> None:
+        """Returns once no step in flight on the host's worker writes the state any more."""
+        self._host.wait_for_worker()
+
+    def _record_of(self, param: torch.Tensor) -> ParamRecord:
         for record in self._records:
             if record.param is param:
-                return self._record_state(record)
+                return record
         raise KeyError(f"a param of shape {tuple(param.shape)} is not in this optimizer")
+
+    def param_state(self, param: torch.Tensor, *, watch: bool = True) -> dict[str, Any]:
+        """One param's state as ``state_dict()`` shows it (``{}`` before it has any): tensors in
+        the param's shape (views of the live state where the param is in one piece, else CPU
+        copies, watched for edits unless ``watch`` is False), scalars such as ``step``, and
+        ``main_param`` (fp32) for low-precision params."""
+        return self.read_state(self._record_of(param), watch=watch)
+
+    def write_param_state(
+        self, param: torch.Tensor, key: str, value: Any, *, watch: bool = True
+    ) -> None:
+        """``write_state`` of ``param``'s record."""
+        self.write_state(self._record_of(param), key, value, watch=watch)
+
+    def reset_param_state(self, params: Sequence[torch.Tensor]) -> None:
+        """``reset_state`` of ``params``' records."""
+        self.reset_state([self._record_of(param) for param in params])
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -589,6 +680,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         self._host.drop_kernel_tables()  # settles the step in flight first
         pairs = match_saved(self._records, self.param_groups, state_dict)
+        self._edits.forget()  # the state handed out is replaced, as in torch
         saved_state = state_dict["state"]
         for record, saved_id in pairs:
             if saved_id in saved_state and not record.ignored:

@@ -9,7 +9,10 @@ longer than a chunk) shows a CPU copy of the concatenation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -18,7 +21,11 @@ from ._elementwise import StateKeys
 from ._records import ParamRecord, Piece, flat_param
 
 __all__ = [
+    "ParamState",
+    "StateEdits",
+    "StateOwner",
     "StateView",
+    "assign_state",
     "check_saved_state",
     "gather_main",
     "gather_state",
@@ -26,8 +33,10 @@ __all__ = [
     "load_main",
     "match_saved",
     "record_state",
+    "reset_state",
     "scatter_state",
     "state_step_count",
+    "write_state",
 ]
 
 # Optimizers whose state at creation is zeros for every elementwise tensor and 0 for `step`; it
@@ -135,38 +144,171 @@ def record_state(record: ParamRecord) -> dict[str, Any]:
     return state
 
 
-class Worker(Protocol):
-    """What ``StateView`` waits for before a read (the host part, whose worker steps state)."""
+class StateOwner(Protocol):
+    """What ``StateView`` reads and writes the state through (the hybrid optimizer)."""
 
     def wait_for_worker(self) -> None:
         """Returns once no step in flight writes the state any more."""
 
+    def read_state(self, record: ParamRecord) -> dict[str, Any]:
+        """The param's state as ``record_state`` shows it, copies handed out for edits."""
 
-class StateView(Mapping[torch.Tensor, dict[str, Any]]):
-    """``optimizer.state`` as torch users read it: model param -> its state (``record_state``).
+    def write_state(self, record: ParamRecord, key: str, value: Any) -> None:
+        """Writes ``value`` into the param's state ``key`` (see ``write_state``)."""
+
+    def reset_state(self, records: Sequence[ParamRecord]) -> None:
+        """The params' state as before their first step (see ``reset_state``)."""
+
+
+class ParamState(dict):
+    """One param's state as ``optimizer.state[param]`` shows it: a key assigned is written into
+    the live state ([Note: state edits]). Keys cannot be removed one by one (torch's step would
+    fail on the rest): ``del optimizer.state[param]`` drops the param's whole state."""
+
+    def __init__(self, values: Mapping[str, Any], write: Callable[[str, Any], None]) -> None:
+        super().__init__(values)
+        self._write = write
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._write(key, value)
+        super().__setitem__(key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def _refuse(self, *args: Any) -> Any:
+        raise TypeError(
+            "the keys of one param's state cannot be removed one by one (the optimizer needs "
+            "them all); del optimizer.state[param] drops its whole state, as torch's next step "
+            "then starts it afresh"
+        )
+
+    __delitem__ = pop = popitem = clear = _refuse
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, Any]]]:
+        return dict, (dict(self),)  # copies and pickles are plain dicts
+
+
+@dataclass
+class _Copy:
+    tensor: weakref.ref  # a copy of live state handed out (dead once the user dropped it)
+    held: torch.Tensor | None  # the copy itself, while others hold it (see StateEdits)
+    version: int  # its version counter when handed out or last written back
+    write: Callable[[torch.Tensor], None]  # writes it into the live state
+    owner: object  # whose state it copies (forget() by owner)
+
+    def alive(self) -> torch.Tensor | None:
+        return self.held if self.held is not None else self.tensor()
+
+
+class StateEdits:
+    """Copies of the state handed out by reads, written back where edited ([Note: state
+    edits]). A copy is held while anyone else holds it and until an ``apply`` saw it last:
+    ``optimizer.state[p]["exp_avg"].zero_()`` edits a copy that nothing else holds once the
+    statement ends."""
+
+    _fresh: list[_Copy]  # handed out since the last step
+    _stale: list[_Copy]  # handed out before it: an edit now would undo the step
+
+    def __init__(self) -> None:
+        self._fresh, self._stale = [], []
+
+    def hand_out(
+        self, tensor: torch.Tensor, write: Callable[[torch.Tensor], None], owner: object
+    ) -> None:
+        """Watches ``tensor``, a copy of ``owner``'s live state that ``write`` writes back."""
+        self._fresh.append(_Copy(weakref.ref(tensor), tensor, tensor._version, write, owner))
+
+    def apply(self) -> None:
+        """Writes back the copies edited since they were handed out; raises (once per copy)
+        where a copy handed out before the last step was edited after it."""
+        if not self._fresh and not self._stale:
+            return
+        edited = [c for c in self._stale if _edited(c)]
+        self._stale = [c for c in self._stale if not any(c is e for e in edited)]
+        if edited:
+            raise RuntimeError(
+                f"{len(edited)} tensor(s) read from optimizer.state before the last step were "
+                "edited after it. They are copies (a param kept in several pieces, across the "
+                "accelerator/CPU split or longer than a chunk, or state on another device), and "
+                "writing them back would undo that step; the edit was not applied. Read "
+                "optimizer.state[param] again after the step and edit what it gives"
+            )
+        for copy in self._fresh:
+            if _edited(copy):
+                tensor = copy.alive()
+                copy.write(tensor)
+                copy.version = tensor._version
+                del tensor
+        self._fresh = _referenced(self._fresh)
+        self._stale = _referenced(self._stale)
+
+    def expire(self) -> None:
+        """A step is about to change the state (after ``apply``): the copies handed out so far
+        become stale."""
+        self._stale.extend(self._fresh)
+        self._fresh = []
+
+    def forget(self, owners: Sequence[object] | None = None) -> None:
+        """The state of ``owners`` (default: all) was replaced (a loaded state dict, a reset):
+        none of their copies is written back, as edits of tensors torch no longer holds reach
+        nothing."""
+        if owners is None:
+            self._fresh, self._stale = [], []
+            return
+        self._fresh = [c for c in self._fresh if all(c.owner is not o for o in owners)]
+        self._stale = [c for c in self._stale if all(c.owner is not o for o in owners)]
+
+
+def _edited(copy: _Copy) -> bool:
+    tensor = copy.alive()
+    return tensor is not None and tensor._version != copy.version
+
+
+def _referenced(copies: list[_Copy]) -> list[_Copy]:
+    """The copies someone other than ``StateEdits`` still holds. A copy is held until nobody
+    else does (its last edits are then seen), as a statement that edits a copy read in the same
+    statement may drop every other reference at its end."""
+    for copy in copies:
+        if copy.held is not None and sys.getrefcount(copy.held) <= 2:  # the field, the argument
+            copy.held = None
+    return [copy for copy in copies if copy.alive() is not None]
+
+
+class StateView(MutableMapping[torch.Tensor, dict[str, Any]]):
+    """``optimizer.state`` as torch users read and edit it: model param -> its state.
 
     As from torch's ``defaultdict``, a param without state reads as ``{}`` (a frozen param, one
     not stepped yet, a tensor not in the optimizer); only params with state are iterated, counted
-    and ``in`` it. Each read builds the dict afresh (views of the live state where the param is in
-    one piece, else copies), so it is read-only: state is changed through ``load_state_dict``.
+    and ``in`` it. Each read builds the dict afresh (``record_state``); edits in place, assigned
+    keys, a dict assigned to a param and ``del``/``pop``/``clear`` reach the live state as in
+    torch ([Note: state edits]).
     """
 
-    def __init__(self, records: Sequence[ParamRecord], worker: Worker) -> None:
+    def __init__(self, records: Sequence[ParamRecord], owner: StateOwner) -> None:
         self._records = {record.param: record for record in records}
-        self._worker = worker  # may be writing state: each read waits for it
+        self._owner = owner
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
         record = self._records.get(param)
         if record is None:
             return {}
-        self._worker.wait_for_worker()
-        return record_state(record)
+        return ParamState(
+            self._owner.read_state(record),
+            lambda key, value: self._owner.write_state(record, key, value),
+        )
 
     def __contains__(self, param: object) -> bool:
         record = self._records.get(param)  # type: ignore[call-overload]
         if record is None:
             return False
-        self._worker.wait_for_worker()
+        self._owner.wait_for_worker()
         return any(piece.state for piece in record.pieces)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -175,11 +317,110 @@ class StateView(Mapping[torch.Tensor, dict[str, Any]]):
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
-    def __setitem__(self, param: torch.Tensor, value: Any) -> None:
-        raise TypeError(
-            "HybridDeviceOptimizer.state is read-only (it is built from the state each device "
-            "keeps); change state with load_state_dict(...)"
+    def __setitem__(self, param: torch.Tensor, value: Mapping[str, Any]) -> None:
+        record = self._records.get(param)
+        assign_state(
+            record,
+            value,
+            reset=lambda: self._owner.reset_state([record]),
+            write=lambda key, item: self._owner.write_state(record, key, item),
         )
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        if param not in self:
+            raise KeyError("the param has no optimizer state to drop")
+        self._owner.reset_state([self._records[param]])
+
+    def clear(self) -> None:
+        self._owner.reset_state([self._records[param] for param in self])
+
+    def replace(self, value: Mapping[Any, Any]) -> None:
+        """``optimizer.state = value``: an empty mapping drops every param's state, as torch's
+        next step then starts it afresh; anything else is refused."""
+        if not isinstance(value, Mapping) or value:
+            raise TypeError(
+                "optimizer.state can only be replaced by an empty dict (which drops every "
+                "param's state: the next step starts it afresh, as in torch); edit "
+                "optimizer.state[param] instead, or load a state dict with load_state_dict(...)"
+            )
+        self.clear()
+
+
+def assign_state(
+    record: ParamRecord | None,
+    value: Mapping[str, Any],
+    *,
+    reset: Callable[[], None],
+    write: Callable[[str, Any], None],
+) -> None:
+    """``optimizer.state[param] = value``: ``{}`` drops the state (``reset``); a dict with the
+    keys the state has (``main_param`` may be left out) writes each (``write``)."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"optimizer.state[param] must be a dict, got {type(value).__name__}")
+    if record is None or record.ignored:
+        if value:
+            raise KeyError(
+                "the param is not stepped by this optimizer (frozen at construction, or not in "
+                "its param groups): it keeps no state"
+            )
+        return
+    if not value:
+        reset()
+        return
+    keys = set(record_state(record)) - {"main_param"}
+    if not keys or set(value) - {"main_param"} != keys:
+        raise ValueError(
+            f"optimizer.state[param] = dict with keys {sorted(value)}: the param's state has "
+            f"{sorted(keys) or 'none yet'}; assign every key, or assign keys one by one "
+            "(optimizer.state[param][key] = value), or {} to drop it"
+        )
+    for key in sorted(keys):
+        write(key, value[key])
+
+
+def write_state(record: ParamRecord, key: str, value: Any) -> None:
+    """Writes ``value`` into every piece's state ``key``, in place (the kernel's tables point into
+    the state): a param-shaped tensor cut by piece, a scalar whole. Checked before any write."""
+    states = [piece.state for piece in record.pieces]
+    if not states or not all(key in state for state in states):
+        known = sorted(states[0]) if states and states[0] else "none yet"
+        raise KeyError(f"the param's state has no {key!r} (it has {known}); keys cannot be added")
+    numel = record.param.numel()
+    for piece, state in zip(record.pieces, states, strict=True):
+        target = state[key]
+        if _is_elementwise(target, piece):
+            if not torch.is_tensor(value) or value.numel() != numel:
+                shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+                raise ValueError(
+                    f"state {key!r} holds a tensor of the param's shape "
+                    f"{tuple(record.param.shape)}, got {shape}"
+                )
+        elif torch.is_tensor(target) and torch.as_tensor(value).numel() != target.numel():
+            raise ValueError(f"state {key!r} holds {target.numel()} element(s), got {value!r}")
+    for piece, state in zip(record.pieces, states, strict=True):
+        target = state[key]
+        if _is_elementwise(target, piece):
+            target.copy_(piece.of_param(value.detach().reshape(-1)))
+        elif torch.is_tensor(target):
+            target.copy_(torch.as_tensor(value).detach().reshape(target.shape))
+        else:
+            state[key] = value
+
+
+def reset_state(record: ParamRecord, cls: type, keys: StateKeys) -> None:
+    """The param's state as before its first step, as torch's next step makes it after ``del
+    optimizer.state[param]``: zeros in place where the optimizer's state starts at zero (see
+    ``init_state``), else none, so that the next step creates it."""
+    zeros = all(key == "step" for key in keys.scalar_keys)
+    for piece in record.pieces:
+        if not piece.state:
+            continue
+        if zeros and _keeps_state_of(piece.optimizer, cls) and _starts_zero(cls, piece.group):
+            for value in piece.state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+        else:
+            piece.optimizer.state.pop(piece.main, None)
 
 
 def check_saved_state(record: ParamRecord, saved: dict[str, Any]) -> None:

@@ -96,6 +96,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _reduce_device: torch.device  # where norms, flags and verdicts are reduced: the mesh's
     _sharded: list[ShardedParam]  # one per trainable param, in param-group order
     _hybrid: HybridDeviceOptimizer  # steps this rank's shards
+    _state_view: ShardedStateView  # what `state` shows
     _meshes: Meshes  # the data-parallel mesh, a tensor-parallel model's 2-D one, the sums' groups
     _groups: list[dist.ProcessGroup]  # the groups the grads are sharded over (norms, inf checks)
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
@@ -204,11 +205,25 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             owner._retire()
         handles = self.kind.install(self, overlap=overlap)
         self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
-        self.state = ShardedStateView(self._sharded, self._hybrid)  # type: ignore[assignment]
+        self.state = ShardedStateView(self._sharded, self._hybrid)
         for sharded in self._sharded:
             sharded.record_version()
         claim([sharded.param for sharded in self._sharded], self)
         optimizer.state.clear()  # taken over: not held twice (a scheduler may keep it alive)
+
+    @property
+    def state(self) -> ShardedStateView:  # type: ignore[override]
+        """Each param's state as DTensors, read and edited as torch users do (see
+        ``ShardedStateView``)."""
+        return self._state_view
+
+    @state.setter
+    def state(self, value: Mapping[Any, Any]) -> None:
+        view = self.__dict__.get("_state_view")
+        if isinstance(view, ShardedStateView) and not isinstance(value, ShardedStateView):
+            view.replace(value)  # optimizer.state = defaultdict(dict): drops every state
+        else:
+            self._state_view = value  # type: ignore[assignment]  # torch's __init__, then ours
 
     def _make_hybrid(
         self, optimizer: torch.optim.Optimizer, policy: OffloadPolicy

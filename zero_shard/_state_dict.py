@@ -15,7 +15,7 @@ metadata of ours. Scalars (``step``) are plain tensors, as torch keeps them.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from optimizers import HybridDeviceOptimizer
+from optimizers import HybridDeviceOptimizer, ParamState
 
 from ._buckets import ShardedParam
 
@@ -110,15 +110,40 @@ def sharded_state(
     sharded: ShardedParam, hybrid: HybridDeviceOptimizer, *, keep_device: bool = False
 ) -> dict[str, Any]:
     """The param's state from ``hybrid``, each param-shaped tensor as a DTensor (host state
-    kept on the host with ``keep_device``; see ``to_dtensor``)."""
-    local = hybrid.param_state(sharded.shard)
-    shape = sharded.shard.shape
-    return {
-        key: to_dtensor(sharded, value, keep_device=keep_device)
-        if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
-        else value
-        for key, value in local.items()
-    }
+    kept on the host with ``keep_device``; see ``to_dtensor``). Where a DTensor's local tensor is
+    a copy of the state (the hybrid's, or one on the mesh's device), the DTensor is watched for
+    edits: an in-place op on a DTensor moves its own version counter, not its local tensor's
+    ([Note: state edits] in ``optimizers/_state.py``)."""
+    param = sharded.shard
+    local = hybrid.param_state(param, watch=False)
+    copied = hybrid.state_is_copied(param)
+    state: dict[str, Any] = {}
+    for key, value in local.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
+            state[key] = to_dtensor(sharded, value, keep_device=keep_device)
+            moved = state[key].to_local().data_ptr() != value.data_ptr()
+            if key != "main_param" and (copied or moved):
+                hybrid.hand_out(param, key, state[key], local=DTensor.to_local)
+        else:
+            state[key] = value
+            if copied and torch.is_tensor(value):
+                hybrid.hand_out(param, key, value)  # the step of a param in pieces
+    return state
+
+
+def _write_state(
+    sharded: ShardedParam, hybrid: HybridDeviceOptimizer, key: str, value: Any
+) -> None:
+    """``optimizer.state[param][key] = value``: this rank's part of ``value`` (a DTensor, a
+    tensor of the param's global shape, or a scalar) written into the state; a tensor kept
+    watched for later edits, as torch would hold it."""
+    local = local_rows(sharded, value)
+    hybrid.write_param_state(sharded.shard, key, local, watch=False)
+    layout = sharded.layout
+    if isinstance(value, DTensor) and tuple(value.placements) == layout.placements:
+        hybrid.hand_out(sharded.shard, key, value, local=DTensor.to_local)
+    elif torch.is_tensor(value) and not isinstance(value, DTensor):
+        hybrid.hand_out(sharded.shard, key, value, local=lambda v: local_rows(sharded, v))
 
 
 def local_state_dict(
@@ -390,19 +415,76 @@ def staged(value: Any) -> Any:
     return value
 
 
-class ShardedStateView(Mapping):
+class ShardedStateView(MutableMapping):
     """``optimizer.state`` of a ZeroShardOptimizer: model param -> its state as DTensors, built
-    on access (views of the live state where a shard is in one piece, else copies)."""
+    on access (views of the live state where a shard is in one piece, else copies). Edits reach
+    the state as in torch ([Note: state edits] in ``optimizers/_state.py``): in place, by key,
+    a dict assigned to a param, ``del``/``pop``/``clear``, and ``optimizer.state = {}``."""
 
     def __init__(self, sharded: Sequence[ShardedParam], hybrid: HybridDeviceOptimizer) -> None:
         self._sharded = list(sharded)
         self._hybrid = weakref.ref(hybrid)
 
-    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+    def _record(self, param: object) -> ShardedParam | None:
         for record in self._sharded:
             if record.param is param:
-                return sharded_state(record, self._hybrid())
-        return {}  # a frozen param (or another tensor): no state, as torch's defaultdict shows
+                return record
+        return None  # a frozen param (or another tensor): no state, as torch's defaultdict shows
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        record = self._record(param)
+        if record is None:
+            return {}
+        hybrid = self._hybrid()
+        return ParamState(
+            sharded_state(record, hybrid),
+            lambda key, value: _write_state(record, hybrid, key, value),
+        )
+
+    def __setitem__(self, param: torch.Tensor, value: Mapping[str, Any]) -> None:
+        record = self._record(param)
+        if not isinstance(value, Mapping):
+            raise TypeError(f"optimizer.state[param] must be a dict, got {type(value).__name__}")
+        if record is None or record.shard not in self._hybrid().state:
+            if value:
+                raise KeyError(
+                    "the param is not stepped by this optimizer (frozen at wrap, or not in its "
+                    "param groups) or has no state yet: it takes none"
+                )
+            return
+        hybrid = self._hybrid()
+        if not value:
+            hybrid.reset_param_state([record.shard])
+            return
+        keys = set(hybrid.param_state(record.shard)) - {"main_param"}
+        if set(value) - {"main_param"} != keys:
+            raise ValueError(
+                f"optimizer.state[param] = dict with keys {sorted(value)}: the param's state has "
+                f"{sorted(keys)}; assign every key, or assign keys one by one "
+                "(optimizer.state[param][key] = value), or {} to drop it"
+            )
+        self[param].update({key: value[key] for key in keys})
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        if param not in self:
+            raise KeyError("the param has no optimizer state to drop")
+        self._hybrid().reset_param_state([self._record(param).shard])
+
+    def clear(self) -> None:
+        hybrid = self._hybrid()
+        hybrid.reset_param_state([r.shard for r in self._sharded if r.shard in hybrid.state])
+
+    def replace(self, value: Mapping[Any, Any]) -> None:
+        """``optimizer.state = value``: an empty mapping drops every param's state (see
+        ``StateView.replace``)."""
+        if isinstance(value, Mapping) and not value:
+            self.clear()
+            return
+        raise TypeError(
+            "optimizer.state can only be replaced by an empty dict (which drops every param's "
+            "state: the next step starts it afresh, as in torch); edit optimizer.state[param] "
+            "instead, or load a state dict with load_state_dict(...)"
+        )
 
     def __contains__(self, param: object) -> bool:
         hybrid = self._hybrid()

@@ -8,6 +8,8 @@ kernels where they exist, which round differently by about an ulp per operation)
 
 from __future__ import annotations
 
+import collections
+import copy
 import socket
 import warnings
 from collections.abc import Iterator
@@ -350,12 +352,92 @@ def test_state_of_a_param_without_grads_is_torchs(case: str, fraction: float) ->
     assert_state_matches(opt, ref_opt, params, refs)
 
 
-def test_state_is_read_only() -> None:
+# Edits of optimizer.state[p] that torch users make (resetting or rescaling moments, the step
+# count, a whole param's state), each run on both optimizers between steps 1 and 2. Param 0 is cut
+# into several pieces at every fraction above 0 (chunks of 8): its state is handed out as copies.
+def _edit_in_place(state: Any, p: torch.Tensor) -> None:
+    state[p]["exp_avg"].zero_()
+    state[p]["exp_avg_sq"].mul_(4.0)
+    state[p]["step"].zero_()
+
+
+def _assign_keys(state: Any, p: torch.Tensor) -> None:
+    state[p]["step"] = torch.tensor(1.0)
+    state[p]["exp_avg"] = torch.full_like(state[p]["exp_avg"], 0.5)
+    state[p]["exp_avg_sq"].fill_(0.25)
+
+
+def _assign_then_edit(state: Any, p: torch.Tensor) -> None:
+    exp_avg = torch.zeros_like(state[p]["exp_avg"])
+    state[p]["exp_avg"] = exp_avg
+    exp_avg.add_(1.0)  # torch holds the tensor assigned: a later edit of it counts
+
+
+STATE_EDITS: dict[str, Any] = {
+    "in place": _edit_in_place,
+    "keys assigned": _assign_keys,
+    "a tensor assigned, then edited": _assign_then_edit,
+    "state[p] = {}": lambda state, p: state.__setitem__(p, {}),
+    "del state[p]": lambda state, p: state.__delitem__(p),
+    "state.pop(p)": lambda state, p: state.pop(p),
+    "state.clear()": lambda state, p: state.clear(),
+}
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("edit", list(STATE_EDITS))
+def test_state_edits_reach_the_state_as_in_torch(edit: str, fraction: float) -> None:
+    params = make_params()
+    refs = fp32_copies(params)
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(fraction), lr=1e-2)
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        if step == 2:
+            STATE_EDITS[edit](opt.state, params[0])
+            STATE_EDITS[edit](ref_opt.state, refs[0])
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"{edit}, step {step}")
+    assert_state_matches(opt, ref_opt, params, refs)
+
+
+def test_state_replaced_by_an_empty_dict_starts_afresh_and_other_writes_raise() -> None:
+    params = make_params()
+    refs = fp32_copies(params)
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(0.5), lr=1e-2)
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        if step == 2:
+            opt.state = collections.defaultdict(dict)
+            ref_opt.state = collections.defaultdict(dict)
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"step {step}")
+    with pytest.raises(TypeError, match="only be replaced by an empty dict"):
+        opt.state = {params[0]: {}}
+    with pytest.raises(ValueError, match=r"keys \['step'\].*assign every key"):
+        opt.state[params[0]] = {"step": torch.tensor(0.0)}
+    with pytest.raises(KeyError, match="keys cannot be added"):
+        opt.state[params[0]]["momentum"] = torch.tensor(0.0)
+    with pytest.raises(ValueError, match=r"param's shape \(5, 7\), got \(3,\)"):
+        opt.state[params[0]]["exp_avg"] = torch.zeros(3)
+    with pytest.raises(TypeError, match="del optimizer.state"):
+        del opt.state[params[0]]["exp_avg"]
+    assert copy.deepcopy(opt.state[params[0]]).keys() == {"step", "exp_avg", "exp_avg_sq"}
+    assert opt.state[torch.zeros(2)] == {}  # not in the optimizer: {} as from torch's defaultdict
+
+
+def test_a_copy_held_across_a_step_and_edited_after_it_raises() -> None:
     params = make_params()
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(0.5), lr=1e-2)
-    with pytest.raises(TypeError, match="read-only.*load_state_dict"):
-        opt.state[params[0]] = {}
-    assert opt.state[torch.zeros(2)] == {}  # not in the optimizer: {} as from torch's defaultdict
+    gen = torch.Generator().manual_seed(1)
+    exp_avg = opt.state[params[0]]["exp_avg"]  # param 0 is cut: a copy
+    step_both(opt, torch.optim.AdamW(fp32_copies(params)), params, fp32_copies(params), gen)
+    before = opt.state_dict()["state"][0]["exp_avg"].clone()
+    exp_avg.zero_()
+    with pytest.raises(RuntimeError, match="before the last step were edited after it"):
+        opt.step()
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before)
 
 
 # -- 5. other habits ---------------------------------------------------------------------------

@@ -6,15 +6,18 @@ optimizer state dicts saved on one rank."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
 import gc
 import io
+import itertools
 import os
 import tempfile
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +34,7 @@ from _models import (
     make_model,
     mean_over_ranks,
     mse,
+    step_reference,
 )
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -376,6 +380,55 @@ def reentrant_checkpointing_with_grads_in_several_backwards_of_one(rank: int, wo
             ref_opt.zero_grad()
             opt.finish_param_sync()
             assert_params_close(model, ref, f"fraction {fraction}, step {step}")
+
+
+def _edit_state_in_place(state: Any, p: torch.Tensor) -> None:
+    state[p]["exp_avg"].zero_()
+    state[p]["exp_avg_sq"].mul_(4.0)
+    state[p]["step"].zero_()
+
+
+def _assign_state_keys(state: Any, p: torch.Tensor) -> None:
+    state[p]["step"] = torch.tensor(1.0)
+    exp_avg = torch.full_like(state[p]["exp_avg"], 0.5)
+    state[p]["exp_avg"] = exp_avg
+    exp_avg.mul_(0.5)  # torch holds the tensor assigned: a later edit of it counts
+    state[p]["exp_avg_sq"].copy_(torch.full_like(state[p]["exp_avg_sq"], 0.25))
+
+
+# Edits of optimizer.state that torch users make (resetting or rescaling moments, the step count,
+# a param's whole state), on a param that the offloaded runs cut into pieces (chunks of 16).
+STATE_EDITS: dict[str, Callable[[Any, torch.Tensor], None]] = {
+    "in place": _edit_state_in_place,
+    "keys assigned": _assign_state_keys,
+    "state[p] = {}": lambda state, p: state.__setitem__(p, {}),
+    "del state[p]": lambda state, p: state.__delitem__(p),
+    "state.clear()": lambda state, p: state.clear(),
+}
+
+
+@case
+def optimizer_state_edited_the_ways_torch_users_edit_it(rank: int, world: int) -> None:
+    # See [Note: state edits] in optimizers/_state.py.
+    for (edit_name, edit), fraction in itertools.product(STATE_EDITS.items(), (0.0, 0.5, 1.0)):
+        model, opt, ref, ref_opt = wrapped_and_torch(fraction=fraction)
+        for step in range(STEPS):
+            if step == 2:
+                for name in ("inp.weight", "out.bias"):
+                    edit(opt.state, dict(model.named_parameters())[name])
+                    edit(ref_opt.state, dict(ref.named_parameters())[name])
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            step_reference(ref, ref_opt, x, y)
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f"{edit_name}, fraction {fraction}, step {step}")
+    model, opt, ref, ref_opt = wrapped_and_torch(fraction=0.5)
+    opt.state = collections.defaultdict(dict)  # drops every state, as torch's does
+    assert all(float(opt.state[p]["step"]) == 0 for p in model.parameters())
+    with pytest.raises(TypeError, match="only be replaced by an empty dict"):
+        opt.state = {model.inp.weight: {}}
 
 
 @case
