@@ -6,6 +6,7 @@ from ._grad_factor import scale_grads_
 from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
+from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = [
     "HostStep",
@@ -15,5 +16,7 @@ __all__ = [
     "check_elementwise",
     "check_param_kind",
     "constructor_defaults",
+    "load_state_dict_with_hooks",
     "scale_grads_",
+    "state_dict_with_hooks",
 ]
