@@ -8,6 +8,7 @@ from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
 from ._state import ParamState
+from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = [
     "GroupsAtBuild",
@@ -19,5 +20,7 @@ __all__ = [
     "check_elementwise",
     "check_param_kind",
     "constructor_defaults",
+    "load_state_dict_with_hooks",
     "scale_grads_",
+    "state_dict_with_hooks",
 ]

@@ -52,6 +52,7 @@ from ._state import (
     state_step_count,
     write_state,
 )
+from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 
 __all__ = ["HybridDeviceOptimizer", "MemoryReport"]
 
@@ -575,8 +576,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """torch's optimizer state dict, plus ``main_param`` (fp32) for low-precision params.
 
         Tensors of a param kept in one piece are views of the live state; a param cut between
-        devices or chunks is presented as a CPU copy.
+        devices or chunks is presented as a CPU copy. The state-dict hooks registered on this
+        optimizer run as torch runs them (the pre-hooks first; a post-hook may return a new
+        state dict).
         """
+        return state_dict_with_hooks(self, self._state_dict)
+
+    def _state_dict(self) -> dict[str, Any]:
         self._host.settle()
         states = {record.index: self.read_state(record) for record in self._records}
         state = {index: param_state for index, param_state in states.items() if param_state}
@@ -676,8 +682,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Loads a state dict from ``state_dict()`` (any offload fraction) or a torch optimizer.
 
         Main weights come from ``main_param`` where present, else from the model params.
-        Everything is checked before anything changes.
+        Everything is checked before anything changes. The load hooks registered on this
+        optimizer run as torch runs them (a pre-hook may return the state dict to load).
         """
+        load_state_dict_with_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._host.drop_kernel_tables()  # settles the step in flight first
         pairs = match_saved(self._records, self.param_groups, state_dict)
         self._edits.forget()  # the state handed out is replaced, as in torch

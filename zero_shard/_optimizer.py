@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -20,6 +21,8 @@ from optimizers import (
     MemoryReport,
     OffloadPolicy,
     constructor_defaults,
+    load_state_dict_with_hooks,
+    state_dict_with_hooks,
 )
 
 from ._buckets import ShardedParam, shard_grads
@@ -45,11 +48,13 @@ from ._state_dict import (
     ShardedStateView,
     check_origin,
     check_saved_groups,
+    keyed_by_position,
     local_state_dict,
     sharded_state,
     tag_origin,
     to_dtensor,
 )
+from ._torch_calls import TorchCall, host_layout, torch_call
 from ._units import Units
 from ._verdict import on_every_rank
 
@@ -473,13 +478,34 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         the param's global shape holding this rank's rows (live views where a shard is in one
         piece, copies where it straddles devices or chunks), plus ``main_param`` (fp32) for
         low-precision params. Save it with ``torch.distributed.checkpoint`` on every rank.
+
+        The state-dict hooks registered on this optimizer run as torch runs them: each pre-hook
+        before anything is read, then each post-hook, which may return a new state dict. They
+        run wherever this method is called: by ``zero_shard.checkpoint.save`` (and by ``load``,
+        for the layout it reads into, as a ``dcp.load`` into ``opt.state_dict()`` runs them),
+        by ``zero_shard.full_state_dict`` and by torch's ``get_optimizer_state_dict``, as for a
+        torch optimizer.
+
+        torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` take the wrapper as
+        they take a torch optimizer, with any of ``full_state_dict`` and ``cpu_offload``: the
+        result is this state dict (gathered, moved to the host), and either loads into the
+        wrapper or into a torch optimizer ([Note: torch's optimizer state-dict functions] in
+        ``zero_shard/_torch_calls.py``).
         """
+        call = torch_call(sys._getframe(1))
+        return state_dict_with_hooks(self, lambda: self._state_dict(call))
+
+    def _state_dict(self, call: TorchCall) -> dict[str, Any]:
         self._check_still_alone()
         self.finish_param_sync()
-        self._stale.check(self.stale_params)
+        layout = call is TorchCall.LOAD_LAYOUT
+        if not layout:  # a load's layout: the load replaces the main weights
+            self._stale.check(self.stale_params)
         state = {}
         for sharded in self._sharded:
             param_state = sharded_state(sharded, self._hybrid, keep_device=True)
+            if layout:
+                param_state = host_layout(param_state)
             if param_state:
                 state[sharded.fqn] = param_state
         param_groups = [
@@ -487,16 +513,29 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             for index, fqns in enumerate(self._group_fqns)
         ]
         tag_origin(state, _origin())
-        return {"state": state, "param_groups": param_groups}
+        state_dict = {"state": state, "param_groups": param_groups}
+        if call is not TorchCall.NONE:  # torch numbers the params, then names them itself
+            return keyed_by_position(state_dict, self._group_fqns)
+        return state_dict
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads a state dict keyed by FQN: from ``state_dict()`` (DTensors, filled in place by
         ``dcp.load``, or of another world size or offload fraction) or with full tensors (a
-        consolidated checkpoint). Main weights come from ``main_param`` where present, else from
-        the model's params; the model's params are then refreshed from the main weights.
-        Everything is checked before anything changes. Collective: call it on every rank.
+        consolidated checkpoint, ``get_optimizer_state_dict(..., full_state_dict=True)`` of this
+        wrapper or of a torch optimizer over the same model). Main weights come from
+        ``main_param`` where present, else from the model's params; the model's params are then
+        refreshed from the main weights. Everything is checked before anything changes.
+        Collective: call it on every rank.
+
+        The load hooks registered on this optimizer run as torch runs them: each pre-hook gets a
+        shallow copy of ``state_dict`` and may return the state dict to load instead; each
+        post-hook runs once it is loaded (also from ``zero_shard.checkpoint.load``,
+        ``zero_shard.load_full_state_dict`` and torch's ``set_optimizer_state_dict``).
         """
+        load_state_dict_with_hooks(self, state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self._check_still_alone()
         # The last step's update reaches the params first: where the state dict holds no
         # main_param, the main weights come from them.

@@ -509,3 +509,42 @@ def test_capturable_is_ignored_with_a_warning(fraction: float) -> None:
     for step in range(NUM_STEPS):
         step_both(opt, ref_opt, params, refs, gen)
         assert_params_match(params, refs, f"step {step}")
+
+
+def register_recording_hooks(opt: torch.optim.Optimizer, ran: list[str]) -> None:
+    """torch's four state-dict hooks, each noting that it ran; the post-hook and the load
+    pre-hook return new state dicts (the first with a key added, the second with another lr),
+    which take the place of the ones they were given, as in torch."""
+
+    def post(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        ran.append("state_dict post")
+        return {**state_dict, "extra": len(ran)}
+
+    def load_pre(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        ran.append("load pre")
+        groups = [{**group, "lr": 0.125} for group in state_dict["param_groups"]]
+        return {**state_dict, "param_groups": groups}
+
+    opt.register_state_dict_pre_hook(lambda opt: ran.append("state_dict pre"))
+    opt.register_state_dict_post_hook(post)
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda opt: ran.append("load post"))
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_state_dict_hooks_run_as_in_torch(fraction: float) -> None:
+    params, refs = make_params(), make_params()
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(fraction), lr=1e-2)
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2)
+    step_both(opt, ref_opt, params, refs, torch.Generator().manual_seed(0))
+    ran: dict[str, list[str]] = {"hybrid": [], "torch": []}
+    register_recording_hooks(opt, ran["hybrid"])
+    register_recording_hooks(ref_opt, ran["torch"])
+    state, ref_state = opt.state_dict(), ref_opt.state_dict()
+    assert state["extra"] == ref_state["extra"] == 2
+    opt.load_state_dict(state)
+    ref_opt.load_state_dict(ref_state)
+    assert ran["hybrid"] == ran["torch"]
+    assert lr_of(opt) == lr_of(ref_opt) == [0.125]
+    step_both(opt, ref_opt, params, refs, torch.Generator().manual_seed(1))
+    assert_params_match(params, refs, "after the load")

@@ -27,6 +27,7 @@ from _models import (
     GLOBAL_BATCH,
     LOSS_TOL,
     LR,
+    PARAM_TOL,
     adamw,
     assert_params_close,
     global_batch,
@@ -37,6 +38,13 @@ from _models import (
     step_reference,
 )
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -1084,6 +1092,201 @@ def a_state_dict_saved_on_rank_0_is_refused_on_every_rank(rank: int, world: int)
     ref_state = ref_opt.state[ref.inp.weight]
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(loaded_state[key].full_tensor(), ref_state[key]), key
+
+
+def record_hooks(opt: torch.optim.Optimizer, ran: list[str]) -> None:
+    """torch's four state-dict hooks, each noting that it ran; the post-hook and the load
+    pre-hook return new state dicts (a key added; every lr set to 0.125), which take the place of
+    the ones they were given, as in torch."""
+
+    def post(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        ran.append("state_dict post")
+        return {**state_dict, "extra": 1}
+
+    def load_pre(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        ran.append("load pre")
+        groups = [{**group, "lr": 0.125} for group in state_dict["param_groups"]]
+        return {**state_dict, "param_groups": groups}
+
+    opt.register_state_dict_pre_hook(lambda opt: ran.append("state_dict pre"))
+    opt.register_state_dict_post_hook(post)
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda opt: ran.append("load post"))
+
+
+SAVED = ["state_dict pre", "state_dict post"]
+LOADED = ["load pre", "load post"]
+FULL = StateDictOptions(full_state_dict=True)
+
+
+@case
+def state_dict_hooks_run_as_torchs_and_in_the_checkpoint_helpers(rank: int, world: int) -> None:
+    folder = os.path.dirname(shared_path(rank))
+    round_trips = {
+        "state_dict and load_state_dict": lambda m, o: o.load_state_dict(o.state_dict()),
+        "get/set_optimizer_state_dict": lambda m, o: set_optimizer_state_dict(
+            m, o, get_optimizer_state_dict(m, o)
+        ),
+        "the same, full_state_dict=True": lambda m, o: set_optimizer_state_dict(
+            m, o, get_optimizer_state_dict(m, o, options=FULL), options=FULL
+        ),
+    }
+    for fraction in (0.0, 0.5, 1.0):
+        model, opt, ref, ref_opt = wrapped_and_torch(fraction=fraction)
+        ran: dict[str, list[str]] = {"zero-shard": [], "torch": []}
+        x, y = global_batch(0)  # torch's state starts at the first step, zero-shard's at wrap
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        step_reference(ref, ref_opt, x, y)
+        record_hooks(opt, ran["zero-shard"])
+        record_hooks(ref_opt, ran["torch"])
+        assert opt.state_dict()["extra"] == 1
+        for name, round_trip in round_trips.items():
+            for who, (m, o) in {"zero-shard": (model, opt), "torch": (ref, ref_opt)}.items():
+                ran[who].clear()
+                round_trip(m, o)
+            assert ran["zero-shard"] == ran["torch"], (fraction, name, ran)
+        assert [g["lr"] for g in opt.param_groups] == [0.125, 0.125]  # the hook's state dict
+        opt.zero_grad()
+        x, y = global_batch(1)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        step_reference(ref, ref_opt, x, y)
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"fraction {fraction}, stepped at the hook's lr")
+        # The helpers call state_dict() and load_state_dict(), and their hooks run there.
+        hooks = ran["zero-shard"]
+        hooks.clear()
+        zero_shard.load_full_state_dict(opt, zero_shard.full_state_dict(opt) or None)
+        assert hooks == SAVED + LOADED, hooks
+        hooks.clear()
+        path = os.path.join(folder, f"ckpt{fraction}")
+        zero_shard.checkpoint.save(path, model=model, optimizer=opt)
+        assert hooks == SAVED, hooks
+        hooks.clear()
+        zero_shard.checkpoint.load(path, model=model, optimizer=opt)
+        assert hooks == SAVED + LOADED, hooks  # the first for the layout the load reads into
+
+
+def assert_same_state(state: dict, expected: dict, where: str, **tol: float) -> None:
+    """Keys, groups and tensors (a DTensor's layout and local part) equal (``tol``: close)."""
+
+    # torch's full-state load hands tuples (betas) over as lists, to torch's optimizers too.
+    def groups(state: dict) -> list:
+        return [{k: tuple(v) if isinstance(v, list) and k != "params" else v
+                 for k, v in group.items()} for group in state["param_groups"]]  # fmt: skip
+
+    assert groups(state) == groups(expected), where
+    assert list(state["state"]) == list(expected["state"]), where
+    for fqn, param_state in expected["state"].items():
+        assert list(state["state"][fqn]) == list(param_state), (where, fqn)
+        for key, value in param_state.items():
+            got = state["state"][fqn][key]
+            assert type(got) is type(value), (where, fqn, key, type(got), type(value))
+            if isinstance(value, DTensor):
+                assert got.placements == value.placements and got.shape == value.shape
+                got, value = got.to_local(), value.to_local()
+            close = tol or {"rtol": 0.0, "atol": 0.0}
+            torch.testing.assert_close(got, value, **close, msg=f"{where}: {fqn} {key}")
+
+
+SAVE_AT, GO_ON = 2, 2
+
+
+def go_on(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int,
+          trajectory: list[list[torch.Tensor]], where: str) -> None:  # fmt: skip
+    """Trains from ``SAVE_AT`` on, comparing the params after every step with ``trajectory``
+    (the uninterrupted single-process torch run's)."""
+    for index, step in enumerate(range(SAVE_AT, SAVE_AT + GO_ON)):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        if isinstance(opt, zero_shard.ZeroShardOptimizer):
+            opt.finish_param_sync()
+        for (name, param), expected in zip(
+            model.named_parameters(), trajectory[index], strict=True
+        ):
+            at = f"{where}, step {step}: {name}"
+            close = torch.testing.assert_close
+            close(param.detach(), expected, **PARAM_TOL, msg=lambda m, at=at: f"{at}: {m}")
+
+
+@case
+def torchs_get_and_set_optimizer_state_dict_take_the_wrapper(rank: int, world: int) -> None:
+    ref, ref_opt = make_model(), None
+    ref_opt = adamw(ref)
+    for step in range(SAVE_AT):
+        step_reference(ref, ref_opt, *global_batch(step))
+    ref_weights = copy.deepcopy(ref.state_dict())
+    ref_state = copy.deepcopy(get_optimizer_state_dict(ref, ref_opt, options=FULL))
+    trajectory = []
+    for step in range(SAVE_AT, SAVE_AT + GO_ON):
+        step_reference(ref, ref_opt, *global_batch(step))
+        trajectory.append([param.detach().clone() for param in ref.parameters()])
+    fsdp = fsdp2(make_model(), world)
+    fsdp_opt = adamw(fsdp)
+    for step in range(SAVE_AT):
+        x, y = global_batch(step)
+        mse(fsdp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        fsdp_opt.step()
+        fsdp_opt.zero_grad()
+    fsdp_weights = get_model_state_dict(fsdp, options=FULL)
+    from_fsdp2 = get_optimizer_state_dict(fsdp, fsdp_opt)  # DTensors of FSDP2's layout
+    from_fsdp2_full = get_optimizer_state_dict(fsdp, fsdp_opt, options=FULL)
+    for fraction in (0.0, 0.5, 1.0):
+        model, opt, _, _ = wrapped_and_torch(fraction=fraction)
+        for step in range(SAVE_AT):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish_param_sync()
+        weights = copy.deepcopy(model.state_dict())
+        own = opt.state_dict()
+        got = get_optimizer_state_dict(model, opt)
+        assert_same_state(got, own, "get_optimizer_state_dict")
+        full = get_optimizer_state_dict(model, opt, options=FULL)
+        on_host = get_optimizer_state_dict(
+            model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        gathered = zero_shard.full_state_dict(opt)
+        if rank == 0:
+            assert_same_state(full, gathered, "full_state_dict=True")
+            assert_same_state(on_host, gathered, "full_state_dict=True, cpu_offload=True")
+            assert_same_state(full, ref_state, "against torch's", **PARAM_TOL)
+            # Into a torch AdamW, one process: it goes on as the uninterrupted run.
+            alone = make_model(seed=1)
+            alone.load_state_dict(weights)
+            alone_opt = adamw(alone)
+            # A copy: torch's load keeps the step tensors it is given (the wrapper's, here).
+            set_optimizer_state_dict(alone, alone_opt, copy.deepcopy(on_host), options=FULL)
+            go_on(alone, alone_opt, 0, 1, trajectory, f"f={fraction} into torch AdamW")
+        else:
+            assert on_host == {}
+        other = {0.0: 1.0, 0.5: 0.0, 1.0: 0.5}[fraction]  # loaded at another fraction
+        sources = {
+            "get_optimizer_state_dict": (got, None, weights),
+            "full_state_dict=True": (full, FULL, weights),
+            "torch AdamW's, full_state_dict=True": (ref_state, FULL, ref_weights),
+            "torch AdamW's, default options": (ref_state, None, ref_weights),
+            "FSDP2 + AdamW's": (from_fsdp2, None, fsdp_weights),
+            "FSDP2 + AdamW's, full_state_dict=True": (from_fsdp2_full, FULL, fsdp_weights),
+        }
+        for name, (source, options, loaded_weights) in sources.items():
+            where = f"f={fraction}, {name} at f={other}"
+            resumed, direct = make_model(seed=1), make_model(seed=1)
+            resumed.load_state_dict(loaded_weights)
+            direct.load_state_dict(loaded_weights)
+            resumed_opt = zero_shard.wrap(adamw(resumed), resumed, offload=offload(other),
+                                          bucket_mb=TINY_BUCKETS)  # fmt: skip
+            set_optimizer_state_dict(resumed, resumed_opt, source, options=options)
+            direct_opt = zero_shard.wrap(adamw(direct), direct, offload=offload(other),
+                                         bucket_mb=TINY_BUCKETS)  # fmt: skip
+            direct_opt.load_state_dict(source)
+            assert_same_state(resumed_opt.state_dict(), direct_opt.state_dict(), where)
+            del direct_opt
+            go_on(resumed, resumed_opt, rank, world, trajectory, where)
 
 
 @case

@@ -1,0 +1,82 @@
+"""Calls of ``ZeroShardOptimizer.state_dict()`` made by torch's optimizer state-dict functions
+(``torch.distributed.checkpoint.state_dict``), told apart from the user's own.
+
+[Note: torch's optimizer state-dict functions]
+``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (and ``get_state_dict`` /
+``set_state_dict``) take an optimizer's ``state_dict()`` to be torch's: params numbered by their
+position over the param groups. They rename the numbers to FQNs through a table that maps both
+ways (FQN <-> position), so the FQN keys of the wrapper's state dict were renamed back to numbers,
+and such a result loaded nowhere. Called from there, the wrapper numbers its params as torch does
+(``keyed_by_position``); torch then names them by FQN, so that its result is the wrapper's own
+state dict (``full_state_dict=True``: that one gathered), and loads into either optimizer.
+
+A full-state load (``set_optimizer_state_dict(..., options=StateDictOptions(
+full_state_dict=True))``) first reads the optimizer's state dict as a layout: torch cuts the
+full tensors by its DTensors' placements, keeps its values for keys the loaded state dict lacks,
+and then calls ``load_state_dict``. There the wrapper gives copies on the host (torch refuses a
+layout on two devices, and the host costs no accelerator memory), without ``main_param`` (the
+loaded state dict decides whether the main weights come from it or from the params, as in a
+direct ``load_state_dict``) and without the stale-params check (the load replaces the main
+weights).
+
+The functions pass nothing that says who calls, so the caller is told by its frame: torch's
+private ``_get_optim_state_dict`` calls ``state_dict()``, from ``_load_optim_state_dict`` for the
+layout of a load. Checked on torch 2.13 only; the two names are the same in torch's source from
+2.2 on. Under a torch that renames them the frames match nothing and the wrapper gives its own
+state dict, keyed by FQN, as before.
+"""
+
+from __future__ import annotations
+
+import enum
+from types import FrameType
+from typing import Any
+
+from torch.distributed.tensor import DTensor
+
+from ._state_dict import dtensor_on
+
+__all__ = ["TorchCall", "host_layout", "torch_call"]
+
+_MODULE = "torch.distributed.checkpoint.state_dict"
+_GET = "_get_optim_state_dict"
+_LOAD = "_load_optim_state_dict"
+# Frames between _get_optim_state_dict's and _load_optim_state_dict's: torch.no_grad's wrapper
+# around the first (one frame; a spare for another decorator).
+_MAX_FRAMES_UP = 3
+
+
+class TorchCall(enum.Enum):
+    NONE = "none"  # the user's call (or zero_shard.checkpoint's): keys by FQN
+    GET = "get"  # get_optimizer_state_dict: keys by position, torch names them
+    LOAD_LAYOUT = "load_layout"  # a full-state load reads the layout to cut by
+
+
+def _is(frame: FrameType, name: str) -> bool:
+    return frame.f_code.co_name == name and frame.f_globals.get("__name__") == _MODULE
+
+
+def torch_call(caller: FrameType | None) -> TorchCall:
+    """Which call ``caller`` (the frame that called ``state_dict()``) is."""
+    if caller is None or not _is(caller, _GET):
+        return TorchCall.NONE
+    frame = caller.f_back
+    for _ in range(_MAX_FRAMES_UP):
+        if frame is None:
+            break
+        if _is(frame, _LOAD):
+            return TorchCall.LOAD_LAYOUT
+        frame = frame.f_back
+    return TorchCall.GET
+
+
+def host_layout(param_state: dict[str, Any]) -> dict[str, Any]:
+    """A param's state (``sharded_state``) as the layout of a full-state load: its DTensors
+    copied to the host (never views: torch may write into the layout), without ``main_param``."""
+    return {
+        key: dtensor_on(value, value.to_local().to("cpu", copy=True))
+        if isinstance(value, DTensor)
+        else value
+        for key, value in param_state.items()
+        if key != "main_param"
+    }
