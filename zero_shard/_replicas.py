@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from offload import use_device
 from optimizers import HostStep, OffloadPolicy
 
+from ._aliases import counter_sharing, own_counter_view
 from ._buckets import Bucket, ShardedParam, build_buckets
 from ._collectives import AllGather, broadcast_tensors, launch_all_gather
 from ._compiled import CompileAwareHook
@@ -269,6 +270,7 @@ class _Replicas(Kind):
         self.sharded = [record_of[id(p)] for p, _, _ in trainable]
         index_of = {id(record): index for index, record in enumerate(self.sharded)}
         self._bucket_indices = [[index_of[id(s)] for s in b.params] for b in self.buckets]
+        _give_own_counters(self.buckets)
 
     def install(self, optimizer: ZeroShardOptimizer, *, overlap: bool) -> list[Any]:
         """Creates the gathers' group and the model hooks; returns the hooks' handles."""
@@ -494,6 +496,17 @@ def _module_tensors(
     params = [local_tensor(p) for p, skip in zip(params, claimed, strict=True) if not skip]
     tensors = params + list(module.buffers())
     return [tensor for tensor in tensors if tensor.device == device]
+
+
+def _give_own_counters(buckets: Sequence[Bucket]) -> None:
+    """Gives the params that share a version counter with another their ``own_counter`` views
+    ([Note: shared version counters] in ``_aliases.py``)."""
+    records = [sharded for bucket in buckets for sharded in bucket.params]
+    locals_ = [sharded.local for sharded in records]
+    for sharded, local, shares in zip(records, locals_, counter_sharing(locals_), strict=True):
+        if shares:
+            sharded.own_counter = own_counter_view(local)
+            buckets[sharded.bucket].shares_counters = True
 
 
 def _alias_params(buckets: Sequence[Bucket]) -> None:

@@ -1057,6 +1057,76 @@ def ddp_wrapped_after_wrap_keeps_its_sync_for_params_zero_shard_does_not_own(
     assert ddp.require_backward_grad_sync
 
 
+# -- params that share memory --------------------------------------------------------------------
+
+
+class Slice(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight.t()
+
+
+class ViewsOfOneTensor(nn.Module):
+    """Params made of views of one tensor, which share its memory and its version counter:
+    experts made as ``nn.Parameter(t) for t in w.unbind(0)`` (7 rows each), and two slices of one
+    matrix (7 rows and 1: empty shards at 2 and 3 ranks) in blocks of their own (units: one runs
+    its forward while the other's gather may still be copying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        w = torch.randn(3, 7, 15) * 0.3
+        self.experts = nn.ParameterList([nn.Parameter(t) for t in w.unbind(0)])
+        base = torch.randn(8, 7) * 0.3
+        self.slices = nn.ModuleList([Slice(base[:7]), Slice(base[7:])])
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(sum(x @ expert.t() for expert in self.experts))
+        h = torch.cat([block(h) for block in self.slices], -1)
+        return self.out(torch.tanh(h))
+
+
+@case
+def params_that_are_views_of_one_tensor_train_as_torch(rank: int, world: int) -> None:
+    # zero-shard's own copies into one view must not look like a user's write to the others
+    # (stale_params="error" raises on any it took for one); a user's write to one view is
+    # reloaded from, as torch steps on from it. Plain and DDP models, tiny buckets (the views in
+    # several), the gathers overlapped with the forward or not.
+    for kind, fraction, overlap in [
+        ("plain", 0.0, True), ("plain", 0.5, False), ("ddp", 0.0, False), ("ddp", 0.5, True),
+    ]:  # fmt: skip
+        model, ref = ViewsOfOneTensor(), ViewsOfOneTensor()
+        net = model if kind == "plain" else nn.parallel.DistributedDataParallel(model)
+        opt = zero_shard.wrap(
+            torch.optim.AdamW(model.parameters(), lr=LR), net, offload=offload(fraction),
+            bucket_mb=TINY_BUCKETS, overlap_param_gather=overlap, stale_params="error",
+        )  # fmt: skip
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        where = f"{kind} at fraction {fraction}, overlap {overlap}"
+        for step in range(STEPS):
+            if step == 2:  # a user's write into one view: the next step steps on from it
+                opt.finish_param_sync()
+                opt.stale_params = "reload"
+                with torch.no_grad():
+                    for m in (model, ref):
+                        m.experts[1].mul_(0.5)
+            x, y = global_batch(step)
+            mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            mse(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, where)
+        storages = {p.untyped_storage().data_ptr() for p in model.experts}
+        assert len(storages) == 1, f"{where}: the experts no longer share their memory"
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
 def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
     return run_cases(CASES, request.param)
