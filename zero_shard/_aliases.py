@@ -1,5 +1,6 @@
 """Params that share memory: views of one tensor (``nn.Parameter(base[:7])`` and
-``nn.Parameter(base[7:])``, experts made as ``nn.Parameter(t) for t in w.unbind(0)``).
+``nn.Parameter(base[7:])``, experts made as ``nn.Parameter(t) for t in w.unbind(0)``), at wrap and
+when a param is given other memory after it (``param.data = t``, ``model.to(...)``).
 
 [Note: shared version counters]
 Views of one tensor share its version counter, and so do Parameters made of such views
@@ -19,7 +20,8 @@ unseen (as at one rank, where every param is its own shard).
 Params whose elements overlap (``base[:7]`` and ``base[5:]``) cannot be honoured: torch's
 optimizer applies both params' updates to the shared elements, one after the other, whereas
 zero-shard keeps one main weight per element of each param. They are refused at wrap
-(``check_disjoint``). Under FSDP2 the params are FSDP2's own sharded copies, which share
+(``check_disjoint``), and at the next step where a param was given memory overlapping another's
+after wrap (``check_moved``). Under FSDP2 the params are FSDP2's own sharded copies, which share
 nothing.
 """
 
@@ -30,9 +32,11 @@ from collections.abc import Sequence
 import torch
 
 from ._buckets import ShardedParam
+from ._released import check_unconverted
 
 __all__ = [
     "check_disjoint",
+    "check_moved",
     "counter_sharing",
     "own_counter_targets",
     "own_counter_view",
@@ -131,3 +135,25 @@ def own_counter_targets(
             local = view
         targets.append(local)
     return targets
+
+
+def check_moved(moved: Sequence[ShardedParam], records: Sequence[ShardedParam]) -> None:
+    """Checks the params given other memory since zero-shard last looked (``param.data = t``,
+    ``model.to(...)``, ``model.half()``): each must keep its dtype, device and contiguous
+    layout, and share no element with another param; then notes their memory."""
+    for sharded in moved:
+        check_unconverted(sharded.param, sharded.fqn, sharded.shard.dtype, sharded.shard.device)
+    locals_ = [sharded.local for sharded in records]
+    overlap = _first_overlap(locals_)
+    if overlap is not None:
+        first, second = (_describe(locals_[i], records[i].fqn) for i in overlap)
+        raise RuntimeError(
+            f"params {first} and {second} share elements since the optimizer was wrapped "
+            "(param.data = another param's memory, an old way to tie weights): torch's "
+            "optimizer would apply both params' updates to the shared elements, and zero-shard, "
+            "which keeps one fp32 main weight per element of each param, cannot; nothing was "
+            "stepped. Tie weights by assigning the Parameter itself (model.b.weight = "
+            "model.a.weight) before zero_shard.wrap, or give each param its own memory"
+        )
+    for sharded in moved:
+        sharded.memory = sharded.local.data_ptr()

@@ -89,6 +89,8 @@ class ShardedParam:
     #                                          another param: a view of its memory with a
     #                                          counter of its own, which the gathers write
     #                                          ([Note: shared version counters] in _aliases.py)
+    memory: int = 0  # its local tensor's data_ptr when zero-shard last checked it (replicated
+    #                  models): other memory is checked again at the step (check_moved)
 
     @property
     def local(self) -> torch.Tensor:
@@ -135,6 +137,7 @@ class ShardedParam:
         no longer follows the training)."""
         check_unconverted(self.param, self.fqn, self.shard.dtype, self.shard.device)
         self.param.data = self.shard.detach()
+        self.memory = self.param.data_ptr()
 
 
 def model_versions(records: Sequence[ShardedParam]) -> list[int]:
