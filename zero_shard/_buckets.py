@@ -85,6 +85,12 @@ class ShardedParam:
     #                       that dim's first (tensor parallelism's replicated norms and biases,
     #                       and FSDP2 params on the dp dim alone: [Note: FSDP2 params on a
     #                       sub-mesh])
+    own_counter: torch.Tensor | None = None  # where the param shares its version counter with
+    #                                          another param: a view of its memory with a
+    #                                          counter of its own, which the gathers write
+    #                                          ([Note: shared version counters] in _aliases.py)
+    memory: int = 0  # its local tensor's data_ptr when zero-shard last checked it (replicated
+    #                  models): other memory is checked again at the step (check_moved)
 
     @property
     def local(self) -> torch.Tensor:
@@ -131,6 +137,7 @@ class ShardedParam:
         no longer follows the training)."""
         check_unconverted(self.param, self.fqn, self.shard.dtype, self.shard.device)
         self.param.data = self.shard.detach()
+        self.memory = self.param.data_ptr()
 
 
 def model_versions(records: Sequence[ShardedParam]) -> list[int]:
@@ -251,6 +258,7 @@ class Bucket:
     flags_before: torch.Tensor | FlagsBefore = FlagsBefore.NO_GRADS
     ready: set[int] = field(default_factory=set)  # positions whose grad hook fired this backward
     aliased: bool = False  # its params are their own shards (one rank): nothing to gather
+    shares_counters: bool = False  # some param gathers through its own_counter view
     missing: bool = False  # since the grads were last written whole, some param lacked one here
 
     @property

@@ -40,7 +40,9 @@ A write to a param between ``step()`` and the wait for its bucket (a weight cons
 ``p.clamp_()``, a load through ``copy_``) races with the job's copy into it, on another stream
 or thread. It is seen by the param's version counter: the job does not copy into a param written
 since the step and notes the counter after its own copy; the wait that finds either raises,
-naming the params and ``finish_param_sync()``. A write after the wait is a load, as ever: the
+naming the params and ``finish_param_sync()``. A param that shares its counter with another
+(views of one tensor) is copied into through a view with a counter of its own, so that the copy
+moves no other param's counter ([Note: shared version counters] in ``_aliases.py``). A write after the wait is a load, as ever: the
 next step reloads the main weight from it (``stale_params``).
 """
 
@@ -60,6 +62,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from offload import current_stream, phase, record_event, side_stream, use_device, use_stream
 from optimizers import HostStep, OffloadPolicy
 
+from ._aliases import own_counter_targets
 from ._buckets import Bucket, local_tensors, model_versions, stale_flags
 from ._collectives import AllGather, launch_all_gather, unpack_params
 
@@ -142,6 +145,8 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor) -> list[str]:
     # By position, not by `in`: records compare their tensors (dataclass equality).
     written = [s.changed or v != s.version for s, v in zip(bucket.params, before, strict=True)]
     locals_ = local_tensors(bucket.params)
+    if bucket.shares_counters:  # see [Note: shared version counters] in _aliases.py
+        locals_ = own_counter_targets(bucket.params, locals_)
     targets = [None if w else local for local, w in zip(locals_, written, strict=True)]
     # Out of the user's TorchDispatchModes (FlopCounterMode around a step): a multi-tensor
     # in-place op dispatched to a Python mode moves no version counter, and these counts must
@@ -154,7 +159,8 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor) -> list[str]:
     ):
         if target is None:
             continue
-        if now != version + len(pieces):  # one write a piece copied
+        # One write a piece copied; none through an own_counter view.
+        if now != version + (0 if sharded.own_counter is not None else len(pieces)):
             written[position] = True
         else:
             sharded.version = now

@@ -271,13 +271,25 @@ def _clamp_bounds(func: Any, bound: dict[str, Any]) -> tuple[float | None, float
 def check_unconverted(
     param: torch.Tensor, fqn: str, dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Raises unless ``param`` still has the dtype and device it had at wrap."""
+    """Raises unless ``param`` still has the dtype and device it had at wrap, and contiguous
+    memory (checked at wrap)."""
     if param.dtype != dtype or param.device != device:
         raise RuntimeError(
             f"param {fqn!r} is {param.dtype} on {param.device} now, but was {dtype} on {device} "
             "when the optimizer was wrapped (model.half(), model.to(...)): the optimizer's shards "
             "and hooks are of the old params. Convert the model before zero_shard.wrap, or wrap "
             "a new optimizer after"
+        )
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    if not local.is_contiguous():
+        raise RuntimeError(
+            f"param {fqn!r} is not contiguous now (stride {local.stride()}; "
+            "model.to(memory_format=torch.channels_last)?), but was when the optimizer was "
+            "wrapped: zero-shard gathers each step's update into the params' memory by rows, and "
+            "steps contiguous params only; nothing was stepped. Keep the params contiguous: "
+            "convert the inputs instead (x.to(memory_format=torch.channels_last): a convolution "
+            "of a channels_last input runs channels_last), or make the param contiguous again "
+            "(model.to(memory_format=torch.contiguous_format))"
         )
 
 

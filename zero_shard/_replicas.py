@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 from offload import use_device
 from optimizers import HostStep, OffloadPolicy
 
-from ._buckets import Bucket, ShardedParam, build_buckets
+from ._aliases import check_moved, counter_sharing, own_counter_view
+from ._buckets import Bucket, ShardedParam, build_buckets, local_tensors
 from ._collectives import AllGather, broadcast_tensors, launch_all_gather
 from ._compiled import CompileAwareHook
 from ._gather import DelayedUpdate, HostWrites, ParamGatherer
@@ -269,6 +270,7 @@ class _Replicas(Kind):
         self.sharded = [record_of[id(p)] for p, _, _ in trainable]
         index_of = {id(record): index for index, record in enumerate(self.sharded)}
         self._bucket_indices = [[index_of[id(s)] for s in b.params] for b in self.buckets]
+        _note_memory(self.buckets)
 
     def install(self, optimizer: ZeroShardOptimizer, *, overlap: bool) -> list[Any]:
         """Creates the gathers' group and the model hooks; returns the hooks' handles."""
@@ -302,8 +304,17 @@ class _Replicas(Kind):
             self.gatherer.after_step(writes)
 
     def finish(self) -> None:
-        """Waits for the gathers in flight."""
+        """Waits for the gathers in flight, and checks the params given other memory since the
+        last step (``model.to(memory_format=...)``, ``param.data = t``): the next gathers write
+        there."""
         self.gatherer.finish()
+        records = self.sharded
+        moved = [
+            s for s, local in zip(records, local_tensors(records), strict=True)
+            if local.data_ptr() != s.memory
+        ]  # fmt: skip
+        if moved:
+            check_moved(moved, records)
 
     def flush(self) -> None:
         """Gathers a delayed update still deferred (collective), then waits for every gather."""
@@ -494,6 +505,18 @@ def _module_tensors(
     params = [local_tensor(p) for p, skip in zip(params, claimed, strict=True) if not skip]
     tensors = params + list(module.buffers())
     return [tensor for tensor in tensors if tensor.device == device]
+
+
+def _note_memory(buckets: Sequence[Bucket]) -> None:
+    """Notes each param's memory, and gives the params that share a version counter with
+    another their ``own_counter`` views ([Note: shared version counters] in ``_aliases.py``)."""
+    records = [sharded for bucket in buckets for sharded in bucket.params]
+    locals_ = [sharded.local for sharded in records]
+    for sharded, local, shares in zip(records, locals_, counter_sharing(locals_), strict=True):
+        sharded.memory = local.data_ptr()
+        if shares:
+            sharded.own_counter = own_counter_view(local)
+            buckets[sharded.bucket].shares_counters = True
 
 
 def _alias_params(buckets: Sequence[Bucket]) -> None:

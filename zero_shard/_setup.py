@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from optimizers import OffloadPolicy, check_elementwise, check_param_kind
 
+from ._aliases import check_disjoint
 from ._fsdp import (
     FSDPHostKind,
     FSDPKind,
@@ -26,7 +27,7 @@ from ._fsdp import (
 from ._gather import DelayedUpdate
 from ._kind import Kind, Trainable
 from ._replicas import DDPKind, ReplicatedKind, one_process_mesh_supported
-from ._tp import tp_spec
+from ._tp import local_tensor, tp_spec
 from ._units import Units
 from ._verdict import Summary, on_every_rank
 
@@ -287,6 +288,7 @@ def check_inputs(
         trainable = trainable_params(optimizer.param_groups, fqns, kind.check_param)
         policy = kind.offload_policy(policy)
         check_dense_grads(module, trainable)
+        check_disjoint([local_tensor(p) for p, _, _ in trainable], [f for _, f, _ in trainable])
         return CheckedInputs(policy, delay, trainable, kind.units(trainable, units))
 
     def summarize(checked: CheckedInputs) -> Summary:

@@ -194,6 +194,34 @@ def one_param_in_two_groups(rank: int, world: int) -> None:
         zero_shard.wrap(opt, model)
 
 
+class OverlappingViews(nn.Module):
+    """Two params that are views of one tensor and share rows 5 and 6 of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.randn(10, 3)
+        self.head = nn.Parameter(base[:7])
+        self.tail = nn.Parameter(base[5:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.head.t() + (x @ self.tail.t()).sum(-1, keepdim=True)
+
+
+@case
+def params_that_share_elements(rank: int, world: int) -> None:
+    # torch's AdamW would apply both updates to rows 5 and 6; separate main weights cannot. A
+    # plain and a DDP model are refused on every rank; views that share no element train
+    # (test_habits.py).
+    expected = (
+        r"params 'head' \(elements 0-20 of their storage\) and 'tail' \(elements 15-29 of their "
+        r"storage\) share elements .* Make them one Parameter .*\.clone\(\)"
+    )
+    model = OverlappingViews()
+    for net in (model, nn.parallel.DistributedDataParallel(model)):
+        with pytest.raises(ValueError, match=expected):
+            zero_shard.wrap(torch.optim.AdamW(model.parameters()), net)
+
+
 @case
 def params_of_one_rank_on_the_meta_device(rank: int, world: int) -> None:
     # Rank 1 alone built a param on the meta device: every rank raises (none waits in the next

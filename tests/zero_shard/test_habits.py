@@ -1368,6 +1368,122 @@ def ddp_wrapped_after_wrap_keeps_its_sync_for_params_zero_shard_does_not_own(
     assert ddp.require_backward_grad_sync
 
 
+# -- params that share memory, and params given other memory after wrap -------------------------
+
+
+class Slice(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight.t()
+
+
+class ViewsOfOneTensor(nn.Module):
+    """Params made of views of one tensor, which share its memory and its version counter:
+    experts made as ``nn.Parameter(t) for t in w.unbind(0)`` (7 rows each), and two slices of one
+    matrix (7 rows and 1: empty shards at 2 and 3 ranks) in blocks of their own (units: one runs
+    its forward while the other's gather may still be copying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        w = torch.randn(3, 7, 15) * 0.3
+        self.experts = nn.ParameterList([nn.Parameter(t) for t in w.unbind(0)])
+        base = torch.randn(8, 7) * 0.3
+        self.slices = nn.ModuleList([Slice(base[:7]), Slice(base[7:])])
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(sum(x @ expert.t() for expert in self.experts))
+        h = torch.cat([block(h) for block in self.slices], -1)
+        return self.out(torch.tanh(h))
+
+
+@case
+def params_that_are_views_of_one_tensor_train_as_torch(rank: int, world: int) -> None:
+    # zero-shard's own copies into one view must not look like a user's write to the others
+    # (stale_params="error" raises on any it took for one); a user's write to one view is
+    # reloaded from, as torch steps on from it. Plain and DDP models, tiny buckets (the views in
+    # several), the gathers overlapped with the forward or not.
+    for kind, fraction, overlap in [
+        ("plain", 0.0, True), ("plain", 0.5, False), ("ddp", 0.0, False), ("ddp", 0.5, True),
+    ]:  # fmt: skip
+        model, ref = ViewsOfOneTensor(), ViewsOfOneTensor()
+        net = model if kind == "plain" else nn.parallel.DistributedDataParallel(model)
+        opt = zero_shard.wrap(
+            torch.optim.AdamW(model.parameters(), lr=LR), net, offload=offload(fraction),
+            bucket_mb=TINY_BUCKETS, overlap_param_gather=overlap, stale_params="error",
+        )  # fmt: skip
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        where = f"{kind} at fraction {fraction}, overlap {overlap}"
+        for step in range(STEPS):
+            if step == 2:  # a user's write into one view: the next step steps on from it
+                opt.finish_param_sync()
+                opt.stale_params = "reload"
+                with torch.no_grad():
+                    for m in (model, ref):
+                        m.experts[1].mul_(0.5)
+            x, y = global_batch(step)
+            mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            mse(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, where)
+        storages = {p.untyped_storage().data_ptr() for p in model.experts}
+        assert len(storages) == 1, f"{where}: the experts no longer share their memory"
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 2, 3, padding=1)  # weight (2, 3, 3, 3): an empty shard at 3
+        self.out = nn.Linear(10, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        image = x[:, :12].reshape(-1, 3, 2, 2)
+        return self.out(torch.cat([self.conv(image).flatten(1), x[:, 12:14]], -1))
+
+
+@case
+def params_converted_or_tied_after_wrap_are_refused_before_the_step(rank: int, world: int) -> None:
+    # model.to(memory_format=torch.channels_last) after wrap gives the params memory the gathers
+    # cannot write by rows; param.data = another param's memory (an old way to tie weights)
+    # shares elements that two main weights cannot both hold. The step refuses both on every
+    # rank before anything changes: undone, the same step then gives torch's result.
+    x, y = global_batch(0)
+    for fraction in (0.0, 0.5):
+        model, ref = ConvNet(), ConvNet()
+        opt = zero_shard.wrap(torch.optim.AdamW(model.parameters(), lr=LR), model,
+                              offload=offload(fraction), bucket_mb=TINY_BUCKETS)  # fmt: skip
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        model.to(memory_format=torch.channels_last)
+        with pytest.raises(RuntimeError, match=r"param 'conv.weight' is not contiguous now.*"
+                           r"convert the inputs instead"):  # fmt: skip
+            opt.step()
+        model.to(memory_format=torch.contiguous_format)
+        weight = model.out.weight.data
+        model.out.weight.data = model.conv.weight.data.view(-1)[:20].view(2, 10)
+        with pytest.raises(RuntimeError, match=r"params 'out.weight' \(elements 0-19 of their "
+                           r"storage\) and 'conv.weight' .* share elements since the optimizer"):  # fmt: skip
+            opt.step()
+        model.out.weight.data = weight
+        for param, value in zip(model.parameters(), before, strict=True):
+            assert torch.equal(param, value), "a refused step changed a param"
+        opt.step()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"undone, then stepped, at fraction {fraction}")
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
 def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
     return run_cases(CASES, request.param)
