@@ -42,8 +42,9 @@ or thread. It is seen by the param's version counter: the job does not copy into
 since the step and notes the counter after its own copy; the wait that finds either raises,
 naming the params and ``finish_param_sync()``. A param that shares its counter with another
 (views of one tensor) is copied into through a view with a counter of its own, so that the copy
-moves no other param's counter ([Note: shared version counters] in ``_aliases.py``). A write after the wait is a load, as ever: the
-next step reloads the main weight from it (``stale_params``).
+moves no other param's counter ([Note: shared version counters] in ``_aliases.py``). A write
+after the wait is a load, as ever: the next step reloads the main weight from it
+(``stale_params``).
 """
 
 from __future__ import annotations

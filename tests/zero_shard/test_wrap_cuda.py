@@ -117,6 +117,41 @@ def bf16_and_fp16_runs_keep_params_equal_to_main_weights(rank: int, world: int) 
         assert opt.num_skipped_steps == 0
 
 
+@case
+def optimizer_state_edits_reach_host_state(rank: int, world: int) -> None:
+    # On a GPU, host state reads as a DTensor copied to the GPU (and a param in several pieces
+    # as a copy anyway): edits of those are written back ([Note: state edits]).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda", rank)
+    for fraction in (0.5, 1.0):
+        model, ref = make_model().to(device), make_model().to(device)
+        opt = zero_shard.wrap(adamw(model), model, offload=policy(fraction), bucket_mb=0.0008)
+        ref_opt = torch.optim.AdamW(
+            [{**g, "params": list(g["params"])} for g in adamw(ref).param_groups], fused=True
+        )
+        for step in range(6):
+            if step == 2:
+                for state, net in ((opt.state, model), (ref_opt.state, ref)):
+                    state[net.inp.weight]["exp_avg"].zero_()
+                    state[net.mid.weight]["exp_avg_sq"].mul_(4.0)
+                    state[net.out.bias]["step"].zero_()
+                    del state[net.out.weight]
+            x, y = (t.to(device) for t in global_batch(step))
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            mse(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            opt.finish_param_sync()
+            for (name, param), ref_param in zip(
+                model.named_parameters(), ref.parameters(), strict=True
+            ):
+                torch.testing.assert_close(
+                    param, ref_param, **CUDA_TOL, msg=f"{fraction} step {step}: {name}"
+                )
+
+
 def _local(value: object) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else torch.as_tensor(value)
 
