@@ -140,7 +140,9 @@ def own_counter_targets(
 def check_moved(moved: Sequence[ShardedParam], records: Sequence[ShardedParam]) -> None:
     """Checks the params given other memory since zero-shard last looked (``param.data = t``,
     ``model.to(...)``, ``model.half()``): each must keep its dtype, device and contiguous
-    layout, and share no element with another param; then notes their memory."""
+    layout, and share no element with another param; then notes their memory, and that they
+    were written (``.data =`` moves no version counter): the stale check reloads their main
+    weights from them, or refuses them, as ``stale_params`` says."""
     for sharded in moved:
         check_unconverted(sharded.param, sharded.fqn, sharded.shard.dtype, sharded.shard.device)
     locals_ = [sharded.local for sharded in records]
@@ -157,3 +159,4 @@ def check_moved(moved: Sequence[ShardedParam], records: Sequence[ShardedParam]) 
         )
     for sharded in moved:
         sharded.memory = sharded.local.data_ptr()
+        sharded.changed = True  # a write the version counter missed: reloaded, or refused

@@ -34,7 +34,10 @@ as nested; at its end, the ranks agree (one small all-reduce over the reducer's 
 such a backward) on the buckets where any rank holds a grad no reduction took, and each of those
 is reduced again and added, in the same order on every rank. Reductions are sums, so the result is
 the grad of the whole backward. Whether a bucket was reduced before a late grad came depends on
-which params had grads on the rank, hence the agreement.
+which params had grads on the rank, hence the agreement. Every rank must run the same
+checkpointed calls (as DDP's ``static_graph`` and FSDP2 assume): a rank whose backward nests
+takes part in the agreement, and one that skipped every checkpointed call (data-dependent) would
+not, mismatching the collectives; ``use_reentrant=False`` has no nested backward.
 
 At one rank the packed grads are the reduced ones: they are packed straight into the grad buffer
 and no collective runs.
@@ -97,6 +100,7 @@ class GradReducer:
     _in_backward: bool  # an end-of-backward callback is queued
     _round_task: int  # the autograd graph task the callback is queued on
     _nested: bool  # a hook ran in a backward nested in that task (reentrant checkpointing)
+    _late: set[int]  # buckets a grad reached after their reduction in this backward
     _reduced_in_window: bool  # some reduction ran since the last step or zero_grad
     _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
     _warned_late_grads: bool
@@ -133,6 +137,7 @@ class GradReducer:
         self._in_backward = False
         self._round_task = -1
         self._nested = False
+        self._late = set()
         self._reduced_in_window = False
         self._unreduced_backward = False
         self._warned_late_grads = False
@@ -175,6 +180,7 @@ class GradReducer:
         if self._in_backward and torch._C._current_graph_task_id() == -1:
             self._in_backward = False
             self._nested = False
+            self._late.clear()
             self._next = len(self.buckets) - 1
             for bucket in self.buckets:
                 bucket.ready.clear()
@@ -192,6 +198,8 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         elif task != self._round_task:
             self._nested = True  # see [Note: grads after their reduction]
+        if sharded.bucket > self._next:  # its bucket is reduced already
+            self._late.add(sharded.bucket)
         self.buckets[sharded.bucket].ready.add(sharded.position)
         while self._next >= 0:
             bucket = self.buckets[self._next]
@@ -221,6 +229,7 @@ class GradReducer:
             self._next -= 1
         if self._nested:
             self._reduce_late()
+        self._late.clear()
         self._next = len(self.buckets) - 1
         for bucket in self.buckets:
             bucket.ready.clear()
@@ -230,7 +239,8 @@ class GradReducer:
         came after the bucket's reduction are reduced again, added to the reduced grads. See
         [Note: grads after their reduction]."""
         self._nested = False
-        late = [any([s.watch.holds_unreduced_grad() for s in b.params]) for b in self.buckets]
+        late = [index in self._late for index in range(len(self.buckets))]
+        self._late.clear()
         if self._group is not None:
             agreed = torch.tensor(late, dtype=torch.uint8, device=self._device)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._group)
@@ -443,6 +453,7 @@ class GradReducer:
         self._next = len(self.buckets) - 1
         self._in_backward = False
         self._nested = False
+        self._late.clear()
         self._reduced_in_window = False
         self._unreduced_backward = False
 

@@ -111,9 +111,10 @@ def sharded_state(
 ) -> dict[str, Any]:
     """The param's state from ``hybrid``, each param-shaped tensor as a DTensor (host state
     kept on the host with ``keep_device``; see ``to_dtensor``). Where a DTensor's local tensor is
-    a copy of the state (the hybrid's, or one on the mesh's device), the DTensor is watched for
-    edits: an in-place op on a DTensor moves its own version counter, not its local tensor's
-    ([Note: state edits] in ``optimizers/_state.py``)."""
+    a copy of the state (the hybrid's, or one on the mesh's device), the DTensor and its local
+    tensor are watched for edits: an in-place op on a DTensor moves its own version counter, not
+    its local tensor's, and one on ``to_local()`` the other way round ([Note: state edits] in
+    ``optimizers/_state.py``)."""
     param = sharded.shard
     local = hybrid.param_state(param, watch=False)
     copied = hybrid.state_is_copied(param)
@@ -121,9 +122,10 @@ def sharded_state(
     for key, value in local.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
             state[key] = to_dtensor(sharded, value, keep_device=keep_device)
-            moved = state[key].to_local().data_ptr() != value.data_ptr()
-            if key != "main_param" and (copied or moved):
+            local_copy = state[key].to_local()
+            if key != "main_param" and (copied or local_copy.data_ptr() != value.data_ptr()):
                 hybrid.hand_out(param, key, state[key], local=DTensor.to_local)
+                hybrid.hand_out(param, key, local_copy)  # edited through to_local()
         else:
             state[key] = value
             if copied and torch.is_tensor(value):

@@ -396,6 +396,11 @@ def _edit_state_in_place(state: Any, p: torch.Tensor) -> None:
     state[p]["step"].zero_()
 
 
+def _edit_state_locally(state: Any, p: torch.Tensor) -> None:
+    to_local = getattr(state[p]["exp_avg"], "to_local", None)  # torch's are plain tensors
+    (to_local() if to_local else state[p]["exp_avg"]).mul_(100.0)
+
+
 def _assign_state_keys(state: Any, p: torch.Tensor) -> None:
     state[p]["step"] = torch.tensor(1.0)
     exp_avg = torch.full_like(state[p]["exp_avg"], 0.5)
@@ -408,6 +413,7 @@ def _assign_state_keys(state: Any, p: torch.Tensor) -> None:
 # a param's whole state), on a param that the offloaded runs cut into pieces (chunks of 16).
 STATE_EDITS: dict[str, Callable[[Any, torch.Tensor], None]] = {
     "in place": _edit_state_in_place,
+    "in place through to_local()": _edit_state_locally,
     "keys assigned": _assign_state_keys,
     "state[p] = {}": lambda state, p: state.__setitem__(p, {}),
     "del state[p]": lambda state, p: state.__delitem__(p),
@@ -1482,6 +1488,18 @@ def params_converted_or_tied_after_wrap_are_refused_before_the_step(rank: int, w
         ref_opt.step()
         opt.finish_param_sync()
         assert_params_close(model, ref, f"undone, then stepped, at fraction {fraction}")
+        # Memory of its own given with .data (a load the old way) is a write: trained from.
+        loaded = torch.randn(model.out.weight.shape, generator=torch.Generator().manual_seed(5))
+        model.out.weight.data = loaded.clone()
+        ref.out.weight.data = loaded.clone()
+        for step in (1, 2):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            step_reference(ref, ref_opt, x, y)
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f".data given at fraction {fraction}, step {step}")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
