@@ -62,17 +62,15 @@ def choose_reduce_scaling(
     world_size: int, device: torch.device, dtype: torch.dtype
 ) -> ReduceScaling:
     """The mean over ``world_size`` ranks: NCCL's AVG for fp32 and bf16 on CUDA; a sum and one
-    division elsewhere (gloo); for fp16, divisions split around the sum so that neither the
-    scaled grads nor their sum overflow (as FSDP2 does)."""
+    division elsewhere (gloo); for fp16, each grad divided by ``world_size`` before the sum, as
+    DDP divides them: a sum of finite fp16 grads may overflow where their mean does not (two
+    ranks' 40000 each), and a step that torch takes would be skipped as non-finite."""
     if world_size == 1:
         return ReduceScaling(dist.ReduceOp.SUM, None, None)
     if device.type == "cuda" and dtype in (torch.float32, torch.bfloat16):
         return ReduceScaling(dist.ReduceOp.AVG, None, None)
     if dtype == torch.float16:
-        pre = 1
-        while world_size % (pre * 2) == 0 and world_size / (pre * 2) >= pre * 2:
-            pre *= 2
-        return ReduceScaling(dist.ReduceOp.SUM, float(pre), world_size / pre)
+        return ReduceScaling(dist.ReduceOp.SUM, float(world_size), None)
     return ReduceScaling(dist.ReduceOp.SUM, None, float(world_size))
 
 

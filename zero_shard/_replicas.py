@@ -338,6 +338,8 @@ class DDPKind(_Replicas):
     """A DDP model: DDP all-reduces the grads, zero-shard steps its rows and gathers params."""
 
     _ddp: nn.parallel.DistributedDataParallel
+    _ignored: set[int]  # ids of the params DDP ignores (each rank's own): refused
+    _num_hooks_checked: int  # DDP comm hooks seen by _check_comm_hooks
 
     def __init__(
         self, ddp: nn.parallel.DistributedDataParallel, mesh: Any, device: torch.device
@@ -350,9 +352,24 @@ class DDPKind(_Replicas):
                     f"turns tensor-parallel params into local tensors. {SUPPORTED_TP}"
                 )
         self._ddp = ddp
+        ignored = ddp.parameters_to_ignore
+        self._ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ignored}
+        self._num_hooks_checked = 0
+        _check_comm_hooks(ddp)
         if mesh is None:
             mesh = getattr(ddp, "device_mesh", None)
         super().__init__(ddp, ddp.module, mesh, device, ddp.process_group)
+
+    def check_param(self, param: torch.Tensor, fqn: str) -> None:
+        if id(param) in self._ignored:
+            raise ValueError(
+                f"param {fqn!r} is one that DDP was told to ignore "
+                "(_set_params_and_buffers_to_ignore_for_model): DDP neither reduces nor "
+                "broadcasts it, so each rank holds its own, and zero-shard, which steps each "
+                "rank's rows of a param replicated on every rank, would mix the ranks' values. "
+                "Step such params with an optimizer of their own, outside the one you wrap"
+            )
+        super().check_param(param, fqn)
 
     def check_options(self, delay: DelayedUpdate | None, all_gather: AllGather | None) -> None:
         refuse_delayed_update(delay, "DDP")
@@ -372,6 +389,10 @@ class DDPKind(_Replicas):
         super().build(trainable, units, stage=stage, **options)
 
     def finalize_grads(self, *, reduce: bool = True) -> None:
+        hooks = getattr(self._ddp, "_comm_hooks", ())
+        if len(hooks) != self._num_hooks_checked:  # a comm hook registered since wrap
+            _check_comm_hooks(self._ddp)
+            self._num_hooks_checked = len(hooks)
         for sharded in self.sharded:
             grad = sharded.param.grad
             if grad is None:
@@ -505,6 +526,20 @@ def _module_tensors(
     params = [local_tensor(p) for p, skip in zip(params, claimed, strict=True) if not skip]
     tensors = params + list(module.buffers())
     return [tensor for tensor in tensors if tensor.device == device]
+
+
+def _check_comm_hooks(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Refuses a DDP comm hook known not to average the grads over the ranks: zero-shard steps
+    each rank's rows of the reduced grads, which must be alike on every rank (torch's averaging
+    hooks, compressed or not, give that)."""
+    for hook, _ in getattr(ddp, "_comm_hooks", ()):
+        if getattr(hook, "__name__", "") == "post_localSGD_hook":
+            raise ValueError(
+                "the DDP model has post_localSGD_hook, whose grads are each rank's own once local "
+                "SGD starts: zero-shard steps each rank's rows of grads replicated on every rank, "
+                "and would mix the ranks' updates. Use a DDP with an averaging comm hook (or "
+                "none), or step local SGD with a torch optimizer"
+            )
 
 
 def _note_memory(buckets: Sequence[Bucket]) -> None:

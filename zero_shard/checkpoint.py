@@ -36,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
@@ -357,6 +358,28 @@ def _wait_for_pending() -> None:
         wait([_pending.future])
 
 
+def _report_pending_at_exit() -> None:
+    """At interpreter exit: waits for the last ``async_save``, and says so if it failed, which
+    no later save or load is left to raise (a write still in flight when the process group was
+    destroyed fails)."""
+    pending = _pending
+    if pending is None:
+        return
+    error = pending.future.exception()  # waits for it
+    if error is not None:
+        warnings.warn(
+            f"the last async_save, to {pending.path}, failed: {type(error).__name__}: {error}. "
+            "That checkpoint was not written; the last complete one there (if any) is intact. "
+            "Wait for async_save's future (future.result()) before "
+            "torch.distributed.destroy_process_group()",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+atexit.register(_report_pending_at_exit)
+
+
 def _finish_pending() -> None:
     """Waits for the last ``async_save``; raises if it failed, once (the next save goes on)."""
     global _pending
@@ -391,7 +414,9 @@ def async_save(
 
     The background thread's collectives run on a gloo group of zero-shard's own (made at the
     first call, on every rank): the training's process group may be NCCL only, and its own
-    collectives are not interleaved with the save's.
+    collectives are not interleaved with the save's. Wait for the last save's future before
+    ``torch.distributed.destroy_process_group()``, which ends that group: a write still in
+    flight then fails, and with no later save to raise it, it is reported at exit.
     """
     global _pending
     group = _meet("async_save")

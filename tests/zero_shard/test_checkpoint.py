@@ -423,3 +423,45 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused:" in done.stdout and "did not finish" in done.stdout
     assert IncompleteCheckpointError.__mro__[1] is RuntimeError
+
+
+ASYNC_SAVE_THEN_DESTROY = textwrap.dedent(
+    """
+    import sys, time, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    sys.path.insert(0, {tests!r})
+    from _models import adamw, make_model
+    import zero_shard
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model)
+    write = dcp.FileSystemWriter.write_data
+
+    def slow_write(self, plan, planner):
+        time.sleep(1.0)  # still writing when the group is destroyed
+        return write(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = slow_write
+    zero_shard.checkpoint.async_save({path!r}, model=model, optimizer=opt)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_an_async_save_cut_off_by_destroy_process_group_is_reported_at_exit(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    path = str(tmp_path / "ckpt")
+    script = ASYNC_SAVE_THEN_DESTROY.format(tests=str(Path(__file__).parent), port=port, path=path)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"the last async_save, to {path}, failed" in done.stderr, done.stderr[-2000:]
+    assert "future.result()) before torch.distributed.destroy_process_group()" in done.stderr
+    assert not (tmp_path / "ckpt").exists()

@@ -53,6 +53,7 @@ from zero_shard import OffloadPolicy
 from zero_shard._buckets import FlagsBefore
 
 CASES = {}
+DDP = nn.parallel.DistributedDataParallel
 STEPS = 4
 TINY_BUCKETS = 0.0008  # MiB: the test model's params fill several buckets
 SIDE_ROWS = 2  # rows of the global batch that use the model's `side` layer (rank 0's alone)
@@ -443,6 +444,26 @@ def optimizer_state_edited_the_ways_torch_users_edit_it(rank: int, world: int) -
     assert all(float(opt.state[p]["step"]) == 0 for p in model.parameters())
     with pytest.raises(TypeError, match="only be replaced by an empty dict"):
         opt.state = {model.inp.weight: {}}
+
+
+@case
+def fp16_grads_whose_sum_overflows_but_mean_does_not_step_as_under_ddp(
+    rank: int, world: int
+) -> None:
+    # Each rank's fp16 grad is 40000: their sum overflows fp16, their mean does not. DDP divides
+    # each by the world size before its all-reduce and steps; so must zero-shard.
+    x = torch.ones(1, 1, dtype=torch.float16)
+    for stage in (1, 2):
+        model = nn.Linear(1, 1, bias=False).half()
+        nn.init.ones_(model.weight)
+        ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+        opt = zero_shard.wrap(torch.optim.SGD(model.parameters(), lr=1e-6), model, stage=stage)
+        (model(x).sum() * 40000.0).backward()
+        (ddp(x).sum() * 40000.0).backward()
+        assert torch.equal(opt.main_grad(model.weight).full_tensor(), ddp.module.weight.grad)
+        opt.step()
+        opt.finish_param_sync()
+        assert opt.num_skipped_steps == 0, f"stage {stage}: a finite mean was skipped"
 
 
 @case
@@ -1353,6 +1374,35 @@ def ddp_wrapped_after_wrap_trains_as_ddp(rank: int, world: int) -> None:
     mse(ref(x), y).backward()
     ref_plain.step()
     assert_params_close(model, ref, "DDP after the optimizer was collected")
+
+
+@case
+def ddp_params_ddp_ignores_and_local_sgd_hooks_are_refused(rank: int, world: int) -> None:
+    # DDP leaves params it ignores, and grads once local SGD starts, to each rank: zero-shard,
+    # which steps each rank's rows of grads alike on every rank, refuses both on every rank.
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local_sgd
+
+    model = make_model()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["out.weight", "out.bias"])
+    with pytest.raises(ValueError, match=r"'out\.weight' is one that DDP was told to ignore"):
+        zero_shard.wrap(adamw(model), DDP(model))
+    for after_wrap in (False, True):
+        ddp = DDP(make_model())
+        state = local_sgd.PostLocalSGDState(process_group=None, subgroup=None,
+                                            start_localSGD_iter=1)  # fmt: skip
+        if not after_wrap:
+            ddp.register_comm_hook(state, local_sgd.post_localSGD_hook)
+            with pytest.raises(ValueError, match="post_localSGD_hook"):
+                zero_shard.wrap(adamw(ddp.module), ddp)
+            continue
+        opt = zero_shard.wrap(adamw(ddp.module), ddp)
+        ddp.register_comm_hook(state, local_sgd.post_localSGD_hook)
+        x, y = global_batch(0)
+        mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        before = [p.detach().clone() for p in ddp.parameters()]
+        with pytest.raises(ValueError, match="post_localSGD_hook"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(ddp.parameters(), before, strict=True))
 
 
 @case
