@@ -44,6 +44,9 @@ _LOAD = "_load_optim_state_dict"
 # Frames between _get_optim_state_dict's and _load_optim_state_dict's: torch.no_grad's wrapper
 # around the first (one frame; a spare for another decorator).
 _MAX_FRAMES_UP = 3
+# Frames between torch's _get_optim_state_dict and state_dict() where an optimizer wrapper's own
+# state_dict() calls the wrapped one's (accelerate's AcceleratedOptimizer: one).
+_MAX_WRAPPER_FRAMES = 3
 
 
 class TorchCall(enum.Enum):
@@ -57,7 +60,12 @@ def _is(frame: FrameType, name: str) -> bool:
 
 
 def torch_call(caller: FrameType | None) -> TorchCall:
-    """Which call ``caller`` (the frame that called ``state_dict()``) is."""
+    """Which call ``caller`` (the frame that called ``state_dict()``) is: torch's, directly or
+    through an optimizer wrapper of a few frames (accelerate's ``AcceleratedOptimizer``)."""
+    for _ in range(_MAX_WRAPPER_FRAMES + 1):
+        if caller is None or _is(caller, _GET):
+            break
+        caller = caller.f_back
     if caller is None or not _is(caller, _GET):
         return TorchCall.NONE
     frame = caller.f_back

@@ -1239,6 +1239,24 @@ def go_on(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int,
             close(param.detach(), expected, **PARAM_TOL, msg=lambda m, at=at: f"{at}: {m}")
 
 
+class ForwardingOptimizer(torch.optim.Optimizer):
+    """An optimizer wrapper whose state_dict() calls the wrapped one's, as accelerate's
+    AcceleratedOptimizer does."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # no Optimizer.__init__
+        self.optimizer = optimizer
+
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
 @case
 def torchs_get_and_set_optimizer_state_dict_take_the_wrapper(rank: int, world: int) -> None:
     ref, ref_opt = make_model(), None
@@ -1273,6 +1291,8 @@ def torchs_get_and_set_optimizer_state_dict_take_the_wrapper(rank: int, world: i
         own = opt.state_dict()
         got = get_optimizer_state_dict(model, opt)
         assert_same_state(got, own, "get_optimizer_state_dict")
+        forwarded = get_optimizer_state_dict(model, ForwardingOptimizer(opt))
+        assert_same_state(forwarded, own, "get_optimizer_state_dict through a wrapper")
         full = get_optimizer_state_dict(model, opt, options=FULL)
         on_host = get_optimizer_state_dict(
             model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
