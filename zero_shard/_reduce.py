@@ -40,7 +40,8 @@ takes part in the agreement, and one that skipped every checkpointed call (data-
 not, mismatching the collectives; ``use_reentrant=False`` has no nested backward.
 
 At one rank the packed grads are the reduced ones: they are packed straight into the grad buffer
-and no collective runs.
+and no collective runs, on backward's own stream unless the bucket's params are large
+(``GradReducer._stream_for``).
 
 [Note: reduced grads held]
 A bucket holds its grad buffer from its first reduction after the grads were cleared until they
@@ -81,7 +82,11 @@ from ._gather import ParamGatherer
 from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad, Taken, forget_all
 from ._released_ops import DeferredClip, EarlyCopies
 
-__all__ = ["GradReducer"]
+__all__ = ["SIDE_PACK_NUMEL", "GradReducer"]
+
+# At one rank, a bucket whose params average this many elements or more is packed on the side
+# stream (see GradReducer._stream_for): a 1B-param GPT's (7M on average), not a 38M one's (0.3M).
+SIDE_PACK_NUMEL = 1 << 21
 
 
 class GradReducer:
@@ -94,7 +99,7 @@ class GradReducer:
     _world_size: int
     _scatter: bool  # stage 2: reduce-scatter; stage 1: all-reduce
     _device: torch.device
-    _stream: Any  # the side stream reductions run on; None on the CPU and at one rank
+    _stream: Any  # the side stream reductions run on (see _stream_for); None on the CPU
     _event: Any  # on _stream after the last reduction; None when none is in flight (or CPU)
     _next: int  # the next bucket to reduce in this backward (they go from last to first)
     _in_backward: bool  # an end-of-backward callback is queued
@@ -129,9 +134,7 @@ class GradReducer:
         self._world_size = 1 if group is None else dist.get_world_size(group)
         self._scatter = stage == 2
         self._device = device
-        # One rank has no collective to overlap: it packs on backward's own stream, so that no
-        # grad needs record_stream (each would leave the allocator an event to poll at reuse).
-        self._stream = side_stream(device) if self._world_size > 1 else None
+        self._stream = side_stream(device)
         self._event = None
         self._next = len(self.buckets) - 1
         self._in_backward = False
@@ -271,14 +274,25 @@ class GradReducer:
         has_grads = bucket.has_grads
         return grads, [has_grads and each.kept for each in taken], [e.zeroed for e in taken]
 
-    def _hold_buffer(self, bucket: Bucket) -> None:
+    def _stream_for(self, bucket: Bucket) -> Any:
+        """Where the bucket is packed and reduced: the side stream, but at one rank (no
+        collective to overlap) backward's own stream, so that no grad needs record_stream (each
+        would leave the allocator an event to poll at reuse), unless the bucket's params average
+        ``SIDE_PACK_NUMEL`` elements or more: their copy is then long enough to be worth running
+        beside backward's compute, and an event per grad is small beside it."""
+        if self._world_size > 1:
+            return self._stream
+        large = bucket.layout.segment_numel >= SIDE_PACK_NUMEL * len(bucket.params)
+        return self._stream if large else None
+
+    def _hold_buffer(self, bucket: Bucket, stream: Any) -> None:
         """A grad buffer for a bucket that holds none, made on the current stream, where the step
         reads it; the side stream's writes are recorded, so that its memory waits for them once
         the grads are dropped."""
         layout = bucket.layout
         buffer = torch.empty(layout.segment_numel, dtype=layout.dtype, device=self._device)
-        if self._stream is not None:
-            buffer.record_stream(self._stream)
+        if stream is not None:
+            buffer.record_stream(stream)
         bucket.hold_grads(buffer)
 
     @torch.no_grad()
@@ -291,15 +305,16 @@ class GradReducer:
         # The grads are complete on the stream current here (backward's); read it before
         # switching, or the side stream would wait on itself.
         compute = current_stream(self._device)
+        stream = self._stream_for(bucket)
         before = _flags_before(bucket)
         if not bucket.has_grads:
-            self._hold_buffer(bucket)
+            self._hold_buffer(bucket, stream)
         # One rank: the packed grads are the reduced ones, packed straight into the buffer
         # unless added to it (or its flags are still to be read).
         alone = world == 1
         into_buffer = alone and not adds and not any(zeroed)
-        with use_stream(self._stream):
-            wait_stream(self._stream, compute)
+        with use_stream(stream):
+            wait_stream(stream, compute)
             if into_buffer:
                 packed = bucket.grad_buffer.zero_()
             else:
@@ -314,8 +329,8 @@ class GradReducer:
                 if any(zeroed):
                     _flag_zeroed_as_before(packed, bucket, zeroed, before, world)
             for sharded, grad in zip(bucket.params, grads, strict=True):
-                if grad is not None and self._stream is not None:
-                    grad.record_stream(self._stream)
+                if grad is not None and stream is not None:
+                    grad.record_stream(stream)
                 # Every param's, with a local grad or not: the slot holds the grad of all ranks.
                 sharded.watch.release()
             if adds and not all(kept):
@@ -326,7 +341,8 @@ class GradReducer:
                 bucket.grad_buffer.add_(packed)
             elif not into_buffer:
                 bucket.grad_buffer.copy_(packed)
-            self._event = record_event(self._stream)
+            if stream is not None:  # (the side stream runs in order: its last event covers all)
+                self._event = record_event(stream)
             if self._early is not None:
                 self._early.grads_reduced(bucket)
         # A rewritten bucket forgets what was missing before: its flags are this reduction's.

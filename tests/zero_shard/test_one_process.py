@@ -315,6 +315,46 @@ def test_a_model_converted_after_wrap_is_refused_not_put_back() -> None:
     assert result.stdout.count("refused") == 3, result.stdout
 
 
+LARGE_PARAMS = textwrap.dedent(
+    """
+    import torch
+    import zero_shard
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(3072, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 3072)
+        ).cuda()
+
+    # 4 MB buckets: each weight (9.4M elements) a bucket of its own, packed on the side stream;
+    # each bias in a small one, packed on backward's stream (GradReducer._stream_for).
+    model, ref = make(), make()
+    opt = zero_shard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model, bucket_mb=4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    gen = torch.Generator("cuda").manual_seed(1)
+    for step in range(5):
+        x = torch.randn(256, 3072, device="cuda", generator=gen)
+        for net, optimizer in ((model, opt), (ref, ref_opt)):
+            torch.cuda._sleep(20_000_000)  # backward's grads come late on its stream
+            net(x).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            optimizer.step()
+            net.zero_grad()
+        opt.finish_param_sync()
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    print("large params follow torch")
+    """
+)
+
+
+@pytest.mark.cuda
+def test_large_params_at_one_gpu_pack_beside_backward_and_follow_torch() -> None:
+    result = run(LARGE_PARAMS)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "large params follow torch" in result.stdout
+
+
 @pytest.mark.cuda
 def test_one_gpu_holds_no_more_than_torch() -> None:
     result = run(PEAK_MEMORY)
