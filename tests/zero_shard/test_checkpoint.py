@@ -427,7 +427,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) 
 
 ASYNC_SAVE_THEN_DESTROY = textwrap.dedent(
     """
-    import sys, time, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    import sys, threading, time, torch.distributed as dist, torch.distributed.checkpoint as dcp
     sys.path.insert(0, {tests!r})
     from _models import adamw, make_model
     import zero_shard
@@ -436,13 +436,16 @@ ASYNC_SAVE_THEN_DESTROY = textwrap.dedent(
     model = make_model()
     opt = zero_shard.wrap(adamw(model), model)
     write = dcp.FileSystemWriter.write_data
+    writing = threading.Event()
 
     def slow_write(self, plan, planner):
+        writing.set()
         time.sleep(1.0)  # still writing when the group is destroyed
         return write(self, plan, planner)
 
     dcp.FileSystemWriter.write_data = slow_write
     zero_shard.checkpoint.async_save({path!r}, model=model, optimizer=opt)
+    assert writing.wait(60)  # the save's write has begun: DCP planned it with the group
     dist.destroy_process_group()
     """
 )
