@@ -31,6 +31,12 @@ def check_param_kind(param: torch.Tensor, name: str) -> None:
         )
     if not param.is_floating_point():
         raise TypeError(f"{name} has dtype {param.dtype}; params must be floating point")
+    if param.dtype == torch.float64:
+        raise TypeError(
+            f"{name} is torch.float64; zero-shard keeps fp32 main weights and optimizer state, "
+            "which would round it and lose updates below fp32's precision (torch steps it in "
+            "float64). Train float64 params with a torch optimizer, or make them float32"
+        )
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -70,9 +70,11 @@ def test_meta_params() -> None:
         HybridDeviceOptimizer([meta])
 
 
-def test_complex_and_non_contiguous_params() -> None:
+def test_complex_float64_and_non_contiguous_params() -> None:
     with pytest.raises(TypeError, match="complex params"):
         HybridDeviceOptimizer([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+    with pytest.raises(TypeError, match="is torch.float64; zero-shard keeps fp32 main weights"):
+        HybridDeviceOptimizer([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
     strided = torch.nn.Parameter(torch.zeros(4, 6).t())
     with pytest.raises(ValueError, match="not contiguous"):
         HybridDeviceOptimizer([strided])

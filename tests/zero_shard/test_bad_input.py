@@ -178,6 +178,10 @@ def sparse_and_complex_params(rank: int, world: int) -> None:
     model = WithEmbedding(dtype=torch.complex64)
     with pytest.raises(TypeError, match=r"param 'head.weight' is complex \(torch.complex64\)"):
         zero_shard.wrap(adamw(model), model)
+    # fp32 main weights would round float64 params and lose updates below fp32's precision.
+    model = WithEmbedding(dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"param 'head.weight' is torch.float64; .*fp32 main"):
+        zero_shard.wrap(adamw(model), model)
 
 
 @case
