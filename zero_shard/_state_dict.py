@@ -46,6 +46,7 @@ __all__ = [
     "local_state_dict",
     "numbers_params",
     "param_fqns",
+    "picklable",
     "sharded_state",
     "staged",
     "tag_origin",
@@ -63,7 +64,35 @@ def _dtensor_here(
     """A DTensor of ``shape`` over ``local`` where ``local`` is: ``DTensor.from_local`` would copy
     a host tensor to the mesh's device, as FSDP2's CPU offload avoids the same way."""
     meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-    return DTensor(local, DTensorSpec(mesh, placements, tensor_meta=meta), requires_grad=False)
+    spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+    return picklable(DTensor(local, spec, requires_grad=False))
+
+
+def _over_a_copy(tensor: DTensor) -> DTensor:
+    copied = DTensor(tensor._local_tensor.clone(), tensor._spec, requires_grad=False)
+    copied.__dict__.update(
+        {k: v for k, v in tensor.__dict__.items() if k not in ("__reduce_ex__", "__deepcopy__")}
+    )
+    return copied
+
+
+def picklable(tensor: DTensor) -> DTensor:
+    """``tensor``, which ``torch.save`` and ``copy.deepcopy`` take even where its local tensor is a
+    view past the start of its storage (a param's rows in a flat buffer of main weights).
+
+    [Note: DTensors over views]
+    A DTensor takes its local tensor's storage offset, and pickling or deep-copying one whose
+    offset is not 0 fails on torch 2.13 ("Attempted to access the data pointer on an invalid
+    python storage"): ``torch.save(opt.state_dict())`` of a bf16 model (its ``main_param``
+    entries, views of the flat main weights), as Hugging Face's Trainer and accelerate save.
+    Such a DTensor is pickled and deep-copied as one over a copy of its local tensor (its other
+    attributes kept), made then; it stays a view of the live state otherwise (``dcp.load`` writes
+    into it)."""
+    if tensor._local_tensor.storage_offset() != 0:
+        this = weakref.ref(tensor)  # no cycle through its own attributes
+        tensor.__reduce_ex__ = lambda proto: _over_a_copy(this()).__reduce_ex__(proto)
+        tensor.__deepcopy__ = lambda memo: _over_a_copy(this())
+    return tensor
 
 
 def dtensor_on(like: DTensor, local: torch.Tensor) -> DTensor:
@@ -81,7 +110,7 @@ def to_dtensor(sharded: ShardedParam, local: torch.Tensor, *, keep_device: bool 
     layout = sharded.layout
     if keep_device:
         return _dtensor_here(local, layout.mesh, layout.placements, layout.shape, layout.stride)
-    return DTensor.from_local(
+    tensor = DTensor.from_local(
         local,
         layout.mesh,
         layout.placements,
@@ -89,6 +118,7 @@ def to_dtensor(sharded: ShardedParam, local: torch.Tensor, *, keep_device: bool 
         shape=layout.shape,
         stride=layout.stride,
     )
+    return picklable(tensor)
 
 
 def local_rows(sharded: ShardedParam, value: Any) -> Any:

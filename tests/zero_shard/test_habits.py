@@ -467,6 +467,42 @@ def fp16_grads_whose_sum_overflows_but_mean_does_not_step_as_under_ddp(
 
 
 @case
+def a_low_precision_models_state_dict_saved_per_rank_with_torch_save_resumes(
+    rank: int, world: int
+) -> None:
+    # Hugging Face's Trainer and accelerate torch.save the optimizer's state dict; a bf16
+    # model's holds main_param DTensors over views of the flat main weights ([Note: DTensors
+    # over views] in zero_shard/_state_dict.py). Saved per rank, loaded back: the same trajectory.
+    for fraction in (0.0, 0.5):
+        model = make_model().to(torch.bfloat16)
+        opt = zero_shard.wrap(adamw(model), model, offload=offload(fraction),
+                              bucket_mb=TINY_BUCKETS)  # fmt: skip
+
+        def steps(first: int, model: nn.Module = model, opt: Any = opt) -> list[torch.Tensor]:
+            for step in range(first, first + 2):
+                x, y = (t.to(torch.bfloat16) for t in global_batch(step))
+                mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                opt.step()
+                opt.zero_grad()
+            opt.finish_param_sync()
+            return [p.detach().clone() for p in model.parameters()]
+
+        steps(0)
+        saved, weights = io.BytesIO(), copy.deepcopy(model.state_dict())
+        torch.save(opt.state_dict(), saved)
+        kept = copy.deepcopy(opt.state_dict())
+        expected = steps(2)
+        for source in ("torch.save", "copy.deepcopy"):
+            model.load_state_dict(weights)
+            saved.seek(0)
+            opt.load_state_dict(torch.load(saved, weights_only=False) if source == "torch.save"
+                                else kept)  # fmt: skip
+            got = steps(2)
+            for a, b in zip(got, expected, strict=True):
+                assert torch.equal(a, b), f"{source} at fraction {fraction}"
+
+
+@case
 def zeroed_grads_are_stepped_as_zeros_and_unused_params_have_none(rank: int, world: int) -> None:
     # zero_grad(set_to_none=False) leaves zeros, which torch steps (AdamW's moments and weight
     # decay move the params) even with no backward, or when the param is not used again.
