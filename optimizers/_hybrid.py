@@ -45,6 +45,7 @@ from ._state import (
     StateView,
     check_saved_state,
     init_state,
+    load_main,
     match_saved,
     record_state,
     reset_state,
@@ -605,7 +606,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()  # every piece keeps its own
             for key, value in state.items():
-                if watch and key != "main_param" and torch.is_tensor(value):
+                if watch and torch.is_tensor(value):
                     self.hand_out(record.param, key, value)
         return state
 
@@ -627,7 +628,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         def write_back(tensor: torch.Tensor) -> None:
             self.wait_for_worker()
-            write_state(record, key, tensor if local is None else local(tensor))
+            value = tensor if local is None else local(tensor)
+            if key == "main_param":  # the fp32 main weight: the param follows it, as after a step
+                load_main(record, value)
+            else:
+                write_state(record, key, value)
 
         self._edits.hand_out(copy, write_back, record)
 
@@ -690,6 +695,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._host.drop_kernel_tables()  # settles the step in flight first
         pairs = match_saved(self._records, self.param_groups, state_dict)
+        stale = self._edits.stale_copies()
         self._edits.forget()  # the state handed out is replaced, as in torch
         saved_state = state_dict["state"]
         for record, saved_id in pairs:
@@ -710,6 +716,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for record, saved_id in pairs:
             if not record.ignored:
                 keys = self._state_keys[record.group_index].elementwise_keys
-                scatter_state(record, saved_state.get(saved_id), keys)
+                saved = saved_state.get(saved_id)
+                if saved is not None and stale and any(id(v) in stale for v in saved.values()):
+                    saved = _live_for_stale(record, saved, stale)
+                scatter_state(record, saved, keys)
         init_state(self._records, self.optimizer_cls, self._state_keys)
         self._host.num_updates = state_step_count(self._records)
+
+
+def _live_for_stale(record: ParamRecord, saved: dict[str, Any], stale: set[int]) -> dict[str, Any]:
+    """``saved`` with the live state in place of each tensor that is a copy handed out before the
+    last step: torch's state dict holds the live state itself, so loading one kept since then
+    (``sd = opt.state_dict()``, steps, ``opt.load_state_dict(sd)``) changes nothing there
+    ([Note: state edits])."""
+    live = record_state(record)
+    return {key: live[key] if id(value) in stale else value for key, value in saved.items()}

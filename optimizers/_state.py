@@ -249,6 +249,11 @@ class StateEdits:
         self._fresh = _referenced(self._fresh)
         self._stale = _referenced(self._stale)
 
+    def stale_copies(self) -> set[int]:
+        """The ids of the copies handed out before the last step that someone still holds."""
+        alive = [copy.alive() for copy in self._stale]
+        return {id(tensor) for tensor in alive if tensor is not None}
+
     def expire(self) -> None:
         """A step is about to change the state (after ``apply``): the copies handed out so far
         become stale."""

@@ -152,8 +152,8 @@ def sharded_state(
     for key, value in local.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
             state[key] = to_dtensor(sharded, value, keep_device=keep_device)
-            local_copy = state[key].to_local()
-            if key != "main_param" and (copied or local_copy.data_ptr() != value.data_ptr()):
+            local_copy = state[key]._local_tensor  # to_local() is a view of it under grad mode
+            if copied or local_copy.data_ptr() != value.data_ptr():
                 hybrid.hand_out(param, key, state[key], local=DTensor.to_local)
                 hybrid.hand_out(param, key, local_copy)  # edited through to_local()
         else:

@@ -503,6 +503,31 @@ def a_low_precision_models_state_dict_saved_per_rank_with_torch_save_resumes(
 
 
 @case
+def a_state_dict_kept_without_a_copy_and_loaded_after_steps_changes_nothing(
+    rank: int, world: int
+) -> None:
+    # torch's state dict holds the live state: sd = opt.state_dict(), steps, then
+    # opt.load_state_dict(sd) changes nothing. Copies handed out for params in several pieces
+    # are taken as the live state there too ([Note: state edits]).
+    for fraction in (0.0, 0.5, 1.0):
+        model, opt, ref, ref_opt = wrapped_and_torch(fraction=fraction)
+        kept = ref_kept = None
+        for step in range(6):
+            if step == 2:
+                kept, ref_kept = opt.state_dict(), ref_opt.state_dict()
+            if step == 4:
+                opt.load_state_dict(kept)
+                ref_opt.load_state_dict(ref_kept)
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            step_reference(ref, ref_opt, x, y)
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f"fraction {fraction}, step {step}")
+
+
+@case
 def zeroed_grads_are_stepped_as_zeros_and_unused_params_have_none(rank: int, world: int) -> None:
     # zero_grad(set_to_none=False) leaves zeros, which torch steps (AdamW's moments and weight
     # decay move the params) even with no backward, or when the param is not used again.
