@@ -31,7 +31,7 @@ def check_param_kind(param: torch.Tensor, name: str) -> None:
         )
     if not param.is_floating_point():
         raise TypeError(f"{name} has dtype {param.dtype}; params must be floating point")
-    if param.dtype == torch.float64:
+    if param.dtype == torch.float64 and param.requires_grad:  # a frozen one is never stepped
         raise TypeError(
             f"{name} is torch.float64; zero-shard keeps fp32 main weights and optimizer state, "
             "which would round it and lose updates below fp32's precision (torch steps it in "

@@ -115,6 +115,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     optimizer_cls: type[torch.optim.Optimizer]
     _state_view: StateView  # what `state` shows ([Note: state edits] in _state.py)
     _edits: StateEdits  # copies of the state handed out, written back where edited
+    _record_by_param: dict[torch.Tensor, ParamRecord]  # each param's record (by identity)
     _optimizer_spec: OptimizerSpec  # how every sub-optimizer is constructed
     _records: list[ParamRecord] | None  # one per param over all groups; None while building
     _device: DevicePart
@@ -159,6 +160,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         check_impl_flags(self.param_groups)
         self._build()
         self._groups_at_build = GroupsAtBuild(self.param_groups)
+        self._record_by_param = {record.param: record for record in self._records}
         self._edits = StateEdits()
         self.state = StateView(self._records, self)
 
@@ -620,6 +622,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         key: str,
         copy: torch.Tensor,
         local: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        token: object = None,
     ) -> None:
         """Watches ``copy``, a copy of ``param``'s state ``key`` handed out (or a tensor assigned
         to it): an edit of it is written back, ``local(copy)`` if given, before the state is
@@ -634,7 +637,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             else:
                 write_state(record, key, value)
 
-        self._edits.hand_out(copy, write_back, record)
+        self._edits.hand_out(copy, write_back, record, token)
 
     def write_state(self, record: ParamRecord, key: str, value: Any, *, watch: bool = True) -> None:
         """Writes ``value`` into the param's state ``key`` (``optimizer.state[param][key] =
@@ -660,10 +663,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._host.wait_for_worker()
 
     def _record_of(self, param: torch.Tensor) -> ParamRecord:
-        for record in self._records:
-            if record.param is param:
-                return record
-        raise KeyError(f"a param of shape {tuple(param.shape)} is not in this optimizer")
+        record = self._record_by_param.get(param)
+        if record is None:
+            raise KeyError(f"a param of shape {tuple(param.shape)} is not in this optimizer")
+        return record
 
     def param_state(self, param: torch.Tensor, *, watch: bool = True) -> dict[str, Any]:
         """One param's state as ``state_dict()`` shows it (``{}`` before it has any): tensors in

@@ -202,6 +202,7 @@ class _Copy:
     version: int  # its version counter when handed out or last written back
     write: Callable[[torch.Tensor], None]  # writes it into the live state
     owner: object  # whose state it copies (forget() by owner)
+    token: object  # shared by copies of one read that alias each other (a DTensor, its local)
 
     def alive(self) -> torch.Tensor | None:
         return self.held if self.held is not None else self.tensor()
@@ -220,10 +221,16 @@ class StateEdits:
         self._fresh, self._stale = [], []
 
     def hand_out(
-        self, tensor: torch.Tensor, write: Callable[[torch.Tensor], None], owner: object
+        self,
+        tensor: torch.Tensor,
+        write: Callable[[torch.Tensor], None],
+        owner: object,
+        token: object = None,
     ) -> None:
-        """Watches ``tensor``, a copy of ``owner``'s live state that ``write`` writes back."""
-        self._fresh.append(_Copy(weakref.ref(tensor), tensor, tensor._version, write, owner))
+        """Watches ``tensor``, a copy of ``owner``'s live state that ``write`` writes back;
+        ``token``: the same for tensors that alias it (default: its own)."""
+        token = object() if token is None else token
+        self._fresh.append(_Copy(weakref.ref(tensor), tensor, tensor._version, write, owner, token))
 
     def apply(self) -> None:
         """Writes back the copies edited since they were handed out; raises (once per copy)
@@ -250,8 +257,12 @@ class StateEdits:
         self._stale = _referenced(self._stale)
 
     def stale_copies(self) -> set[int]:
-        """The ids of the copies handed out before the last step that someone still holds."""
-        alive = [copy.alive() for copy in self._stale]
+        """The ids of the copies handed out before the last step that someone still holds and
+        nobody edited since (through them or what aliases them): torch's would be the live
+        state. An edited one (a ``dcp.load`` into a kept state dict) is left out: it holds what
+        was written."""
+        edited = {copy.token for copy in self._stale if _edited(copy)}
+        alive = [copy.alive() for copy in self._stale if copy.token not in edited]
         return {id(tensor) for tensor in alive if tensor is not None}
 
     def expire(self) -> None:

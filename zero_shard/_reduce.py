@@ -100,7 +100,8 @@ class GradReducer:
     _scatter: bool  # stage 2: reduce-scatter; stage 1: all-reduce
     _device: torch.device
     _stream: Any  # the side stream reductions run on (see _stream_for); None on the CPU
-    _event: Any  # on _stream after the last reduction; None when none is in flight (or CPU)
+    _event: Any  # on _stream after the last reduction there; None when none is in flight
+    #              there (or on the CPU; one rank's reductions on backward's stream record none)
     _next: int  # the next bucket to reduce in this backward (they go from last to first)
     _in_backward: bool  # an end-of-backward callback is queued
     _round_task: int  # the autograd graph task the callback is queued on

@@ -352,8 +352,13 @@ class DDPKind(_Replicas):
                     f"turns tensor-parallel params into local tensors. {SUPPORTED_TP}"
                 )
         self._ddp = ddp
+        # (DDP lists the params it all-reduces after backward, delay_all_reduce_named_params,
+        # among those it ignores.)
+        delayed = {id(p) for _, p in getattr(ddp, "_delay_all_reduce_params", ())}
         ignored = ddp.parameters_to_ignore
-        self._ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ignored}
+        self._ignored = {
+            id(p) for n, p in ddp.module.named_parameters() if n in ignored and id(p) not in delayed
+        }
         self._num_hooks_checked = 0
         _check_comm_hooks(ddp)
         if mesh is None:
@@ -388,11 +393,20 @@ class DDPKind(_Replicas):
             )
         super().build(trainable, units, stage=stage, **options)
 
-    def finalize_grads(self, *, reduce: bool = True) -> None:
+    def finish(self) -> None:
+        """As for any gathered model; and a comm hook registered since the last check is checked
+        here, before the step's first collective (see ``_check_comm_hooks``)."""
+        super().finish()
+        self._check_new_comm_hooks()
+
+    def _check_new_comm_hooks(self) -> None:
         hooks = getattr(self._ddp, "_comm_hooks", ())
         if len(hooks) != self._num_hooks_checked:  # a comm hook registered since wrap
             _check_comm_hooks(self._ddp)
             self._num_hooks_checked = len(hooks)
+
+    def finalize_grads(self, *, reduce: bool = True) -> None:
+        self._check_new_comm_hooks()  # a clip finalizes before any step
         for sharded in self.sharded:
             grad = sharded.param.grad
             if grad is None:
@@ -531,7 +545,8 @@ def _module_tensors(
 def _check_comm_hooks(ddp: nn.parallel.DistributedDataParallel) -> None:
     """Refuses a DDP comm hook known not to average the grads over the ranks: zero-shard steps
     each rank's rows of the reduced grads, which must be alike on every rank (torch's averaging
-    hooks, compressed or not, give that)."""
+    hooks, compressed or not, give that). Known by its name: a local-SGD hook wrapped in another
+    function (``fp16_compress_wrapper(post_localSGD_hook)``, a ``partial``) is not seen."""
     for hook, _ in getattr(ddp, "_comm_hooks", ()):
         if getattr(hook, "__name__", "") == "post_localSGD_hook":
             raise ValueError(

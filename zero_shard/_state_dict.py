@@ -154,8 +154,9 @@ def sharded_state(
             state[key] = to_dtensor(sharded, value, keep_device=keep_device)
             local_copy = state[key]._local_tensor  # to_local() is a view of it under grad mode
             if copied or local_copy.data_ptr() != value.data_ptr():
-                hybrid.hand_out(param, key, state[key], local=DTensor.to_local)
-                hybrid.hand_out(param, key, local_copy)  # edited through to_local()
+                token = object()  # the two alias each other
+                hybrid.hand_out(param, key, state[key], local=DTensor.to_local, token=token)
+                hybrid.hand_out(param, key, local_copy, token=token)  # edited via to_local()
         else:
             state[key] = value
             if copied and torch.is_tensor(value):

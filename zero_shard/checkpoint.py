@@ -363,7 +363,7 @@ def _report_pending_at_exit() -> None:
     no later save or load is left to raise (a write still in flight when the process group was
     destroyed fails)."""
     pending = _pending
-    if pending is None:
+    if pending is None or pending.future.cancelled():
         return
     error = pending.future.exception()  # waits for it
     if error is not None:

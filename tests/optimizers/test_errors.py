@@ -75,6 +75,8 @@ def test_complex_float64_and_non_contiguous_params() -> None:
         HybridDeviceOptimizer([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
     with pytest.raises(TypeError, match="is torch.float64; zero-shard keeps fp32 main weights"):
         HybridDeviceOptimizer([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    frozen = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64), requires_grad=False)
+    HybridDeviceOptimizer([torch.nn.Parameter(torch.zeros(3)), frozen])  # never stepped: taken
     strided = torch.nn.Parameter(torch.zeros(4, 6).t())
     with pytest.raises(ValueError, match="not contiguous"):
         HybridDeviceOptimizer([strided])

@@ -509,13 +509,21 @@ def a_state_dict_kept_without_a_copy_and_loaded_after_steps_changes_nothing(
     # torch's state dict holds the live state: sd = opt.state_dict(), steps, then
     # opt.load_state_dict(sd) changes nothing. Copies handed out for params in several pieces
     # are taken as the live state there too ([Note: state edits]).
-    for fraction in (0.0, 0.5, 1.0):
+    # Written into in place first (as dcp.load writes), it loads what was written.
+    for fraction, overwrite in itertools.product((0.0, 0.5, 1.0), (False, True)):
         model, opt, ref, ref_opt = wrapped_and_torch(fraction=fraction)
-        kept = ref_kept = None
+        kept = ref_kept = snapshot = ref_snapshot = None
         for step in range(6):
             if step == 2:
                 kept, ref_kept = opt.state_dict(), ref_opt.state_dict()
+                snapshot = copy.deepcopy(opt.state_dict())
+                ref_snapshot = copy.deepcopy(ref_opt.state_dict())
             if step == 4:
+                if overwrite:
+                    for held, values in ((kept, snapshot), (ref_kept, ref_snapshot)):
+                        for key, state in held["state"].items():
+                            for name, value in state.items():
+                                value.copy_(values["state"][key][name])
                 opt.load_state_dict(kept)
                 ref_opt.load_state_dict(ref_kept)
             x, y = global_batch(step)
@@ -524,7 +532,7 @@ def a_state_dict_kept_without_a_copy_and_loaded_after_steps_changes_nothing(
             opt.zero_grad()
             step_reference(ref, ref_opt, x, y)
             opt.finish_param_sync()
-            assert_params_close(model, ref, f"fraction {fraction}, step {step}")
+            assert_params_close(model, ref, f"fraction {fraction}, {overwrite=}, step {step}")
 
 
 @case
