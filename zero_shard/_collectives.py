@@ -21,6 +21,8 @@ __all__ = [
     "RowCopies",
     "broadcast_tensors",
     "choose_reduce_scaling",
+    "chunk_pack_grads",
+    "chunk_packable",
     "launch_all_gather",
     "launch_reduction",
     "pack_grads",
@@ -84,6 +86,8 @@ class RowCopies(NamedTuple):
     param_sizes: tuple[tuple[int, ...], ...]  # per param, its flat elements cut by rank (the
     #                                           ranks with rows: full shards, then a partial one)
     places: tuple[tuple[int, ...], ...]  # per param, the buffer piece each of its pieces goes to
+    back_to_back: bool  # every param's padded rows follow the last's with no gap, and no param
+    #                     is 0-dim or empty: torch's chunk_cat lays out a segment's shards
 
 
 def plan_row_copies(
@@ -124,7 +128,20 @@ def plan_row_copies(
         tuple(index_of[rank, position] for rank in range(len(sizes)))
         for position, sizes in enumerate(param_sizes)
     ]
-    return RowCopies(tuple(buffer_sizes), tuple(param_sizes), tuple(places))
+    return RowCopies(
+        tuple(buffer_sizes), tuple(param_sizes), tuple(places), _back_to_back(layout, specs)
+    )
+
+
+def _back_to_back(layout: BucketLayout, specs: Sequence[ShardSpec]) -> bool:
+    """Whether the bucket's padded shards fill a segment's shard part with no gap (their sizes
+    were multiples of the alignment), each param with elements and at least one dim."""
+    end = 0
+    for spec, offset in zip(specs, layout.offsets, strict=True):
+        if spec.replicated or spec.dim0 * spec.row_numel == 0 or offset != end:
+            return False
+        end += spec.padded_numel
+    return end == layout.shard_numel
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -159,6 +176,26 @@ def pack_grads(
         for position, grad in enumerate(grads):
             if grad is not None:
                 flags[:, position].fill_(1)
+
+
+def chunk_packable(
+    copies: RowCopies, grads: Sequence[torch.Tensor | None], dtype: torch.dtype
+) -> bool:
+    """Whether ``chunk_pack_grads`` can pack ``grads``: the bucket's shards lie back to back and
+    every param has a contiguous grad of the packed ``dtype``."""
+    return copies.back_to_back and all(
+        [grad is not None and grad.dtype == dtype and grad.is_contiguous() for grad in grads]
+    )
+
+
+def chunk_pack_grads(out: torch.Tensor, grads: Sequence[torch.Tensor], world_size: int) -> None:
+    """What ``pack_grads`` writes for a bucket where ``chunk_packable`` holds, in one call to
+    torch's ``_chunk_cat`` (one kernel on CUDA, no view per param or rank on the host): each grad
+    cut into ``world_size`` chunks of rows, padded with zeros, and chunk ``r`` of every grad, then
+    the flags (all 1), in segment ``r``. Every element of ``out`` is written: it needs no zero
+    fill."""
+    flags = torch.ones(world_size, len(grads), dtype=out.dtype, device=out.device)
+    torch._chunk_cat([*grads, flags], 0, world_size, out=out.view(world_size, -1))
 
 
 def unpack_params(

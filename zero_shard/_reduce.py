@@ -62,7 +62,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,8 @@ from offload import current_stream, phase, record_event, side_stream, use_stream
 from ._buckets import Bucket, FlagsBefore, ShardedParam
 from ._collectives import (
     choose_reduce_scaling,
+    chunk_pack_grads,
+    chunk_packable,
     launch_reduction,
     pack_grads,
     replicated_grads,
@@ -314,16 +316,20 @@ class GradReducer:
         # unless added to it (or its flags are still to be read).
         alone = world == 1
         into_buffer = alone and not adds and not any(zeroed)
+        # A bucket whose shards lie back to back, every param with a grad, is packed by one
+        # chunked copy that writes every element: no zero fill, no view per param on the host.
+        chunked = chunk_packable(bucket.reduce_copies, grads, layout.dtype)
         with use_stream(stream):
             wait_stream(stream, compute)
             if into_buffer:
-                packed = bucket.grad_buffer.zero_()
+                packed = bucket.grad_buffer if chunked else bucket.grad_buffer.zero_()
             else:
-                packed = torch.zeros(
-                    world * layout.segment_numel, dtype=layout.dtype, device=self._device
-                )
+                fill = torch.empty if chunked else torch.zeros
+                packed = fill(world * layout.segment_numel, dtype=layout.dtype, device=self._device)
             with phase("zero_shard::pack"):
-                if into_buffer:
+                if chunked:
+                    chunk_pack_grads(packed, cast("list[torch.Tensor]", grads), world)
+                elif into_buffer:
                     _pack_into_slots(bucket, grads)
                 else:
                     pack_grads(packed, layout, bucket.reduce_copies, grads, world)

@@ -14,6 +14,8 @@ from zero_shard._buckets import _norm_runs
 from zero_shard._collectives import (
     RowCopies,
     choose_reduce_scaling,
+    chunk_pack_grads,
+    chunk_packable,
     pack_grads,
     plan_row_copies,
     unpack_params,
@@ -112,6 +114,36 @@ def test_pack_and_unpack_round_trip(world: int) -> None:
     unpack_params(gathered, _copies(layout, specs_by_rank[0], world, reduce=False), targets)
     for target, param in zip(targets, params, strict=True):
         assert torch.equal(target, param)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shards_back_to_back_pack_in_one_chunked_copy_as_param_by_param(
+    world: int, dtype: torch.dtype
+) -> None:
+    # Padded shards of whole multiples of the alignment, with rows past the last rank's (5 rows
+    # of 64: at 4 ranks 2, 2, 1, 0): every element written as pack_grads writes it.
+    shapes = [(5, 64), (3, 64), (768,), (12, 64)]
+    specs = [shard_spec(shape, 0, world) for shape in shapes]
+    layout = plan_buckets(specs, [dtype] * len(shapes), world, 1 << 20)[0]
+    copies = _copies(layout, specs, world, reduce=True)
+    assert copies.back_to_back
+    grads: list[torch.Tensor | None] = [torch.randn(shape).to(dtype) for shape in shapes]
+    assert chunk_packable(copies, grads, dtype)
+    expected = torch.zeros(world * layout.segment_numel, dtype=dtype)
+    pack_grads(expected, layout, copies, grads, world)
+    packed = torch.full_like(expected, float("nan"))  # nothing left unwritten
+    chunk_pack_grads(packed, [grad for grad in grads if grad is not None], world)
+    assert torch.equal(packed, expected)
+    # What the chunked copy cannot pack goes param by param.
+    assert not chunk_packable(copies, [*grads[:3], None], dtype)  # a param without a grad
+    assert not chunk_packable(copies, [*grads[:3], torch.randn(64, 12).t()], dtype)  # strided
+    other = torch.float16 if dtype == torch.float32 else torch.float32
+    assert not chunk_packable(copies, [*grads[:3], torch.randn(12, 64).to(other)], dtype)
+    for gapped in ([(7, 15), (3,)], [(), (64,)], [(0, 64), (64,)]):  # a gap, 0-dim, no elements
+        specs = [shard_spec(shape, 0, world) for shape in gapped]
+        layout = plan_buckets(specs, [dtype] * len(gapped), world, 1 << 20)[0]
+        assert not _copies(layout, specs, world, reduce=True).back_to_back, gapped
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

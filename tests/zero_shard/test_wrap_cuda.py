@@ -22,6 +22,7 @@ from _models import (
     mean_over_ranks,
     mse,
 )
+from _packing import check_back_to_back_packing
 from torch.distributed.tensor import DTensor
 
 import zero_shard
@@ -370,6 +371,13 @@ def race_overlapped_collectives(rank: int, world: int) -> None:
 @case
 def clip_at_the_step_is_a_clip_before_it_bit_for_bit(rank: int, world: int) -> None:
     check_clip_at_step(torch.device("cuda", rank), rank, world)
+
+
+@case
+def back_to_back_shards_packed_in_one_copy_as_param_by_param(rank: int, world: int) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for dtype in (torch.float32, torch.bfloat16):  # torch's _chunk_cat kernel on CUDA
+        check_back_to_back_packing(rank, world, torch.device("cuda", rank), dtype)
 
 
 @pytest.fixture(scope="module")
