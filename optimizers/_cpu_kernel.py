@@ -261,7 +261,7 @@ class CpuAdamKernel:
         """The coefficients of a step numbered ``step`` (counted from 1) for ``group``."""
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         weight_decay = group["weight_decay"]
-        decoupled = self.decoupled or group.get("decoupled_weight_decay", False)
+        decoupled = bool(group.get("decoupled_weight_decay", self.decoupled))
         return _AdamArgs(  # in double, rounded to float once: as torch's fused kernel does
             one_minus_beta1=1.0 - beta1,
             beta2=beta2,

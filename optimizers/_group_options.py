@@ -11,15 +11,15 @@ a tensor lr in place (``fill_``). So at launch, on the caller's thread, ``HostPa
 the sub-groups copies of their tensor options (``snapshot_hyperparams``) before any chunk goes to
 the worker. At launch too, chunks whose group now asks for what the single-pass kernel does not
 implement leave it for torch's CPU kernel (``leave_kernel_where_unmet``), and a group switched
-to amsgrad gets the state torch would give it, or is refused before anything changes
-(``prepare_amsgrad_state``).
+to amsgrad (RMSprop: to centered or momentum) gets the state torch would give it, or is refused
+before anything changes (``prepare_switched_on_state``).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,7 +31,7 @@ __all__ = [
     "check_impl_flags",
     "check_wrapped_groups",
     "leave_kernel_where_unmet",
-    "prepare_amsgrad_state",
+    "prepare_switched_on_state",
     "snapshot_hyperparams",
 ]
 
@@ -167,32 +167,50 @@ def leave_kernel_where_unmet(chunks: Sequence[HostChunk]) -> list[torch.Tensor]:
     return made
 
 
-def prepare_amsgrad_state(records: Iterable[ParamRecord]) -> None:
-    """For the params about to step whose group asks for ``amsgrad`` while their state has no
-    running maximum (switched on after construction): creates it (zeros) where they never
-    stepped, as torch's first step would (their other state was made at construction); raises,
-    before anything changes, where they did (torch's own step raises KeyError there)."""
+class SwitchedOn(NamedTuple):
+    """A state tensor that an option adds to a param's state, beside one that is always there."""
+
+    option: str  # the group option that asks for it (on: true or a positive number)
+    key: str  # the state it needs, zeros at a param's first step
+    beside: str  # a state key present only in the optimizers that have this option
+
+
+_SWITCHED_ON = (
+    SwitchedOn("amsgrad", "max_exp_avg_sq", "exp_avg_sq"),  # Adam, AdamW
+    SwitchedOn("centered", "grad_avg", "square_avg"),  # RMSprop
+    SwitchedOn("momentum", "momentum_buffer", "square_avg"),  # RMSprop
+)
+
+
+def prepare_switched_on_state(records: Iterable[ParamRecord]) -> None:
+    """For the params about to step whose group asks for state that their state lacks (an option
+    switched on after construction: Adam's ``amsgrad``, RMSprop's ``centered`` or ``momentum``):
+    creates it (zeros) where they never stepped, as torch's first step would (their other state
+    was made at construction); raises, before anything changes, where they did (torch's own step
+    raises KeyError there)."""
     missing = [
-        (record, piece)
+        (record, piece, wanted)
         for record in records
         for piece in record.pieces
-        if piece.group.get("amsgrad")
-        and "exp_avg_sq" in piece.state
-        and "max_exp_avg_sq" not in piece.state
+        for wanted in _SWITCHED_ON
+        if piece.group.get(wanted.option)
+        and wanted.beside in piece.state
+        and wanted.key not in piece.state
     ]
     stepped = [
-        (record.group_index, float(piece.state["step"]))
-        for record, piece in missing
+        (record.group_index, piece, wanted)
+        for record, piece, wanted in missing
         if float(piece.state.get("step", 0.0)) > 0
     ]
     if stepped:
-        group_index, num_steps = stepped[0]
+        group_index, piece, wanted = stepped[0]
         raise RuntimeError(
-            f"amsgrad=True in param group {group_index}, switched on after its params stepped "
-            f"({num_steps:.0f} steps): Adam keeps the running maximum of exp_avg_sq "
-            "(max_exp_avg_sq) from the first step on, so it cannot start mid-run (torch's own "
-            "step raises KeyError 'max_exp_avg_sq' here). Build the optimizer with amsgrad=True "
-            "when training starts, or set it back to False"
+            f"{wanted.option}={piece.group[wanted.option]!r} in param group {group_index}, "
+            f"switched on after its params stepped ({float(piece.state['step']):.0f} steps): the "
+            f"optimizer keeps {wanted.key} from the first step on, so it cannot start mid-run "
+            f"(torch's own step raises KeyError {wanted.key!r} here). Build the optimizer with "
+            f"{wanted.option}={piece.group[wanted.option]!r} when training starts, or switch "
+            "it off again"
         )
-    for _, piece in missing:
-        piece.state["max_exp_avg_sq"] = torch.zeros_like(piece.state["exp_avg_sq"])
+    for _, piece, wanted in missing:
+        piece.state[wanted.key] = torch.zeros_like(piece.state[wanted.beside])

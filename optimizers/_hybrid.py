@@ -33,7 +33,7 @@ from ._group_options import (
     GroupsAtBuild,
     check_impl_flags,
     check_wrapped_groups,
-    prepare_amsgrad_state,
+    prepare_switched_on_state,
 )
 from ._host_part import HostPart
 from ._host_step import HostStep
@@ -460,7 +460,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._mark_stepped()
         self._sync_hyperparams()
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
-        prepare_amsgrad_state([self._records[index] for index in grads])
+        prepare_switched_on_state([self._records[index] for index in grads])
         pending = self._host.start(
             grads,
             grad_scale,

@@ -1,6 +1,6 @@
 """Param-group options edited during a run, as torch honours them: a scheduled tensor lr while
-the CPU share is in flight, options the single-pass kernel does not implement, amsgrad, and
-groups added to an optimizer after ``wrap``."""
+the CPU share is in flight, options the single-pass kernel does not implement, amsgrad (and
+RMSprop's centered and momentum) switched on, and groups added to an optimizer after ``wrap``."""
 
 from __future__ import annotations
 
@@ -138,6 +138,36 @@ def test_options_the_kernel_lacks_switched_on_mid_run_step_as_torch(
     assert all(chunk.kernel is None for chunk in opt._host.chunks)
 
 
+@pytest.mark.parametrize(("fraction", "dtype"), [(1.0, torch.bfloat16), (0.5, torch.float32)])
+def test_adamw_groups_with_decoupled_weight_decay_off_step_as_torch(
+    fraction: float, dtype: torch.dtype
+) -> None:
+    # torch's AdamW decays as Adam's L2 in a group with decoupled_weight_decay=False: set at
+    # build in group 0, switched off mid-run in group 1; the single-pass kernel does both.
+    needs_kernel()
+    params = make_params(dtype, "cpu")
+    refs = fp32_copies(params)
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=40, num_threads=2)
+    groups, ref_groups = groups_of(params), groups_of(refs)
+    for group in (groups[0], ref_groups[0]):
+        group["decoupled_weight_decay"] = False
+    for group in (*groups, *ref_groups):
+        group["weight_decay"] = 0.3
+    opt = HybridDeviceOptimizer(groups, policy=policy, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref_groups, lr=1e-2, fused=True)
+    assert all(chunk.kernel is not None for chunk in opt._host.chunks)
+    switch = switched_on_at(2, {"decoupled_weight_decay": False})
+    gen = torch.Generator().manual_seed(1)
+    for step in range(STEPS):
+        switch(opt.param_groups[1:], step)
+        switch(ref_opt.param_groups[1:], step)
+        set_grads(params, refs, gen)
+        opt.step()
+        ref_opt.step()
+        assert_matches(opt, params, refs, tol=OTHER_KERNEL, where=f"step {step}")
+    assert all(chunk.kernel is not None for chunk in opt._host.chunks)
+
+
 @pytest.mark.parametrize(("fraction", "dtype"), [(1.0, torch.bfloat16), (0.37, torch.float32)])
 def test_amsgrad_switched_on_after_a_step_is_refused_before_anything_changes(
     fraction: float, dtype: torch.dtype
@@ -176,6 +206,29 @@ def test_amsgrad_switched_on_before_the_first_step_steps_as_torch(fraction: floa
             assert_matches(opt, params, refs, tol=OTHER_KERNEL, where=f"step {step}")
     state = opt.state_dict()["state"][0]
     assert torch.equal(state["max_exp_avg_sq"], ref_opt.state[refs[0]]["max_exp_avg_sq"])
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.37, 1.0])
+@pytest.mark.parametrize("options", [{"centered": True}, {"momentum": 0.9}])
+def test_rmsprop_state_switched_on_before_the_first_step_steps_as_torch(
+    fraction: float, options: dict[str, Any]
+) -> None:
+    # torch's first step makes grad_avg and momentum_buffer (zeros) for the options on then.
+    params = make_params(torch.float32, "cpu")
+    refs = fp32_copies(params)
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=40, num_threads=2)
+    opt = HybridDeviceOptimizer(groups_of(params), torch.optim.RMSprop, policy=policy, lr=1e-2)
+    ref_opt = torch.optim.RMSprop(groups_of(refs), lr=1e-2)
+    for group in (*opt.param_groups, *ref_opt.param_groups):
+        group.update(options)
+    for step in train_side_by_side(opt, ref_opt, params, refs, steps=3):
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+    # After a step, torch's own step raises KeyError: refused before anything changes.
+    opt.param_groups[0].update({"centered": True} if "momentum" in options else {"momentum": 0.5})
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match=r"param group 0, switched on after its params stepped"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
 
 
 ADDERS: dict[str, Callable[[torch.optim.Optimizer], None]] = {
