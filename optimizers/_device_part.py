@@ -9,7 +9,7 @@ import torch
 
 from offload import phase
 
-from ._elementwise import OptimizerSpec
+from ._elementwise import OptimizerSpec, step_unhooked
 from ._fused_backends import build_sub_optimizer
 from ._grad_factor import scale_grads_
 from ._policy import DeviceImpl
@@ -223,7 +223,7 @@ class DevicePart:
             torch._foreach_mul_(cast_dst + in_place, grad_scale)
         round_.optimizer.found_inf = found_inf
         try:
-            round_.optimizer.step()
+            step_unhooked(round_.optimizer)
         finally:
             round_.optimizer.found_inf = None
             for _, piece in round_.pieces:

@@ -17,6 +17,7 @@ __all__ = [
     "constructor_defaults",
     "implementation_kwargs",
     "probe_state_keys",
+    "step_unhooked",
 ]
 
 # Every element of these optimizers' update depends only on the same element of the param, grad
@@ -150,7 +151,7 @@ def probe_state_keys(spec: OptimizerSpec, hyperparams: dict[str, Any]) -> StateK
     group = {k: v for k, v in hyperparams.items() if k != "params"}
     group["params"] = [probe]
     optimizer = spec.build([group], implementation_kwargs(cls, "cpu"))
-    optimizer.step()
+    step_unhooked(optimizer)
     elementwise, scalars = [], []
     for key, value in optimizer.state[probe].items():
         if torch.is_tensor(value) and value.shape == probe.shape:
@@ -164,3 +165,18 @@ def probe_state_keys(spec: OptimizerSpec, hyperparams: dict[str, Any]) -> StateK
                 "not elementwise, so it cannot be split between devices"
             )
     return StateKeys(tuple(elementwise), tuple(scalars))
+
+
+def step_unhooked(optimizer: torch.optim.Optimizer) -> None:
+    """Steps one of the hybrid's own sub-optimizers without the hooks that torch runs around
+    every ``Optimizer.step`` (``register_optimizer_step_pre_hook`` and ``_post_hook``): those are
+    the user's, run once around the step of the optimizer they hold, as torch runs them around
+    theirs; a sub-optimizer's step is a part of it. torch wraps each class's ``step`` once
+    (marked ``hooked``, the function it wraps in ``__wrapped__``); an optimizer whose ``step`` is
+    not so wrapped is stepped as it is."""
+    step = type(optimizer).step
+    unwrapped = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if unwrapped is None:
+        optimizer.step()
+    else:
+        unwrapped(optimizer)

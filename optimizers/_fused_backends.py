@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ._elementwise import IMPL_KEYS, OptimizerSpec, implementation_kwargs
+from ._elementwise import IMPL_KEYS, OptimizerSpec, implementation_kwargs, step_unhooked
 from ._policy import DeviceImpl
 
 __all__ = ["FusedAdamAdapter", "build_sub_optimizer"]
@@ -164,7 +164,7 @@ class FusedAdamAdapter(torch.optim.Optimizer):
                     "exp_avg_sq": state["exp_avg_sq"],
                 }
         try:
-            fused.step()
+            step_unhooked(fused)
             stepped = fused.param_groups
         finally:
             fused.param_groups = []

@@ -188,6 +188,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._building = True
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
+        # The step hooks are the torch optimizer's (torch runs them around the step of the
+        # optimizer they are registered on, which the user no longer steps): registered on
+        # either, before or after wrap, they run once around this step, given the wrapper.
+        self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
+        self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
         self._wrapped = weakref.ref(optimizer)
         self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
         self._groups_at_wrap = GroupsAtBuild(self.param_groups)

@@ -1641,6 +1641,55 @@ def params_converted_or_tied_after_wrap_are_refused_before_the_step(rank: int, w
             assert_params_close(model, ref, f".data given at fraction {fraction}, step {step}")
 
 
+@case
+def step_hooks_run_once_around_the_step_as_torch_runs_them(rank: int, world: int) -> None:
+    # An lr-halving pre-hook on the torch optimizer before wrap, a post-hook on it after wrap,
+    # and global hooks: torch runs each once around the step of the optimizer the user holds.
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    seen: collections.Counter[str] = collections.Counter()
+
+    def halve_lr(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * 0.5
+
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, *_: seen.update([f"pre {type(o).__name__}"])),
+        register_optimizer_step_post_hook(lambda o, *_: seen.update([f"post {type(o).__name__}"])),
+    ]
+    try:
+        for fraction in (0.0, 0.5, 1.0):
+            model, ref = make_model(), make_model()
+            torch_opt, ref_opt = adamw(model), adamw(ref)
+            for each in (torch_opt, ref_opt):
+                each.register_step_pre_hook(halve_lr)
+            opt = zero_shard.wrap(
+                torch_opt, model, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+            )
+            torch_opt.register_step_post_hook(
+                lambda o, *_: seen.update([f"mine {type(o).__name__}"])
+            )
+            seen.clear()
+            for step in range(3):
+                x, y = global_batch(step)
+                mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                opt.step()
+                opt.zero_grad()
+                step_reference(ref, ref_opt, x, y)
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f"fraction {fraction}")
+            # The reference's (AdamW) and the wrapper's; none of zero-shard's own optimizers.
+            expected = {"pre AdamW": 3, "post AdamW": 3, "pre ZeroShardOptimizer": 3,
+                        "post ZeroShardOptimizer": 3, "mine ZeroShardOptimizer": 3}  # fmt: skip
+            assert seen == expected, (fraction, seen)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
 def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
     return run_cases(CASES, request.param)
