@@ -9,13 +9,14 @@ it is counted instead, per phase of an iteration (forward, backward, clip, step,
 - the aten ops dispatched on the main thread (a ``TorchDispatchMode``): each is a dispatch, and
   most a kernel launch, on a GPU.
 
-The model is ``examples/gpt.py``'s GPT, narrow (``d_model`` 16) so that the counts, not the
+The model is ``examples/gpt.py``'s GPT, narrow (``--d-model``, 16) so that the counts, not the
 compute, dominate, at each of ``--layers`` (12 params a layer), fp32, fraction 0, against
 torch's fused AdamW with a foreach clip (one process) or DDP + fused AdamW (``--world 2``, gloo).
 The counts are deterministic but for the gather thread's few calls (a wait finds its gather
 done or not). ``tests/zero_shard/test_host_cost.py`` holds the bounds::
 
     python benchmarks/host_cost.py --out runs/host_cost              # world 1 and 2, 4 and 8 layers
+    python benchmarks/host_cost.py --d-model 64 --out runs/host_cost64  # shards back to back
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ def _profiled(counts: _Counts) -> Iterator[None]:
         threading.setprofile(None)
 
 
-def _build(system: str, num_layers: int) -> tuple[torch.nn.Module, Any, Callable[[], Any]]:
+def _build(
+    system: str, num_layers: int, d_model: int
+) -> tuple[torch.nn.Module, Any, Callable[[], Any]]:
     import zero_shard
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(num_layers, 2, 16, 16))
+    model = GPT(GPTConfig(num_layers, 2, d_model, 16))
     groups = weight_decay_groups(model, 0.1)
     if system == "zero_shard":
         opt = zero_shard.wrap(torch.optim.AdamW(groups, lr=1e-3), model)
@@ -96,9 +99,9 @@ def _build(system: str, num_layers: int) -> tuple[torch.nn.Module, Any, Callable
     return model, opt, lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
 
 
-def count(system: str, num_layers: int) -> dict[str, Any]:
+def count(system: str, num_layers: int, d_model: int = 16) -> dict[str, Any]:
     """Per iteration: calls and ops by phase, for ``system`` (zero_shard or torch)."""
-    model, opt, clip = _build(system, num_layers)
+    model, opt, clip = _build(system, num_layers, d_model)
     rank = dist.get_rank() if dist.is_initialized() else 0
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(rank))
     counts = _Counts()
@@ -123,12 +126,14 @@ def count(system: str, num_layers: int) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, world_size: int, port: int, layers: list[int], out: str) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, layers: list[int], d_model: int, out: str
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if world_size > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    rows = [count(system, n) for n in layers for system in ("torch", "zero_shard")]
+    rows = [count(system, n, d_model) for n in layers for system in ("torch", "zero_shard")]
     if rank == 0:
         write_json(Path(out), [{**row, "world_size": world_size} for row in rows])
     if dist.is_initialized():
@@ -156,6 +161,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", default="4,8", help="GPT layers, comma-separated")
+    parser.add_argument(
+        "--d-model", type=int, default=16, help="GPT width (64: shards back to back at 2 ranks)"
+    )
     parser.add_argument("--worlds", default="1,2", help="process counts, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("runs/host_cost"))
     args = parser.parse_args()
@@ -164,7 +172,9 @@ def main() -> None:
     for world_size in (int(w) for w in args.worlds.split(",")):
         out = args.out / f"world{world_size}.json"
         torch.multiprocessing.spawn(
-            _worker, args=(world_size, _free_port(), layers, str(out)), nprocs=world_size
+            _worker,
+            args=(world_size, _free_port(), layers, args.d_model, str(out)),
+            nprocs=world_size,
         )
         rows += json.loads(out.read_text())
     write_json(args.out / "results.json", rows)

@@ -11,6 +11,8 @@ of ``L`` and of ``2 L`` blocks in one bucket, bf16. What grows with the params i
   and one aten op per param at most (the flat view of a fresh grad handed to torch's kernels);
   the clip's ops take the grads per bucket (a multi-tensor op's list does not grow);
 - backward: the two autograd hooks of each param and the reduction's ``take`` / ``release``;
+  beyond torch's own ops, one aten op per param at most (a grad's slot in the buffer): the
+  reduction packs a bucket of real models' shapes with one chunked copy, not a cut per param;
 - forward: the wait hook of each module.
 
 A per-param call or op added to a step makes the larger model's count exceed these.
@@ -46,13 +48,17 @@ BACKWARD_CALLS_PER_PARAM = 6  # before_accumulate, ready, after_accumulate, on_g
 #                               take, release
 FORWARD_CALLS_PER_MODULE = 3  # the hook, its run, the gatherer's pending
 STEP_OPS_PER_PARAM = 1  # in clip + step + zero_grad: a fresh 2-D grad's flat view
+BACKWARD_OPS_PER_PARAM = 1  # beyond torch's own backward: a 2-D grad's slot in the buffer
+# Shards of whole multiples of the alignment at 1 and 2 ranks (bf16: 64 elements), as in real
+# models: a reduction packs the bucket with one chunked copy, no op per param.
+WIDTH = 128
 
 
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.linear = nn.Linear(8, 8)
-        self.norm = nn.LayerNorm(8)
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.norm(self.linear(x))
@@ -106,21 +112,38 @@ def _profiled(calls: _Calls) -> Iterator[None]:
         threading.setprofile(None)
 
 
-def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int, int]:
+def _input() -> torch.Tensor:
+    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+
+
+def _torch_backward_ops(num_blocks: int) -> int:
+    """The aten ops of the plain model's backward, with no optimizer."""
+    model, ops = _model(num_blocks), _Ops()
+    out = model(_input())
+    with ops:
+        out.square().mean().backward()
+    return ops.count
+
+
+def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int, int, int]:
     """Per step: the calls by phase, the aten ops of clip + step + zero_grad, the tensors listed
-    to the clip's ops; the params and modules of the model."""
+    to the clip's ops, the aten ops of backward beyond the plain model's; the params and modules
+    of the model."""
     import zero_shard
 
     model = _model(num_blocks)
     opt = zero_shard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
-    calls, ops = _Calls(), _Ops()
+    x = _input()
+    calls, ops, backward_ops = _Calls(), _Ops(), _Ops()
 
     def phase(name: str, action: Callable[[], Any], counted: bool) -> Any:
         calls.phase = name if counted else None
         if counted and name in ("clip", "step", "zero_grad"):
             ops.in_clip = name == "clip"
             with ops:
+                return action()
+        if counted and name == "backward":
+            with backward_ops:
                 return action()
         return action()
 
@@ -141,12 +164,14 @@ def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int, int]:
     per_step = {name: calls.counts[name] // NUM_STEPS for name in PHASES}
     num_params = len(list(model.parameters()))
     num_modules = len(list(model.modules()))
-    return per_step, ops.count // NUM_STEPS, ops.clip_listed // NUM_STEPS, num_params, num_modules
+    added_ops = backward_ops.count // NUM_STEPS - _torch_backward_ops(num_blocks)
+    listed = ops.clip_listed // NUM_STEPS
+    return per_step, ops.count // NUM_STEPS, listed, added_ops, num_params, num_modules
 
 
 def _case_per_bucket(rank: int, world_size: int) -> None:
-    small, small_ops, small_listed, small_params, small_modules = _count(6)
-    large, large_ops, large_listed, large_params, large_modules = _count(12)
+    small, small_ops, small_listed, small_backward, small_params, small_modules = _count(6)
+    large, large_ops, large_listed, large_backward, large_params, large_modules = _count(12)
     added_params, added_modules = large_params - small_params, large_modules - small_modules
     shown = f"{small} -> {large} calls per step, +{added_params} params"
     for name in ("clip", "step", "zero_grad", "threads"):
@@ -161,6 +186,10 @@ def _case_per_bucket(rank: int, world_size: int) -> None:
     # The clip's norm and multiply take each bucket's grads in a few pieces, not one a param.
     shown = f"{small_listed} -> {large_listed}, +{added_params} params"
     assert large_listed == small_listed, f"tensors listed to the clip's ops: {shown}"
+    # Backward's ops beyond torch's own: no cut of each grad by rank for the reduction.
+    shown = f"{small_backward} -> {large_backward} beyond torch's, +{added_params} params"
+    bound = BACKWARD_OPS_PER_PARAM * added_params + SLACK
+    assert large_backward - small_backward <= bound, f"aten ops of backward: {shown}"
 
 
 CASES = {"per_bucket": _case_per_bucket}
