@@ -143,9 +143,13 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor) -> list[str]:
     of those that were, or were written while being copied (another thread, see the note)."""
     # One read of each counter decides: a write between a check and the copy would be missed.
     before = model_versions(bucket.params)
-    # By position, not by `in`: records compare their tensors (dataclass equality).
-    written = [s.changed or v != s.version for s, v in zip(bucket.params, before, strict=True)]
     locals_ = local_tensors(bucket.params)
+    # By position, not by `in`: records compare their tensors (dataclass equality). A param
+    # given other memory since (param.data = t, which moves no counter) is a write too.
+    written = [
+        s.changed or v != s.version or (s.memory != 0 and local.data_ptr() != s.memory)
+        for s, v, local in zip(bucket.params, before, locals_, strict=True)
+    ]
     if bucket.shares_counters:  # see [Note: shared version counters] in _aliases.py
         locals_ = own_counter_targets(bucket.params, locals_)
     targets = [None if w else local for local, w in zip(locals_, written, strict=True)]

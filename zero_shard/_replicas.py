@@ -322,6 +322,12 @@ class _Replicas(Kind):
 
     @torch.no_grad()
     def refresh_shards(self, records: Sequence[ShardedParam]) -> None:
+        # The params are taken as they are: memory given since the last check (model.to(d)
+        # copying to an equal device, as accelerate does on CPUs) is noted, so that the
+        # gathers after this do not count it as written after a step.
+        moved = [s for s in records if s.memory and s.local.data_ptr() != s.memory]
+        if moved:
+            check_moved(moved, self.sharded)
         for sharded in records:
             rows = sharded.local.detach().reshape(-1)
             spec = sharded.spec

@@ -8,6 +8,7 @@ bucket; cases that must hang without the fix rely on the harness's timeouts."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -386,6 +387,58 @@ def writes_right_after_step_without_finish_param_sync_raise(rank: int, world: in
             param.copy_(torch.full_like(param, 0.1))
     with pytest.raises(RuntimeError, match=r"were written after step\(\).*finish_param_sync"):
         opt.reload_model_params()
+
+
+@case
+def memory_given_right_after_step_without_finish_param_sync_raises(rank: int, world: int) -> None:
+    # param.data = t moves no version counter: the gather, held until after it here, must not
+    # write the update into t (the values given would be lost) but refuse, as for other writes.
+    release = threading.Event()
+
+    def held_gather(shard: torch.Tensor, out: torch.Tensor, group: Any) -> Any:
+        release.wait(60)
+        return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+
+    model, _opt = stepped(rank, world, all_gather=held_gather)  # (held: its hooks wait)
+    given = torch.full_like(model.blocks[1].fc.weight, 0.1)
+    model.blocks[1].fc.weight.data = given
+    release.set()
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.fc\.weight.*finish_param_sync"):
+        model(local_slice(batch(1)[0], rank, world))
+    assert torch.equal(given, torch.full_like(given, 0.1)), "the gather wrote into the memory given"
+
+
+@case
+def params_copied_to_an_equal_device_and_a_state_dict_round_trip_train_as_torch(
+    rank: int, world: int
+) -> None:
+    # accelerate on CPUs, after wrap: model.to(torch.device("cpu", 0)) copies every param (torch's
+    # "cpu:0" is not a CPU tensor's "cpu") into memory given with .data =, then the optimizer's
+    # state dict goes round. The load takes the params as they are: no write is raised after it.
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(TiedFunctional())
+    model, ref = models
+    opt = zero_shard.wrap(
+        torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, bucket_mb=ONE_PER_BUCKET
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    before = [p.data_ptr() for p in model.parameters()]
+    model.to(torch.device("cpu", 0))
+    moved = [p.data_ptr() != ptr for p, ptr in zip(model.parameters(), before, strict=True)]
+    assert sum(moved) == len(moved) - 1, moved  # all but `nothing` (no elements, no memory)
+    opt.load_state_dict(opt.state_dict())
+    for step in range(STEPS):
+        x, y = batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "after the steps")
 
 
 @case
