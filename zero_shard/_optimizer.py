@@ -7,7 +7,7 @@ import dataclasses
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,16 @@ __all__ = ["NONFINITE_POLICIES", "ZeroShardOptimizer"]
 # 256 MiB buckets beat 64 MiB ones on 2 x H200 for the step and a GPT iteration alike
 # (docs/benchmarks/zero_step.md): NCCL reaches ~80% of its large-message bandwidth from there.
 DEFAULT_BUCKET_MB = 256.0
+
+
+class HandedGrad(NamedTuple):
+    """A reduced grad handed out by ``main_grad``: the DTensor and its version then (held until
+    the grads are next final or zeroed: an edit of a temporary, ``main_grad(p).add_(...)``,
+    leaves nothing else to look at)."""
+
+    dtensor: DTensor
+    version: int
+    local: torch.Tensor  # the grad itself: the DTensor's local tensor
 
 
 def _remove_hooks(handles: list[Any]) -> None:
@@ -165,6 +175,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self.stale_params = stale_params
         self._skips = SkipCount(device)
         self._edits = GradEdits()
+        self._handed_grads: list[HandedGrad] = []  # by main_grad, since the grads were final
         self._end_window()
         self._share_param_groups(optimizer, fqns)
         self._device = checked.trainable[0][0].device
@@ -585,7 +596,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 if self.kind.clip is not None:  # a clip's factor not applied yet
                     self.kind.clip.apply()
                 grad = sharded.shard.grad
-                return None if grad is None else to_dtensor(sharded, grad)
+                if grad is None:
+                    return None
+                dtensor = to_dtensor(sharded, grad)
+                self._handed_grads.append(HandedGrad(dtensor, dtensor._version, grad))
+                return dtensor
         raise KeyError(f"a param of shape {tuple(param.shape)} is not optimized here")
 
     def _named_params(self, module: nn.Module) -> list[tuple[str, torch.Tensor]] | None:
@@ -607,6 +622,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _end_window(self) -> None:
         self._edits.count += 1
+        self._handed_grads.clear()
         self._window_norm = None
         self._clipped_marker = None
         self._grad_scale = None
@@ -616,7 +632,19 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Makes each shard's ``.grad`` its reduced grad (or ``None``), as of the current stream;
         ``reduce=False``: without reducing grads left unreduced (no collective)."""
         self._check_still_alone()
+        self._note_main_grad_edits()
         self.kind.finalize_grads(reduce=reduce)
+
+    def _note_main_grad_edits(self) -> None:
+        """An in-place op on a DTensor that ``main_grad`` handed out moves the DTensor's version
+        counter, not its local tensor's, which is the grad: such an edit is made visible to
+        what watches the grad's counter (the CPU share's early host copies, [Note: early grad
+        copies] in optimizers/_early.py; norms computed before it)."""
+        for handed in self._handed_grads:
+            if handed.dtensor._version != handed.version:
+                torch.autograd.graph.increment_version(handed.local)
+                self._edits.count += 1
+        self._handed_grads.clear()
 
     def _refuse_unfrozen(self) -> None:
         """Params frozen at wrap that have grads now (unfrozen since) hold no shard: torch's

@@ -655,6 +655,34 @@ def a_grad_set_by_hand_after_backward_is_warned_and_the_reduced_one_steps(
 
 
 @case
+def grads_edited_in_place_through_main_grad_reach_the_step(rank: int, world: int) -> None:
+    # Gradient noise added through the DTensor main_grad hands out (as the placeholder's error
+    # says to): its in-place op moves the DTensor's version counter, not the grad's, and the
+    # CPU share's early host copies (per-chunk staging, several buckets) must not be taken.
+    for fraction, staging in ((0.5, "per_chunk"), (1.0, "per_chunk"), (0.5, "bounded")):
+        model, ref = make_model(), make_model()
+        policy = OffloadPolicy(
+            fraction=fraction, num_threads=1, chunk_numel=16, host_staging=staging
+        )
+        opt = zero_shard.wrap(adamw(model), model, offload=policy, bucket_mb=TINY_BUCKETS)
+        ref_opt = adamw(ref)
+        for step in range(3):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            for param in model.parameters():
+                opt.main_grad(param).add_(0.05)
+            opt.step()
+            opt.zero_grad()
+            mse(ref(x), y).backward()
+            for param in ref.parameters():
+                param.grad.add_(0.05)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"fraction {fraction}, {staging} staging")
+
+
+@case
 def main_grad_on_one_rank_alone_communicates_nothing(rank: int, world: int) -> None:
     model, opt, ref, ref_opt = wrapped_and_torch()
     for step in range(STEPS):
