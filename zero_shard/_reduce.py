@@ -109,6 +109,7 @@ class GradReducer:
     _round_task: int  # the autograd graph task the callback is queued on
     _nested: bool  # a hook ran in a backward nested in that task (reentrant checkpointing)
     _late: set[int]  # buckets a grad reached after their reduction in this backward
+    _deferred: list[ShardedParam]  # grads whose later post-accumulate hooks are still to run
     _reduced_in_window: bool  # some reduction ran since the last step or zero_grad
     _unreduced_backward: bool  # a backward inside no_sync() left grads on the params since
     _warned_late_grads: bool
@@ -144,6 +145,7 @@ class GradReducer:
         self._round_task = -1
         self._nested = False
         self._late = set()
+        self._deferred = []
         self._reduced_in_window = False
         self._unreduced_backward = False
         self._warned_late_grads = False
@@ -168,14 +170,23 @@ class GradReducer:
                     accumulator = sharded.param.view_as(sharded.param).grad_fn.next_functions[0][0]
                 self._accumulators.append(accumulator)
 
-                def ready(param: torch.Tensor, sharded: ShardedParam = sharded) -> None:
-                    sharded.watch.after_accumulate()
+                mine: list[int] = []  # the hook's handle id, once registered
+
+                def ready(
+                    param: torch.Tensor, sharded: ShardedParam = sharded, mine: list[int] = mine
+                ) -> None:
                     reducer = this()
+                    hooks = param._post_accumulate_grad_hooks
+                    if reducer is not None and reducer.enabled and next(reversed(hooks)) != mine[0]:
+                        reducer.defer(sharded)  # hooks registered after wrap run after this one
+                        return
+                    sharded.watch.after_accumulate()
                     if reducer is not None:
                         reducer.on_grad_ready(sharded)
 
                 handles.append(accumulator.register_prehook(watch.before_accumulate))
                 handles.append(sharded.param.register_post_accumulate_grad_hook(ready))
+                mine.append(handles[-1].id)
         handles.append(PlaceholderRemoval([s.watch for b in self.buckets for s in b.params]))
         return handles
 
@@ -187,21 +198,42 @@ class GradReducer:
             self._in_backward = False
             self._nested = False
             self._late.clear()
+            self._deferred.clear()
             self._next = len(self.buckets) - 1
             for bucket in self.buckets:
                 bucket.ready.clear()
 
+    def defer(self, sharded: ShardedParam) -> None:
+        """Hook, where post-accumulate-grad hooks registered after wrap follow zero-shard's on
+        the param: they are to see the param's own grad, as those registered before wrap do (and
+        as under DDP), so its grad is taken as complete at the next hook or at backward's end,
+        once they have run."""
+        if not self._in_backward:
+            self._start_backward()
+        self._deferred.append(sharded)
+
+    def _take_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for sharded in deferred:
+            sharded.watch.after_accumulate()
+            self.on_grad_ready(sharded)
+
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self._round_task = torch._C._current_graph_task_id()
+        self._before_first_reduction()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
     def on_grad_ready(self, sharded: ShardedParam) -> None:
         """Hook: the param's grad is complete for this backward; reduce what is ready."""
+        if self._deferred:
+            self._take_deferred()
         if not self.enabled:
             self._unreduced_backward = True
             return
         task = torch._C._current_graph_task_id()
         if not self._in_backward:
-            self._in_backward = True
-            self._round_task = task
-            self._before_first_reduction()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._start_backward()
         elif task != self._round_task:
             self._nested = True  # see [Note: grads after their reduction]
         if sharded.bucket > self._next:  # its bucket is reduced already
@@ -225,6 +257,7 @@ class GradReducer:
     def _end_backward(self) -> None:
         """Autograd callback: reduce the buckets this backward left, in order."""
         try:
+            self._take_deferred()
             self._reduce_rest()
         finally:
             self._in_backward = False

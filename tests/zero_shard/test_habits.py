@@ -683,6 +683,42 @@ def grads_edited_in_place_through_main_grad_reach_the_step(rank: int, world: int
 
 
 @case
+def post_accumulate_grad_hooks_registered_after_wrap_see_the_local_grad(
+    rank: int, world: int
+) -> None:
+    # Per-element grad clipping in a post-accumulate-grad hook: registered before wrap or after
+    # it, it clamps each rank's own grad before the reduction, as under DDP (zero-shard's hook,
+    # registered at wrap, ran first and reduced a bucket the moment its last grad came).
+    def clamp(param: torch.Tensor) -> None:
+        param.grad.clamp_(-0.01, 0.01)
+
+    def hooked(model: nn.Module) -> nn.Module:
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(clamp)
+        return model
+
+    for fraction, registered_after in ((0.0, True), (0.5, True), (0.5, False)):
+        model, ref = make_model(), hooked(make_model())
+        ddp = nn.parallel.DistributedDataParallel(ref)
+        ref_opt = adamw(ref)
+        if not registered_after:
+            hooked(model)
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+        )
+        if registered_after:
+            hooked(model)
+        for step in range(3):
+            x, y = global_batch(step)
+            for net, optimizer in ((model, opt), (ddp, ref_opt)):
+                mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"fraction {fraction}, after wrap: {registered_after}")
+
+
+@case
 def main_grad_on_one_rank_alone_communicates_nothing(rank: int, world: int) -> None:
     model, opt, ref, ref_opt = wrapped_and_torch()
     for step in range(STEPS):
