@@ -8,6 +8,7 @@ elementwise torch optimizer over the data-parallel ranks; the single-rank buildi
 from optimizers import HybridDeviceOptimizer, MemoryReport, OffloadPolicy
 
 from . import checkpoint
+from ._hooks import register_forward_method
 from ._optimizer import ZeroShardOptimizer
 from ._scaler import GradScaler
 from ._wrap import wrap
@@ -25,5 +26,6 @@ __all__ = [
     "checkpoint",
     "full_state_dict",
     "load_full_state_dict",
+    "register_forward_method",
     "wrap",
 ]

@@ -23,6 +23,7 @@ Every hook is marked as zero-shard's: copies of the model leave them out ([Note:
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from ._copies import PlainCopies, mark_hook
 from ._gather import ParamGatherer
 from ._units import UnitPlan, runs
 
-__all__ = ["register_param_waits"]
+__all__ = ["register_forward_method", "register_param_waits"]
 
 
 _WARN_AFTER = 3  # forwards after a step with units not run yet, before saying it costs overlap
@@ -149,7 +150,12 @@ def _subtree_waits(
 
 
 def register_param_waits(
-    model: nn.Module, plan: UnitPlan, buckets: Sequence[Bucket], gatherer: ParamGatherer
+    model: nn.Module,
+    plan: UnitPlan,
+    buckets: Sequence[Bucket],
+    gatherer: ParamGatherer,
+    *,
+    overlap: bool,
 ) -> list[Any]:
     """Registers the hooks of the module docstring on ``model``; returns their handles."""
     bucket_of = {id(s.param): index for index, b in enumerate(buckets) for s in b.params}
@@ -162,6 +168,17 @@ def register_param_waits(
     names = {place: unit.name for place, unit in enumerate(plan.units)}
     not_run = _UnitsNotRun(set(range(1, len(plan.units))), names)
     waits = _subtree_waits(model, unit_of)
+    registered = any(getattr(v, "waits_as_forward", False) for v in vars(model).values())
+    if overlap and unit_indices[0] and not runs(model) and not registered:
+        warnings.warn(
+            f"zero-shard: {type(model).__name__} has no forward of its own and holds params "
+            "outside its repeated blocks: with the gathers overlapped, nothing waits for those "
+            "before the methods the training loop calls read them. Register each such method "
+            "(zero_shard.register_forward_method(model, 'loss')), or pass "
+            "overlap_param_gather=False",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     handles = []
     for module in model.modules():
         place = 0 if module is model else unit_of.get(id(module))
@@ -171,7 +188,8 @@ def register_param_waits(
             param_ids, units = waits[id(module)]
             own = unit_indices[0] if module is model else indices_of(param_ids)
             below = [(u, unit_indices[u]) for u in units if unit_indices[u]]
-        if (own or below) and runs(module):
+        # The root's, even without a forward: a registered method runs it.
+        if (own or below) and (runs(module) or module is model):
             hook = _WaitHook(gatherer, own, below, not_run, place)
             handles.append(module.register_forward_pre_hook(hook, prepend=True))
     finish = _while_pending(gatherer, ParamGatherer.finish)
@@ -182,3 +200,48 @@ def register_param_waits(
         handles.append(module.register_load_state_dict_pre_hook(before_state_dict))
     handles.append(PlainCopies(model.modules(), before=before_state_dict))
     return handles
+
+
+def register_forward_method(module: nn.Module, method_name: str) -> None:
+    """Makes ``module.<method_name>`` wait, before it runs, for the params ``module``'s forward
+    waits for, and after it as its forward does, as torch's ``register_fsdp_forward_method`` does
+    for FSDP2.
+
+    With the gathers overlapped (the default), the params are waited for by the modules' forward
+    pre-hooks. A model entered through another method (``model.encode_text(...)``,
+    ``model.loss(x, y)``) runs no hook of its own: params it reads itself before any submodule
+    runs (CLIP's ``self.logit_scale``, an input scale) would be read before their update lands.
+    Register such methods, before or after ``wrap``; on a module without zero-shard's hooks the
+    method runs as it is.
+
+    Args:
+        module: the module whose method it is (the model, usually).
+        method_name: the method's name.
+
+    Raises:
+        ValueError: if ``module`` has no method ``method_name``.
+
+    Example::
+
+        zero_shard.register_forward_method(model, "encode_text")
+    """
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(
+            f"{type(module).__name__} has no method {method_name!r} to register (got "
+            f"{type(method).__name__}): pass the name of a method the training loop calls"
+        )
+
+    @functools.wraps(method)
+    def waiting(*args: Any, **kwargs: Any) -> Any:
+        for hook in list(module._forward_pre_hooks.values()):
+            if isinstance(hook, _WaitHook):
+                hook(module, args)
+        out = method(*args, **kwargs)
+        for hook in list(module._forward_hooks.values()):
+            if isinstance(hook, CompileAwareHook):  # the root's: every bucket done
+                hook(module, args, out)
+        return out
+
+    waiting.waits_as_forward = True  # type: ignore[attr-defined]
+    setattr(module, method_name, waiting)

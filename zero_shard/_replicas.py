@@ -278,7 +278,9 @@ class _Replicas(Kind):
         self.gatherer = ParamGatherer(
             self.buckets, group, device=self._device, overlap=overlap, all_gather=self._all_gather
         )
-        waits = register_param_waits(self.module, self._plan, self.buckets, self.gatherer)
+        waits = register_param_waits(
+            self.module, self._plan, self.buckets, self.gatherer, overlap=overlap
+        )
         # Tensor-parallel DTensor params: as under FSDP2 (see [Note: FSDP2 versions]).
         return [*waits, *watch_state_dict_entries(self.module, self.sharded)]
 

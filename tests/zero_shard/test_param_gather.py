@@ -649,6 +649,41 @@ class CallsAroundBlocks(nn.Module):
         return x
 
 
+class EnteredByAMethod(nn.Module):
+    """Trained through ``loss``, never ``forward``: it reads its own ``scale`` before any of its
+    submodules runs (CLIP's towers and temperature, a loss method on the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
+        self.blocks = nn.ModuleList(FunctionalBlock() for _ in range(2))
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x * self.scale
+        for block in self.blocks:
+            h = block(h)
+        return mse(h, y)
+
+
+@case
+def a_model_entered_by_a_registered_method_reads_its_params_updated(rank: int, world: int) -> None:
+    def build() -> nn.Module:
+        model = EnteredByAMethod()
+        zero_shard.register_forward_method(model, "loss")  # before wrap: looked up at each call
+        return model
+
+    for fraction in (0.0, 0.5):
+        train_against_torch(
+            rank, world, build, bucket_mb=DEFAULT_BUCKETS, fraction=fraction,
+            loss_fn=lambda model, x, y: model.loss(x, y), all_params_read=False,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"no method 'los' to register"):
+        zero_shard.register_forward_method(EnteredByAMethod(), "los")
+    model = EnteredByAMethod()  # not registered: said at wrap
+    with pytest.warns(RuntimeWarning, match=r"no forward of its own.*register_forward_method"):
+        zero_shard.wrap(torch.optim.AdamW(model.parameters()), model)
+
+
 def eval_matches_torch(rank: int, world: int) -> Callable[[nn.Module, Any, int], None]:
     """``after_step`` that runs the model in eval mode (``nn.TransformerEncoderLayer``'s fast
     path) right after each step, zero-shard's first, and compares the outputs."""
