@@ -9,6 +9,7 @@ from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
 from ._state import ParamState
 from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
+from ._step_hooks import share_step_hooks
 
 __all__ = [
     "GroupsAtBuild",
@@ -22,5 +23,6 @@ __all__ = [
     "constructor_defaults",
     "load_state_dict_with_hooks",
     "scale_grads_",
+    "share_step_hooks",
     "state_dict_with_hooks",
 ]

@@ -9,12 +9,13 @@ import torch
 
 from offload import phase
 
-from ._elementwise import OptimizerSpec, step_unhooked
+from ._elementwise import OptimizerSpec
 from ._fused_backends import build_sub_optimizer
 from ._grad_factor import scale_grads_
 from ._policy import DeviceImpl
 from ._records import ParamRecord, Piece, flat_param, reload_mains
 from ._split import PieceSpec
+from ._step_hooks import step_unhooked
 
 __all__ = ["DevicePart"]
 

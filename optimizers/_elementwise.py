@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ._step_hooks import step_unhooked
+
 __all__ = [
     "IMPL_KEYS",
     "OptimizerSpec",
@@ -17,7 +19,6 @@ __all__ = [
     "constructor_defaults",
     "implementation_kwargs",
     "probe_state_keys",
-    "step_unhooked",
 ]
 
 # Every element of these optimizers' update depends only on the same element of the param, grad
@@ -165,18 +166,3 @@ def probe_state_keys(spec: OptimizerSpec, hyperparams: dict[str, Any]) -> StateK
                 "not elementwise, so it cannot be split between devices"
             )
     return StateKeys(tuple(elementwise), tuple(scalars))
-
-
-def step_unhooked(optimizer: torch.optim.Optimizer) -> None:
-    """Steps one of the hybrid's own sub-optimizers without the hooks that torch runs around
-    every ``Optimizer.step`` (``register_optimizer_step_pre_hook`` and ``_post_hook``): those are
-    the user's, run once around the step of the optimizer they hold, as torch runs them around
-    theirs; a sub-optimizer's step is a part of it. torch wraps each class's ``step`` once
-    (marked ``hooked``, the function it wraps in ``__wrapped__``); an optimizer whose ``step`` is
-    not so wrapped is stepped as it is."""
-    step = type(optimizer).step
-    unwrapped = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
-    if unwrapped is None:
-        optimizer.step()
-    else:
-        unwrapped(optimizer)

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from ._elementwise import IMPL_KEYS, OptimizerSpec, implementation_kwargs, step_unhooked
+from ._elementwise import IMPL_KEYS, OptimizerSpec, implementation_kwargs
 from ._policy import DeviceImpl
+from ._step_hooks import step_unhooked
 
 __all__ = ["FusedAdamAdapter", "build_sub_optimizer"]
 

@@ -54,6 +54,7 @@ from ._state import (
     write_state,
 )
 from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
+from ._step_hooks import share_step_hooks
 
 __all__ = ["HybridDeviceOptimizer", "MemoryReport"]
 
@@ -195,7 +196,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         optimizer.param_groups[i]``, so an LR scheduler built on ``optimizer`` before wrapping
         still sets the lr the hybrid steps with. The hybrid's steps count as ``optimizer``'s for
         such a scheduler (no "lr_scheduler.step() before optimizer.step()" warning). Step only
-        the hybrid from then on; hooks registered on ``optimizer`` do not run. A group added to
+        the hybrid from then on; step hooks registered on ``optimizer`` (before or after) run
+        around the hybrid's step, given the hybrid. A group added to
         ``optimizer`` afterwards (or its groups replaced, by its ``load_state_dict``) makes the
         next step raise: add every group before wrapping.
 
@@ -230,6 +232,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             hybrid.load_state_dict(saved)
             optimizer.state.clear()
         hybrid._wrapped = weakref.ref(optimizer)
+        share_step_hooks(hybrid, optimizer)
         return hybrid
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

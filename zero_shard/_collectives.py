@@ -195,7 +195,14 @@ def chunk_pack_grads(out: torch.Tensor, grads: Sequence[torch.Tensor], world_siz
     the flags (all 1), in segment ``r``. Every element of ``out`` is written: it needs no zero
     fill."""
     flags = torch.ones(world_size, len(grads), dtype=out.dtype, device=out.device)
-    torch._chunk_cat([*grads, flags], 0, world_size, out=out.view(world_size, -1))
+    segments = out.view(world_size, -1)
+    torch._chunk_cat([*grads, flags], 0, world_size, out=segments)
+    if segments.data_ptr() != out.data_ptr() or segments.numel() != out.numel():
+        # chunk_cat resizes an out= of another size (new memory, a warning): out left unwritten
+        raise AssertionError(
+            f"expected the grads to fill {tuple(out.view(world_size, -1).shape)}, got "
+            f"{tuple(segments.shape)} from shapes {[tuple(g.shape) for g in grads]}"
+        )
 
 
 def unpack_params(

@@ -22,6 +22,7 @@ from optimizers import (
     OffloadPolicy,
     constructor_defaults,
     load_state_dict_with_hooks,
+    share_step_hooks,
     state_dict_with_hooks,
 )
 
@@ -199,11 +200,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._building = True
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
-        # The step hooks are the torch optimizer's (torch runs them around the step of the
-        # optimizer they are registered on, which the user no longer steps): registered on
-        # either, before or after wrap, they run once around this step, given the wrapper.
-        self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
-        self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
+        share_step_hooks(self, optimizer)  # the user no longer steps it: its hooks run here
         self._wrapped = weakref.ref(optimizer)
         self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
         self._groups_at_wrap = GroupsAtBuild(self.param_groups)

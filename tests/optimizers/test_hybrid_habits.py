@@ -219,6 +219,33 @@ def test_wrap_shares_the_param_groups_and_leaves_them_as_they_were() -> None:
     assert {sub["lr"] for sub, group in opt._sub_groups() if group is opt.param_groups[1]} == {1e-3}
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_step_hooks_run_once_around_the_step_as_torch_runs_them(fraction: float) -> None:
+    # The wrapped optimizer's hooks (registered before or after wrap) and global ones run once
+    # a step, given the hybrid: none around the hybrid's own sub-optimizers' steps.
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    seen: collections.Counter[str] = collections.Counter()
+    handle = register_optimizer_step_pre_hook(lambda o, *_: seen.update([type(o).__name__]))
+    try:
+        param = torch.nn.Parameter(torch.randn(64))
+        torch_opt = torch.optim.AdamW([param], lr=1e-2)
+        torch_opt.register_step_pre_hook(lambda o, *_: seen.update([f"before {type(o).__name__}"]))
+        opt = HybridDeviceOptimizer.wrap(
+            torch_opt, policy=OffloadPolicy(fraction=fraction, chunk_numel=16)
+        )
+        torch_opt.register_step_post_hook(lambda o, *_: seen.update([f"after {type(o).__name__}"]))
+        seen.clear()
+        for _ in range(2):
+            param.grad = torch.ones_like(param)
+            opt.step()
+    finally:
+        handle.remove()
+    expected = {name: 2 for name in ("HybridDeviceOptimizer", "before HybridDeviceOptimizer",
+                                      "after HybridDeviceOptimizer")}  # fmt: skip
+    assert seen == expected
+
+
 def test_wrap_takes_the_state_over() -> None:
     params = make_params()
     user_opt = torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.3)

@@ -1,0 +1,39 @@
+"""torch's optimizer step hooks, run once around the step of the optimizer the user holds.
+
+torch runs the hooks of ``register_optimizer_step_pre_hook`` / ``_post_hook`` (global) and of an
+optimizer's ``register_step_pre_hook`` / ``_post_hook`` around every ``Optimizer.step``, through a
+wrapper it puts once on each optimizer class's ``step`` (``Optimizer.profile_hook_step``, marked
+``hooked``, the function it wraps in ``__wrapped__``). The hybrid steps sub-optimizers of its own:
+their steps are parts of the one step the user called, and run without that wrapper. A wrapper
+of a user's optimizer (``zero_shard.wrap``, ``HybridDeviceOptimizer.wrap``) takes over its step
+hooks: registered on either, they run around the wrapper's step, given the wrapper.
+
+An optimizer class whose ``step`` calls its parent's (``super().step()``) runs the parent's
+wrapper too, as in torch, where its hooks run twice a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["share_step_hooks", "step_unhooked"]
+
+# The code of torch's wrapper: every class's wrapped step runs it (a decorator that copied the
+# ``hooked`` mark with functools.wraps has code of its own, and is run as it is).
+_TORCH_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+
+
+def step_unhooked(optimizer: torch.optim.Optimizer) -> None:
+    """Steps one of the hybrid's own sub-optimizers without torch's step-hook wrapper."""
+    step = type(optimizer).step
+    if getattr(step, "__code__", None) is _TORCH_WRAPPER and hasattr(step, "__wrapped__"):
+        step.__wrapped__(optimizer)
+    else:
+        optimizer.step()
+
+
+def share_step_hooks(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> None:
+    """Makes ``wrapper`` run ``wrapped``'s step hooks, those registered later included: the
+    tables are shared (private attributes of ``torch.optim.Optimizer``, the same since torch 2.0)."""
+    wrapper._optimizer_step_pre_hooks = wrapped._optimizer_step_pre_hooks
+    wrapper._optimizer_step_post_hooks = wrapped._optimizer_step_post_hooks
