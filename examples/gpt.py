@@ -254,9 +254,9 @@ def _save_operands(
     return dtype, x_cast, w
 
 
-def _param_grads(ctx: Any, grad: torch.Tensor) -> tuple[Any, Any]:
-    """The weight's and the bias's grads (``None`` where not needed) from the output's."""
-    x_cast, _ = ctx.saved_tensors
+def _param_grads(ctx: Any, grad: torch.Tensor, x_cast: torch.Tensor) -> tuple[Any, Any]:
+    """The weight's and the bias's grads (``None`` where not needed) from the output's and the
+    saved input (read once by the caller: checkpointing unpacks each saved tensor once)."""
     weight, bias = ctx.params
     _, need_w, need_b, _ = ctx.needs_input_grad
     rows = _rows(grad)
@@ -285,12 +285,12 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     @once_differentiable  # the grads it returns are not differentiable: refuse create_graph
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_x = work = None
+        x_cast, w = ctx.saved_tensors
         if ctx.needs_input_grad[0]:
-            _, w = ctx.saved_tensors
             # In the input's dtype: the sum over ranks is the unsplit layer's input grad.
             grad_x = grad.matmul(w).to(ctx.x_dtype)
             work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-        grad_w, grad_b = _param_grads(ctx, grad)  # while the all-reduce runs
+        grad_w, grad_b = _param_grads(ctx, grad, x_cast)  # while the all-reduce runs
         if work is not None:
             work.wait()
         return grad_x, grad_w, grad_b, None
@@ -313,9 +313,9 @@ class _RowParallelLinearFn(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # the grads it returns are not differentiable: refuse create_graph
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        _, w = ctx.saved_tensors
+        x_cast, w = ctx.saved_tensors
         grad_x = grad.matmul(w) if ctx.needs_input_grad[0] else None
-        return grad_x, *_param_grads(ctx, grad), None
+        return grad_x, *_param_grads(ctx, grad, x_cast), None
 
 
 class _TensorParallelLinear(nn.Module):

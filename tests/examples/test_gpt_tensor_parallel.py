@@ -1,8 +1,8 @@
 """``gpt.parallelize``'s default plan on two CPU processes (gloo): each ``ColumnParallelLinear``
 and ``RowParallelLinear`` is one autograd node that computes on the local shards and does its
 own all-reduce. Its loss and grads are the unsplit GPT's, in fp32 and under bf16 autocast, over
-two backwards that accumulate, with a frozen bias in each kind of linear; the grads are DTensors
-in their params' layouts. Layers narrower than the ranks work; a second-order grad is refused."""
+two backwards that accumulate, with a frozen bias in each kind of linear, and with activation
+checkpointing; the grads are DTensors in their params' layouts. Layers narrower than the ranks work; a second-order grad is refused."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ CONFIG = GPTConfig(num_layers=2, num_heads=4, d_model=32, seq_len=16)
 FROZEN = ("blocks.1.mlp.0.bias", "blocks.0.attn.proj.bias")  # a column's and a row's
 
 
-def _grads_match_the_unsplit_model(world: int, autocast: bool) -> None:
+def _grads_match_the_unsplit_model(world: int, autocast: bool, checkpointed: bool = False) -> None:
     torch.manual_seed(0)
     full = GPT(CONFIG)
     for name, param in full.named_parameters():
@@ -42,6 +42,7 @@ def _grads_match_the_unsplit_model(world: int, autocast: bool) -> None:
             torch.nn.init.normal_(param, std=0.1)
         param.requires_grad_(name not in FROZEN)
     split = parallelize(copy.deepcopy(full), init_device_mesh("cpu", (world,)))
+    split.checkpoint_activations = checkpointed  # each saved tensor unpacked once in backward
     generator = torch.Generator().manual_seed(1)
     for _ in range(2):  # the second backward adds to the first's grads
         windows = torch.randint(256, (3, CONFIG.seq_len + 1), generator=generator)
@@ -79,6 +80,10 @@ def grads_match_under_bf16_autocast(rank: int, world: int) -> None:
     _grads_match_the_unsplit_model(world, autocast=True)
 
 
+def grads_match_with_activation_checkpointing(rank: int, world: int) -> None:
+    _grads_match_the_unsplit_model(world, autocast=False, checkpointed=True)
+
+
 def a_rank_with_an_empty_share_and_double_backward(rank: int, world: int) -> None:
     """Layers narrower than the ranks (one rank's share empty) give the unsplit layers' grads;
     a second-order grad through them is refused (their backward is not differentiable), not
@@ -107,6 +112,7 @@ CASES = {
     for case in (
         grads_match_in_fp32,
         grads_match_under_bf16_autocast,
+        grads_match_with_activation_checkpointing,
         a_rank_with_an_empty_share_and_double_backward,
     )
 }
