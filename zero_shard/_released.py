@@ -51,6 +51,7 @@ __all__ = [
 
 aten = torch.ops.aten
 _ZEROING = (aten.zero_.default, aten._foreach_zero_.default)
+_ALIASES = (aten.detach.default, aten.alias.default)
 # What torch's clipping (clip_grad_norm_, get_total_norm, clip_grads_with_norm_,
 # clip_grad_value_) does to each grad, one by one or in multi-tensor calls.
 _NORMS = (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar)
@@ -87,6 +88,7 @@ class ReleasedGrad(torch.Tensor):
 
     fqn: str
     zeroed: bool
+    alias_of: ReleasedGrad | None  # the placeholder this one is a detached alias of (.data)
     index: int  # the grad's index in ``owner``
     owner: weakref.ref[ReducedGrads] | None  # what computes norms of, scales and clamps the
     #                                          reduced grad; None: nothing does (a conversion's)
@@ -102,6 +104,7 @@ class ReleasedGrad(torch.Tensor):
     def __init__(self, param: torch.Tensor, fqn: str, device: torch.device | None = None) -> None:
         self.fqn = fqn
         self.zeroed = False
+        self.alias_of = None
         self.index = -1
         self.owner = None
 
@@ -109,6 +112,14 @@ class ReleasedGrad(torch.Tensor):
         """Norms, scaling and clamping of this placeholder go to ``owner``'s grad ``index``."""
         self.owner = weakref.ref(owner)
         self.index = index
+
+    def alias(self) -> ReleasedGrad:
+        """A placeholder for the same reduced grad (``.data``, ``.detach()``): its norms,
+        scaling and clamping are this one's, and zeroing it zeroes this one."""
+        alias = ReleasedGrad(self, self.fqn)
+        alias.alias_of = self if self.alias_of is None else self.alias_of
+        alias.index, alias.owner = self.index, self.owner
+        return alias
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -128,10 +139,13 @@ class ReleasedGrad(torch.Tensor):
             return ReleasedGrad(
                 torch.empty(like.shape, dtype=dtype, device="meta"), like.fqn, device
             )
+        if func in _ALIASES:  # p.grad.data, p.grad.detach(): the same grad, for what works on it
+            return args[0].alias()
         if func in _ZEROING:
             for tensor in tensors:
                 if isinstance(tensor, ReleasedGrad):
-                    tensor.zeroed = True
+                    root = tensor if tensor.alias_of is None else tensor.alias_of
+                    root.zeroed = True
                 else:  # a real grad zeroed in the same multi-tensor call
                     tensor.zero_()
             return args[0] if func is aten.zero_.default else None

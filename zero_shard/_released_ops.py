@@ -34,7 +34,8 @@ All three first finalize the grads (``finish``: at most the reductions no backwa
 no reduction ran since the last finalize and the grads asked for are as it left them, and, but
 for a deferred multiply, apply the factors pending. fp16 grads that still carry the loss scale
 (``zero_shard.GradScaler``'s unscale) give their unscaled norms, and a clamp's bounds are scaled
-alike. Anything else on a
+alike. ``p.grad.data`` and ``p.grad.detach()`` are placeholders for the same grad (logging's
+``p.grad.data.norm(2)``; ``p.grad.data.zero_()`` zeroes ``p.grad``). Anything else on a
 placeholder (reading values, elementwise math with it) raises, as before.
 
 [Note: clip at the step]

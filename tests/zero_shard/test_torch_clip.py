@@ -351,6 +351,38 @@ def torch_one_by_one_clip_finalizes_once_and_defers_one_factor(rank: int, world:
 
 
 @case
+def grads_read_and_scaled_through_data_and_detach_as_in_torch(rank: int, world: int) -> None:
+    # Logging's p.grad.data.norm(2) and p.grad.detach().norm(), a hand-made clip through .data,
+    # and the old way to zero grads, p.grad.data.zero_(): torch's numbers.
+    for fraction in (0.0, 0.5):
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+        )
+        ref_opt = adamw(ref)
+        for step in range(3):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            mse(ref(x), y).backward()
+            for net in (model, ref):
+                norms = torch.stack([p.grad.data.norm(2) for p in net.parameters()])
+                detached = torch.stack([p.grad.detach().norm() for p in net.parameters()])
+                assert torch.equal(norms, detached)
+                for param in net.parameters():
+                    param.grad.data.mul_(0.5)
+                if step == 1:
+                    net.out.weight.grad.data.zero_()  # steps zeros (moments decay), as in torch
+                if net is model:
+                    got = norms
+            torch.testing.assert_close(got, norms, **LOSS_TOL, msg=f"norms at step {step}")
+            for optimizer in (opt, ref_opt):
+                optimizer.step()
+                optimizer.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"fraction {fraction}")
+
+
+@case
 def other_reads_of_released_grads_still_raise(rank: int, world: int) -> None:
     model = make_model()
     opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
@@ -361,7 +393,9 @@ def other_reads_of_released_grads_still_raise(rank: int, world: int) -> None:
         torch.linalg.vector_norm(grad, dim=0)
     with pytest.raises(NotImplementedError, match=r"shape \(7, 15\)"):
         grad.mul_(torch.ones(7, 15))
-    for read in (grad.sum, lambda: grad + 1, lambda: torch.ones(7, 15).mul_(grad), grad.clone):
+    reads = (grad.sum, lambda: grad + 1, lambda: torch.ones(7, 15).mul_(grad), grad.clone,
+             lambda: grad.data.clone(), lambda: grad.detach().div_(2))  # fmt: skip
+    for read in reads:
         with pytest.raises(RuntimeError, match=r"clip_grad_norm_.*opt\.main_grad"):
             read()
     opt.zero_grad()
