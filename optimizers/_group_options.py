@@ -28,6 +28,7 @@ from ._records import HostChunk, ParamRecord
 
 __all__ = [
     "GroupsAtBuild",
+    "check_first_momentum",
     "check_impl_flags",
     "check_wrapped_groups",
     "leave_kernel_where_unmet",
@@ -214,3 +215,26 @@ def prepare_switched_on_state(records: Iterable[ParamRecord]) -> None:
         )
     for _, piece, wanted in missing:
         piece.state[wanted.key] = torch.zeros_like(piece.state[wanted.beside])
+
+
+def check_first_momentum(records: Iterable[ParamRecord], zero_buffers: set[int]) -> None:
+    """For SGD params about to take their first step: torch copies the first grad into the
+    momentum buffer undampened; the buffer made at zeros at construction (where ``dampening`` was
+    0: ``zero_buffers``, their ids) gives the same only without dampening. A dampening set since
+    is refused before anything changes; the stepped params' buffers leave ``zero_buffers``."""
+    records = list(records)
+    for record in records:
+        for piece in record.pieces:
+            buffer, group = piece.state.get("momentum_buffer"), piece.group
+            if id(buffer) in zero_buffers and group.get("momentum") and group.get("dampening"):
+                raise RuntimeError(
+                    f"dampening={group['dampening']!r} in param group {record.group_index} was "
+                    "set after the optimizer was built, before its params' first step: torch's "
+                    "SGD copies a param's first grad into its momentum buffer undampened, and "
+                    "this optimizer made the buffer at zeros when dampening was 0. Build the "
+                    f"optimizer with dampening={group['dampening']!r}, or set it after the first "
+                    "step; nothing was stepped"
+                )
+    for record in records:
+        for piece in record.pieces:
+            zero_buffers.discard(id(piece.state.get("momentum_buffer")))

@@ -31,6 +31,7 @@ from ._elementwise import (
 )
 from ._group_options import (
     GroupsAtBuild,
+    check_first_momentum,
     check_impl_flags,
     check_wrapped_groups,
     prepare_switched_on_state,
@@ -47,6 +48,7 @@ from ._state import (
     init_state,
     load_main,
     match_saved,
+    momentum_buffers,
     record_state,
     reset_state,
     scatter_state,
@@ -125,6 +127,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     #                               None where they are on an accelerator
     _host: HostPart
     _state_keys: list[StateKeys]  # per param group: the state the optimizer keeps per param
+    _zero_momentum: set[int]  # ids of SGD momentum buffers made at zeros, not stepped since
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
     _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over: its
     #                                                     group dicts are ours; None: not wrapped
@@ -293,6 +296,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         num_host = split.num_host_elements
         self._num_elements = (split.num_elements - num_host, num_host)
         init_state(trainable, self.optimizer_cls, state_keys)
+        self._zero_momentum = momentum_buffers(trainable, self.optimizer_cls)
         self._state_keys = state_keys
         self._records = records
 
@@ -463,7 +467,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._mark_stepped()
         self._sync_hyperparams()
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
-        prepare_switched_on_state([self._records[index] for index in grads])
+        stepping = [self._records[index] for index in grads]
+        prepare_switched_on_state(stepping)
+        check_first_momentum(stepping, self._zero_momentum)
         pending = self._host.start(
             grads,
             grad_scale,
@@ -660,6 +666,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._edits.forget(records)
         for record in records:
             reset_state(record, self.optimizer_cls, self._state_keys[record.group_index])
+        self._zero_momentum |= momentum_buffers(records, self.optimizer_cls)
 
     def wait_for_worker(self) -> None:
         """Returns once no step in flight on the host's worker writes the state any more."""
@@ -726,7 +733,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if saved is not None and stale and any(id(v) in stale for v in saved.values()):
                     saved = _live_for_stale(record, saved, stale)
                 scatter_state(record, saved, keys)
+        loaded = momentum_buffers(self._records, self.optimizer_cls)
         init_state(self._records, self.optimizer_cls, self._state_keys)
+        self._zero_momentum = momentum_buffers(self._records, self.optimizer_cls) - loaded
         self._host.num_updates = state_step_count(self._records)
 
 

@@ -76,6 +76,19 @@ def _starts_zero(cls: type, group: dict[str, Any]) -> bool:
     return issubclass(cls, torch.optim.SGD) and group.get("dampening", 0) == 0
 
 
+def momentum_buffers(records: Iterable[ParamRecord], cls: type) -> set[int]:
+    """The ids of the SGD momentum buffers of ``records``' pieces (none for other classes): right
+    after ``init_state`` or ``reset_state``, those made at zeros (see ``_starts_zero``)."""
+    if not issubclass(cls, torch.optim.SGD):
+        return set()
+    return {
+        id(piece.state["momentum_buffer"])
+        for record in records
+        for piece in record.pieces
+        if "momentum_buffer" in piece.state
+    }
+
+
 def init_state(records: Iterable[ParamRecord], cls: type, state_keys: Sequence[StateKeys]) -> None:
     """Creates, for every piece without state, the state its optimizer would create at its first
     step, where that state is known to start at zero (``_ZERO_INITIAL_STATE``; SGD without

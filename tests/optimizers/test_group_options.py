@@ -231,6 +231,35 @@ def test_rmsprop_state_switched_on_before_the_first_step_steps_as_torch(
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
 
 
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_sgd_dampening_set_before_a_params_first_step_is_refused_after_it_steps_as_torch(
+    fraction: float,
+) -> None:
+    # torch's SGD copies a param's first grad into its momentum buffer undampened; the buffer
+    # made at zeros at construction (dampening 0 then) would dampen it: refused, not wrong.
+    params = make_params(torch.float32, "cpu")
+    refs = fp32_copies(params)
+    policy = OffloadPolicy(fraction=fraction, chunk_numel=40, num_threads=2)
+    opt = HybridDeviceOptimizer(params, torch.optim.SGD, policy=policy, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(refs, lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    opt.param_groups[0]["dampening"] = 0.5
+    set_grads(params, refs, gen)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match=r"dampening=0.5 in param group 0 was set after"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+    opt.param_groups[0]["dampening"] = 0
+    for step in range(3):
+        if step == 1:  # after the first step: dampened from then on, as in torch
+            for group in (*opt.param_groups, *ref_opt.param_groups):
+                group["dampening"] = 0.5
+        set_grads(params, refs, gen)
+        opt.step()
+        ref_opt.step()
+        assert_matches(opt, params, refs, tol=SAME_KERNEL, where=f"step {step}")
+
+
 ADDERS: dict[str, Callable[[torch.optim.Optimizer], None]] = {
     "add_param_group": lambda torch_opt: torch_opt.add_param_group(
         {"params": [torch.nn.Parameter(torch.randn(4))], "lr": 1e-3}
