@@ -655,6 +655,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.wait_for_worker()
         self._edits.apply()
         write_state(record, key, value)
+        if key == "momentum_buffer":  # the user's buffer now, not the zeros made at build
+            self._zero_momentum -= momentum_buffers([record], self.optimizer_cls)
         if watch and torch.is_tensor(value):
             self.hand_out(record.param, key, value)
 

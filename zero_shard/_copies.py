@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-__all__ = ["PlainCopies", "mark_hook"]
+__all__ = ["PlainCopies", "is_marked", "mark_hook"]
 
 _MARK = "_zero_shard_hook"
 _REDUCE = "__reduce_ex__"
@@ -33,7 +33,8 @@ def mark_hook(hook: H) -> H:
     return hook
 
 
-def _is_marked(value: Any) -> bool:
+def is_marked(value: Any) -> bool:
+    """Whether ``value`` is marked as zero-shard's (``mark_hook``)."""
     try:
         return getattr(value, _MARK, False) is True
     except Exception:  # an object whose __getattr__ raises something else
@@ -44,10 +45,10 @@ def _without_marked(state: dict[str, Any]) -> dict[str, Any]:
     """The module state without zero-shard's hooks (hook dicts are keyed by handle id)."""
     plain = {}
     for key, value in state.items():
-        if key == _REDUCE:
+        if key == _REDUCE or is_marked(value):  # a hook, or a method registered to wait
             continue
-        if isinstance(value, dict) and any(_is_marked(v) for v in value.values()):
-            value = type(value)((k, v) for k, v in value.items() if not _is_marked(v))
+        if isinstance(value, dict) and any(is_marked(v) for v in value.values()):
+            value = type(value)((k, v) for k, v in value.items() if not is_marked(v))
         plain[key] = value
     return plain
 

@@ -24,6 +24,7 @@ Every hook is marked as zero-shard's: copies of the model leave them out ([Note:
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ from torch import nn
 
 from ._buckets import Bucket
 from ._compiled import CompileAwareHook
-from ._copies import PlainCopies, mark_hook
+from ._copies import PlainCopies, is_marked, mark_hook
 from ._gather import ParamGatherer
 from ._units import UnitPlan, runs
 
@@ -168,7 +169,8 @@ def register_param_waits(
     names = {place: unit.name for place, unit in enumerate(plan.units)}
     not_run = _UnitsNotRun(set(range(1, len(plan.units))), names)
     waits = _subtree_waits(model, unit_of)
-    registered = any(getattr(v, "waits_as_forward", False) for v in vars(model).values())
+    registered = any(isinstance(v, types.MethodType) and isinstance(v.__func__, _ForwardMethod)
+                     for v in vars(model).values())  # fmt: skip
     if overlap and unit_indices[0] and not runs(model) and not registered:
         warnings.warn(
             f"zero-shard: {type(model).__name__} has no forward of its own and holds params "
@@ -225,23 +227,37 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
         zero_shard.register_forward_method(model, "encode_text")
     """
-    method = getattr(module, method_name, None)
+    method = getattr(type(module), method_name, None)
     if not callable(method):
         raise ValueError(
             f"{type(module).__name__} has no method {method_name!r} to register (got "
             f"{type(method).__name__}): pass the name of a method the training loop calls"
         )
+    # Bound to the module, so that a deep copy (an EMA model) calls its own copy's method.
+    setattr(module, method_name, types.MethodType(_ForwardMethod(method), module))
 
-    @functools.wraps(method)
-    def waiting(*args: Any, **kwargs: Any) -> Any:
-        for hook in list(module._forward_pre_hooks.values()):
-            if isinstance(hook, _WaitHook):
-                hook(module, args)
-        out = method(*args, **kwargs)
-        for hook in list(module._forward_hooks.values()):
-            if isinstance(hook, CompileAwareHook):  # the root's: every bucket done
-                hook(module, args, out)
+
+class _ForwardMethod:
+    """A module's method that runs zero-shard's forward pre-hooks of the module before it and
+    its forward hooks after it, as ``module(...)`` would; marked as zero-shard's, so that copies
+    of the model (which leave zero-shard's hooks out) call the class's method."""
+
+    waits_as_forward = True
+    _method: Callable[..., Any]  # the class's function
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._method = method
+        functools.update_wrapper(self, method)
+        mark_hook(self)
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with_kwargs = module._forward_pre_hooks_with_kwargs
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if is_marked(hook):
+                hook(module, args, kwargs) if key in with_kwargs else hook(module, args)
+        out = self._method(module, *args, **kwargs)
+        with_kwargs = module._forward_hooks_with_kwargs
+        for key, hook in list(module._forward_hooks.items()):
+            if is_marked(hook):
+                hook(module, args, kwargs, out) if key in with_kwargs else hook(module, args, out)
         return out
-
-    waiting.waits_as_forward = True  # type: ignore[attr-defined]
-    setattr(module, method_name, waiting)

@@ -67,8 +67,8 @@ DEFAULT_BUCKET_MB = 256.0
 
 
 class HandedGrad(NamedTuple):
-    """A reduced grad handed out by ``main_grad``: the DTensor and its version then (held until
-    the grads are next final or zeroed: an edit of a temporary, ``main_grad(p).add_(...)``,
+    """A reduced grad handed out by ``main_grad``: the DTensor and its version when last looked
+    at (held until the step or ``zero_grad``: an edit of a temporary, ``main_grad(p).add_(...)``,
     leaves nothing else to look at)."""
 
     dtensor: DTensor
@@ -176,7 +176,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self.stale_params = stale_params
         self._skips = SkipCount(device)
         self._edits = GradEdits()
-        self._handed_grads: list[HandedGrad] = []  # by main_grad, since the grads were final
+        self._handed_grads: list[HandedGrad] = []  # by main_grad, since the last step
         self._end_window()
         self._share_param_groups(optimizer, fqns)
         self._device = checked.trainable[0][0].device
@@ -637,11 +637,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         counter, not its local tensor's, which is the grad: such an edit is made visible to
         what watches the grad's counter (the CPU share's early host copies, [Note: early grad
         copies] in optimizers/_early.py; norms computed before it)."""
-        for handed in self._handed_grads:
+        for position, handed in enumerate(self._handed_grads):
             if handed.dtensor._version != handed.version:
                 torch.autograd.graph.increment_version(handed.local)
                 self._edits.count += 1
-        self._handed_grads.clear()
+                self._handed_grads[position] = handed._replace(version=handed.dtensor._version)
 
     def _refuse_unfrozen(self) -> None:
         """Params frozen at wrap that have grads now (unfrozen since) hold no shard: torch's

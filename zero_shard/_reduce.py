@@ -210,11 +210,17 @@ class GradReducer:
         once they have run."""
         if not self._in_backward:
             self._start_backward()
+        elif torch._C._current_graph_task_id() != self._round_task:
+            self._nested = True  # seen here, at the hook's own time: see on_grad_ready
+        if self._deferred:  # another param's hook runs: the earlier ones' hooks are done
+            self._take_deferred()
         self._deferred.append(sharded)
 
     def _take_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []
         for sharded in deferred:
+            if sharded.param.grad is None:  # a later hook took the grad (p.grad = None)
+                continue
             sharded.watch.after_accumulate()
             self.on_grad_ready(sharded)
 

@@ -371,11 +371,16 @@ class ReentrantNet(nn.Module):
 
 @case
 def reentrant_checkpointing_with_grads_in_several_backwards_of_one(rank: int, world: int) -> None:
-    # See [Note: grads after their reduction]: every grad of the backward is reduced, once.
-    for fraction in (0.0, 0.5):
+    # See [Note: grads after their reduction]: every grad of the backward is reduced, once. Last,
+    # observing post-accumulate-grad hooks registered after wrap on rank 0 alone (grad logging):
+    # its grads are taken as complete later, and the ranks must still agree on the late ones.
+    for fraction, observed in ((0.0, False), (0.5, False), (0.0, True)):
         model, ref = ReentrantNet(), ReentrantNet()
         opt = zero_shard.wrap(adamw(model), model, offload=offload(fraction),
                               bucket_mb=TINY_BUCKETS)  # fmt: skip
+        if observed and rank == 0:
+            for param in model.parameters():
+                param.register_post_accumulate_grad_hook(lambda param: None)
         ref_opt = adamw(ref)
         for step in range(STEPS):
             x, y = global_batch(step)
@@ -669,13 +674,19 @@ def grads_edited_in_place_through_main_grad_reach_the_step(rank: int, world: int
         for step in range(3):
             x, y = global_batch(step)
             mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-            for param in model.parameters():
-                opt.main_grad(param).add_(0.05)
+            params = list(model.parameters())
+            for param in params[::2]:
+                opt.main_grad(param).add_(0.05)  # a temporary, edited at once
+            collected = [opt.main_grad(param) for param in params[1::2]]
+            opt.clip_grad_norm_(1e6)  # reads the grads between the hand-out and the edit
+            for grad in collected:
+                grad.add_(0.05)
             opt.step()
             opt.zero_grad()
             mse(ref(x), y).backward()
             for param in ref.parameters():
                 param.grad.add_(0.05)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e6)
             ref_opt.step()
             ref_opt.zero_grad()
         opt.finish_param_sync()
@@ -716,6 +727,23 @@ def post_accumulate_grad_hooks_registered_after_wrap_see_the_local_grad(
                 optimizer.zero_grad()
         opt.finish_param_sync()
         assert_params_close(model, ref, f"fraction {fraction}, after wrap: {registered_after}")
+    # A hook after wrap that takes the grad (p.grad = None, as optimizer-in-backward does): the
+    # param is not stepped, as torch's optimizer skips a param without a grad.
+    model, ref = make_model(), make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    for net in (model, ref):
+        net.mid.weight.register_post_accumulate_grad_hook(
+            lambda param: setattr(param, "grad", None)
+        )
+    for step in range(3):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        step_reference(ref, ref_opt, x, y)
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "a hook that takes the grad")
 
 
 @case

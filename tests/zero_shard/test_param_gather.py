@@ -8,6 +8,8 @@ bucket; cases that must hang without the fix rely on the harness's timeouts."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 import threading
 import time
 from collections.abc import Callable
@@ -681,7 +683,22 @@ def a_model_entered_by_a_registered_method_reads_its_params_updated(rank: int, w
         zero_shard.register_forward_method(EnteredByAMethod(), "los")
     model = EnteredByAMethod()  # not registered: said at wrap
     with pytest.warns(RuntimeWarning, match=r"no forward of its own.*register_forward_method"):
-        zero_shard.wrap(torch.optim.AdamW(model.parameters()), model)
+        opt = zero_shard.wrap(torch.optim.AdamW(model.parameters()), model)
+    zero_shard.register_forward_method(model, "loss")  # after wrap
+    x, y = (local_slice(t, rank, world) for t in batch(0))
+    model.loss(x, y).backward()
+    opt.step()
+    # A copy (an EMA model) calls its own method on its own params, and the model pickles.
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in ema.parameters():
+            param.zero_()
+    zeros = EnteredByAMethod()
+    with torch.no_grad():
+        for param in zeros.parameters():
+            param.zero_()
+    assert torch.equal(ema.loss(x, y), zeros.loss(x, y))
+    torch.save(model, io.BytesIO())
 
 
 def eval_matches_torch(rank: int, world: int) -> Callable[[nn.Module, Any, int], None]:
