@@ -96,6 +96,9 @@ class FSDPKind(Kind):
 
     # -- each step -------------------------------------------------------------------------------
 
+    def model_grads(self) -> list[torch.Tensor]:
+        return [s.param.grad for s in self.sharded if s.param.grad is not None]
+
     def finalize_grads(self, *, reduce: bool = True) -> None:
         for sharded in self.sharded:
             grad = sharded.param.grad

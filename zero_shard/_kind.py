@@ -137,6 +137,14 @@ class Kind(Protocol):
     def checked_grads(self) -> list[torch.Tensor]:  # what the non-finite check reads
         return shard_grads(self.sharded)
 
+    def edited_grads(self) -> list[torch.Tensor]:  # what a clip or an unscale multiplies
+        return self.checked_grads()
+
+    # The grads the model's params hold for code to read between an unscale and the step (DDP's
+    # and FSDP2's own; a plain model's are placeholders): fp16 ones keep the loss scale there.
+    def model_grads(self) -> list[torch.Tensor]:
+        return []
+
     # A global norm's inputs: the grads this rank counts, and its copies of grads another rank
     # counts (see [Note: uncounted copies in the verdict] in _norms.py); host pieces of
     # norm_rows_from elements or more are reduced by rows (global_norm).

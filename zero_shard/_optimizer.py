@@ -76,6 +76,16 @@ class HandedGrad(NamedTuple):
     local: torch.Tensor  # the grad itself: the DTensor's local tensor
 
 
+def _fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each grad's norm (its local tensor's, for a DTensor), in fp32: what a change of the grads
+    changes. Read by value, not by version counter: an in-place multi-tensor op on DTensors
+    (torch's clip on FSDP2 grads) moves no counter."""
+    local = [grad._local_tensor if isinstance(grad, DTensor) else grad for grad in grads]
+    if not local:
+        return torch.zeros(0)
+    return torch.stack([norm.float() for norm in torch._foreach_norm(local)])
+
+
 def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
@@ -177,6 +187,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._skips = SkipCount(device)
         self._edits = GradEdits()
         self._handed_grads: list[HandedGrad] = []  # by main_grad, since the last step
+        self._scaled_model_grads: torch.Tensor | None = None  # see _unscale_sharded_grads
         self._end_window()
         self._share_param_groups(optimizer, fqns)
         self._device = checked.trainable[0][0].device
@@ -330,8 +341,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             # In as few pieces as the kind holds them: a bucket's whole shard (its padding and
             # the slots of absent grads hold zeros, which stay zeros).
             with self.kind.host_threads():
-                scale_grads_(self.kind.checked_grads(), coefficient)
+                scale_grads_(self.kind.edited_grads(), coefficient)
             self._edits.count += 1
+            if self._scaled_model_grads is not None:  # this edit is ours
+                self._scaled_model_grads = _fingerprint(self.kind.model_grads())
         self._window_norm = norm
         self._clipped_marker = self.kind.grads_marker()
         return norm
@@ -369,6 +382,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         for group_index, group in enumerate(self._hybrid.param_groups):
             group.update(self._hyperparams(group_index))
         self._finalize_grads()
+        self._refuse_scaled_grads_changed()
         if self._window_norm is not None and self.kind.grads_marker() != self._clipped_marker:
             self._window_norm = None  # grads changed since the clip: its norm is not theirs
         self._skips.read(block=True)  # the last step's verdict, on the host long since
@@ -620,6 +634,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def _end_window(self) -> None:
         self._edits.count += 1
         self._handed_grads.clear()
+        self._scaled_model_grads = None
         self._window_norm = None
         self._clipped_marker = None
         self._grad_scale = None
@@ -642,6 +657,20 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 torch.autograd.graph.increment_version(handed.local)
                 self._edits.count += 1
                 self._handed_grads[position] = handed._replace(version=handed.dtensor._version)
+
+    def _refuse_scaled_grads_changed(self) -> None:
+        """fp16 grads of a DDP or FSDP2 model carry the loss scale until the step (unscaled in
+        fp16 they would underflow; torch's GradScaler refuses them): a change made to them after
+        ``unscale_`` (torch's clip, which read their scaled values) would step wrong numbers."""
+        then = self._scaled_model_grads
+        if then is not None and not torch.equal(_fingerprint(self.kind.model_grads()), then):
+            raise RuntimeError(
+                "fp16 grads of the model were changed after scaler.unscale_(opt) "
+                "(torch's clip_grad_norm_ or clip_grad_value_ on the model's params?): zero-shard "
+                "keeps a DDP or FSDP2 model's fp16 grads scaled until the step, so torch's clip "
+                "read scaled values. Clip with opt.clip_grad_norm_(max_norm), which clips the "
+                "unscaled grads; nothing was stepped"
+            )
 
     def _refuse_unfrozen(self) -> None:
         """Params frozen at wrap that have grads now (unfrozen since) hold no shard: torch's
@@ -698,9 +727,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         found_inf.copy_(flag)
         if any(grad.dtype == torch.float16 for grad in grads):
             self._grad_scale = float(inv_scale)
+            # A DDP or FSDP2 model's fp16 grads keep the scale on the params until the step:
+            # what changes them there (torch's clip, which reads them scaled) is refused.
+            self._scaled_model_grads = _fingerprint(self.kind.model_grads())
         elif grads:
             with self.kind.host_threads():
-                scale_grads_(grads, inv_scale)
+                scale_grads_(self.kind.edited_grads(), inv_scale)
         self._edits.count += 1
         self._checked_by_scaler = True
         return {found_inf.device: found_inf}

@@ -425,6 +425,14 @@ class DDPKind(_Replicas):
                 spec = sharded.spec
                 sharded.shard.grad = grad.detach()[spec.start_row : spec.start_row + spec.num_rows]
 
+    def edited_grads(self) -> list[torch.Tensor]:
+        # Each reduced grad whole, not this rank's rows (the shards' grads are views of them):
+        # torch's clip, or code reading .grad after an unscale or a clip, sees every element.
+        return self.model_grads()
+
+    def model_grads(self) -> list[torch.Tensor]:
+        return [s.param.grad.detach() for s in self.sharded if s.param.grad is not None]
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         with self._ddp.no_sync():

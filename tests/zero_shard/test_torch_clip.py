@@ -450,6 +450,62 @@ def ddp_and_fsdp2_grads_take_torch_value_and_norm_clips(rank: int, world: int) -
         assert_params_close(model, ref, f"{kind} with torch's value and norm clips")
 
 
+@case
+def ddp_and_fsdp2_grads_unscaled_by_the_scaler_then_clipped_by_torch(rank: int, world: int) -> None:
+    # zero_shard.GradScaler's unscale_ then torch's clip, as with torch's scaler: fp32 grads are
+    # unscaled whole on the params (DDP's were this rank's rows only: the clip read scaled grads),
+    # against DDP or FSDP2 with torch's GradScaler. fp16 grads keep the scale until the step:
+    # torch's clip of them is refused on every rank, opt.clip_grad_norm_ clips them.
+    for kind in ("ddp", "fsdp2"):
+        model, ref = make_model(), make_model()
+        if kind == "ddp":
+            net, ref_net = (
+                nn.parallel.DistributedDataParallel(model),
+                nn.parallel.DistributedDataParallel(ref),
+            )
+        else:
+            net, ref_net = fsdp2(model, world), fsdp2(ref, world)
+        opt = zero_shard.wrap(adamw(model), net, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        ref_opt = adamw(ref)
+        scalers = (
+            zero_shard.GradScaler("cpu", init_scale=2.0**12),
+            torch.amp.GradScaler("cpu", init_scale=2.0**12),
+        )
+        for step in range(2):
+            x, y = (local_slice(t, rank, world) for t in global_batch(step))
+            norms = []
+            for each, optimizer, scaler in ((net, opt, scalers[0]), (ref_net, ref_opt, scalers[1])):
+                scaler.scale(mse(each(x), y)).backward()
+                scaler.unscale_(optimizer)
+                norm = torch.nn.utils.clip_grad_norm_(each.parameters(), 0.05)
+                norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+            torch.testing.assert_close(*norms, **LOSS_TOL, msg=f"{kind} step {step}")
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"{kind}: the scaler's unscale, then torch's clip")
+        model = make_model().half()
+        net = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else fsdp2(model, world)
+        opt = zero_shard.wrap(adamw(model), net, bucket_mb=TINY_BUCKETS)
+        scaler = zero_shard.GradScaler("cpu", init_scale=2.0**12)
+        for clip in ("torch", "opt"):
+            x, y = (local_slice(t, rank, world).half() for t in global_batch(0))
+            scaler.scale(mse(net(x), y)).backward()
+            scaler.unscale_(opt)
+            if clip == "opt":
+                opt.clip_grad_norm_(0.05)
+                scaler.step(opt)
+            else:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+                with pytest.raises(
+                    RuntimeError, match=r"changed after scaler.unscale_.*opt\.clip_grad_norm_"
+                ):
+                    scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+
 @pytest.fixture(scope="module", params=[1, 3])
 def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
     with warnings.catch_warnings():
