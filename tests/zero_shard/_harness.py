@@ -2,10 +2,10 @@
 
 A spawn costs seconds on the 2-core CI machines, so each test module registers its cases with
 ``@case`` and a module-scoped fixture runs them all at once per world size; each pytest test
-then reports its case's outcome. A case fails if it raised on any rank; every rank runs every
-case in the same order. A case that fails on some ranks only can leave the others waiting in a
-collective: the gloo timeout (``TIMEOUT``) then fails them, and later cases may fail in turn:
-the first failure is the one to read. A spawn that outlives ``SPAWN_DEADLINE`` (a hang no
+then reports its case's outcome (every failing rank's traceback). A case fails if it raised on
+any rank; every rank runs every case in the same order. A case that fails on some ranks only can
+leave the others waiting in a collective: the gloo timeout (``TIMEOUT``) then fails them, and
+later cases may fail in turn: the first failure is the one to read. A spawn that outlives ``SPAWN_DEADLINE`` (a hang no
 collective timeout ends: a thread waiting forever) is killed, and its unfinished cases fail.
 """
 
@@ -92,8 +92,9 @@ def run_cases(
             ranks = json.loads(path.read_text()) if path.exists() else {}
             for name in cases:
                 failure = ranks.get(name, f"rank {rank} did not reach this case ({ended})")
-                if failure and merged[name] is None:
-                    merged[name] = f"rank {rank}:\n{failure}"
+                if failure:  # every failing rank's: the first to fail may not be the lowest
+                    shown = f"rank {rank}:\n{failure}"
+                    merged[name] = shown if merged[name] is None else f"{merged[name]}\n{shown}"
         return merged
 
 
