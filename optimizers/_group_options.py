@@ -222,6 +222,8 @@ def check_first_momentum(records: Iterable[ParamRecord], zero_buffers: set[int])
     momentum buffer undampened; the buffer made at zeros at construction (where ``dampening`` was
     0: ``zero_buffers``, their ids) gives the same only without dampening. A dampening set since
     is refused before anything changes; the stepped params' buffers leave ``zero_buffers``."""
+    if not zero_buffers:  # no SGD buffer left unstepped: nothing to read per param
+        return
     records = list(records)
     for record in records:
         for piece in record.pieces:
