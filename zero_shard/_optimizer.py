@@ -83,7 +83,7 @@ def _fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
     local = [grad._local_tensor if isinstance(grad, DTensor) else grad for grad in grads]
     if not local:
         return torch.zeros(0)
-    return torch.stack([norm.float() for norm in torch._foreach_norm(local)])
+    return torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32))
 
 
 def _remove_hooks(handles: list[Any]) -> None:
@@ -663,7 +663,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         fp16 they would underflow; torch's GradScaler refuses them): a change made to them after
         ``unscale_`` (torch's clip, which read their scaled values) would step wrong numbers."""
         then = self._scaled_model_grads
-        if then is not None and not torch.equal(_fingerprint(self.kind.model_grads()), then):
+        now = None if then is None else _fingerprint(self.kind.model_grads())
+        # Exactly equal, NaN to NaN: non-finite grads are the scaler's to skip, not a change.
+        if now is not None and not torch.allclose(now, then, rtol=0.0, atol=0.0, equal_nan=True):
             raise RuntimeError(
                 "fp16 grads of the model were changed after scaler.unscale_(opt) "
                 "(torch's clip_grad_norm_ or clip_grad_value_ on the model's params?): zero-shard "

@@ -489,11 +489,13 @@ def ddp_and_fsdp2_grads_unscaled_by_the_scaler_then_clipped_by_torch(rank: int, 
         net = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else fsdp2(model, world)
         opt = zero_shard.wrap(adamw(model), net, bucket_mb=TINY_BUCKETS)
         scaler = zero_shard.GradScaler("cpu", init_scale=2.0**12)
-        for clip in ("torch", "opt"):
+        for clip in ("torch", "opt", "overflow"):
             x, y = (local_slice(t, rank, world).half() for t in global_batch(0))
+            if clip == "overflow" and rank == 0:  # non-finite grads: skipped, not a change
+                x[0, 0] = float("inf")
             scaler.scale(mse(net(x), y)).backward()
             scaler.unscale_(opt)
-            if clip == "opt":
+            if clip != "torch":
                 opt.clip_grad_norm_(0.05)
                 scaler.step(opt)
             else:
@@ -504,6 +506,7 @@ def ddp_and_fsdp2_grads_unscaled_by_the_scaler_then_clipped_by_torch(rank: int, 
                     scaler.step(opt)
             scaler.update()
             opt.zero_grad()
+        assert scaler.get_scale() == 2.0**11, f"{kind}: the overflow was not skipped"
 
 
 @pytest.fixture(scope="module", params=[1, 3])
