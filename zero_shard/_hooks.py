@@ -242,7 +242,6 @@ class _ForwardMethod:
     its forward hooks after it, as ``module(...)`` would; marked as zero-shard's, so that copies
     of the model (which leave zero-shard's hooks out) call the class's method."""
 
-    waits_as_forward = True
     _method: Callable[..., Any]  # the class's function
 
     def __init__(self, method: Callable[..., Any]) -> None:

@@ -663,9 +663,14 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         fp16 they would underflow; torch's GradScaler refuses them): a change made to them after
         ``unscale_`` (torch's clip, which read their scaled values) would step wrong numbers."""
         then = self._scaled_model_grads
-        now = None if then is None else _fingerprint(self.kind.model_grads())
+        if then is None:
+            return
+        now = _fingerprint(self.kind.model_grads())
         # Exactly equal, NaN to NaN: non-finite grads are the scaler's to skip, not a change.
-        if now is not None and not torch.allclose(now, then, rtol=0.0, atol=0.0, equal_nan=True):
+        same = now.shape == then.shape and torch.allclose(
+            now, then.to(now.device), rtol=0.0, atol=0.0, equal_nan=True
+        )
+        if not same:
             raise RuntimeError(
                 "fp16 grads of the model were changed after scaler.unscale_(opt) "
                 "(torch's clip_grad_norm_ or clip_grad_value_ on the model's params?): zero-shard "
