@@ -183,17 +183,23 @@ _SWITCHED_ON = (
 )
 
 
-def prepare_switched_on_state(records: Iterable[ParamRecord]) -> None:
+def prepare_switched_on_state(
+    records: Iterable[ParamRecord], groups: Sequence[dict[str, Any]]
+) -> None:
     """For the params about to step whose group asks for state that their state lacks (an option
     switched on after construction: Adam's ``amsgrad``, RMSprop's ``centered`` or ``momentum``):
     creates it (zeros) where they never stepped, as torch's first step would (their other state
     was made at construction); raises, before anything changes, where they did (torch's own step
-    raises KeyError there)."""
+    raises KeyError there). ``groups``: the user's param groups, read first, so that a step
+    where no group has such an option on reads nothing per param."""
+    wanted_on = [wanted for wanted in _SWITCHED_ON if any(g.get(wanted.option) for g in groups)]
+    if not wanted_on:
+        return
     missing = [
         (record, piece, wanted)
         for record in records
         for piece in record.pieces
-        for wanted in _SWITCHED_ON
+        for wanted in wanted_on
         if piece.group.get(wanted.option)
         and wanted.beside in piece.state
         and wanted.key not in piece.state

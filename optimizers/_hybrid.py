@@ -468,7 +468,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._sync_hyperparams()
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
         stepping = [self._records[index] for index in grads]
-        prepare_switched_on_state(stepping)
+        prepare_switched_on_state(stepping, self.param_groups)
         check_first_momentum(stepping, self._zero_momentum)
         pending = self._host.start(
             grads,
