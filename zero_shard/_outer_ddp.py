@@ -8,7 +8,14 @@ reading the placeholders zero-shard leaves in ``.grad``. When such a DDP runs th
 model's forward hook turns DDP's gradient sync off (``require_backward_grad_sync``: what
 ``DDP.no_sync()`` sets, and restores to the value it found), before DDP's forward ends and
 arms its reducer for backward: the grads then reach zero-shard alone, as they would without
-DDP. DDP still broadcast the params from its first rank when it was built, as zero-shard did
+DDP. What the flag said is DDP's decision for this forward's backward, and zero-shard's: inside
+the user's ``no_sync()`` it was off, and that backward leaves each rank's grads unreduced in
+``.grad`` (as ``opt.no_sync()`` does), so a clip between micro-batches clips each rank's own
+grads, as under DDP. A hook on DDP itself, run when its forward ends (raised or not), puts the
+flag back, so the user's ``no_sync()`` finds and restores its own value. DDP's first forward
+runs without it (a module with no hooks when its call starts runs none), so that one forward
+puts the flag back from DDP's ``_post_forward``, shadowed on the instance for that call only.
+DDP still broadcast the params from its first rank when it was built, as zero-shard did
 at wrap; with its sync off it broadcasts no buffers either, as zero-shard alone does. A DDP
 built with ``static_graph=True`` is told its first backward's reduction of every grad was
 queued already. Only a DDP whose reduced params are all zero-shard's is quieted: a param
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,12 +51,21 @@ class _QuietOuterDDP:
     _quieted: weakref.WeakKeyDictionary[nn.Module, bool]  # the DDPs this hook turned off, and
     #                                                       whether a static graph's first
     #                                                       reduction was queued before
+    _ends: weakref.WeakKeyDictionary[nn.Module, Any]  # per quieted DDP: its forward hook's handle
+    _flags: weakref.WeakKeyDictionary[nn.Module, bool]  # per DDP in its forward: the flag found
+    _on_forward: Callable[[bool], None]  # told, at each forward under an owned DDP, whether its
+    #                                      backward is to reduce (False inside DDP's no_sync)
 
-    def __init__(self, model: nn.Module, params: Iterable[torch.Tensor]) -> None:
+    def __init__(
+        self, model: nn.Module, params: Iterable[torch.Tensor], on_forward: Callable[[bool], None]
+    ) -> None:
         self._model = weakref.ref(model)
         self._param_ids = frozenset(id(p) for p in params)
         self._seen = weakref.WeakKeyDictionary()
         self._quieted = weakref.WeakKeyDictionary()
+        self._ends = weakref.WeakKeyDictionary()
+        self._flags = weakref.WeakKeyDictionary()
+        self._on_forward = on_forward
         mark_hook(self)
 
     def restore(self) -> None:
@@ -58,7 +74,12 @@ class _QuietOuterDDP:
             ddp.require_backward_grad_sync = True
             if ddp.static_graph:
                 ddp._static_graph_delay_allreduce_enqueued = queued
+        for ddp, handle in self._ends.items():
+            handle.remove()
+            ddp.__dict__.pop("_post_forward", None)
         self._quieted.clear()
+        self._ends.clear()
+        self._flags.clear()
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -73,10 +94,24 @@ class _QuietOuterDDP:
             return
         if ddp not in self._quieted:
             self._quieted[ddp] = ddp.static_graph and ddp._static_graph_delay_allreduce_enqueued
-        if ddp.require_backward_grad_sync:  # (off already inside DDP's no_sync)
-            ddp.require_backward_grad_sync = False
+            if not ddp._use_python_reducer:  # (that one reads the flag in backward: left off)
+                self._ends[ddp] = ddp.register_forward_hook(self._end_forward, always_call=True)
+                ddp._post_forward = _FirstPostForward(ddp, self)
         if ddp.static_graph:  # else its first backward would reduce every grad, even in no_sync
             ddp._static_graph_delay_allreduce_enqueued = True
+        if not torch.is_grad_enabled():  # no backward follows: DDP does not read the flag
+            return
+        sync = ddp.require_backward_grad_sync
+        if sync:
+            ddp.require_backward_grad_sync = False
+            if ddp in self._ends:
+                self._flags[ddp] = True
+        self._on_forward(sync or ddp not in self._ends)
+
+    def _end_forward(self, ddp: nn.Module, args: Any = None, output: Any = None) -> None:
+        """DDP's forward hook: its forward is over, the flag goes back to what the user set."""
+        if self._flags.pop(ddp, False):
+            ddp.require_backward_grad_sync = True
 
     def _owns(self, ddp: nn.parallel.DistributedDataParallel) -> bool:
         """Whether ``ddp`` runs this model and every param it reduces is zero-shard's."""
@@ -95,6 +130,25 @@ class _QuietOuterDDP:
         return owned
 
 
+class _FirstPostForward:
+    """DDP's ``_post_forward`` for its first forward, which runs no forward hook: the class's,
+    then the flag put back ([Note: DDP around a wrapped model]); it takes itself off at once."""
+
+    def __init__(self, ddp: nn.Module, hook: _QuietOuterDDP) -> None:
+        self._ddp = weakref.ref(ddp)
+        self._hook = hook
+
+    def __call__(self, output: Any) -> Any:
+        ddp = self._ddp()
+        if ddp is None:
+            raise AssertionError("expected DDP alive in its own forward")
+        del ddp._post_forward
+        try:
+            return ddp._post_forward(output)
+        finally:
+            self._hook._end_forward(ddp)
+
+
 class _Handle:
     """The hook's handle: removing it also gives the quieted DDPs their sync back."""
 
@@ -107,7 +161,10 @@ class _Handle:
         self._hook.restore()
 
 
-def register_outer_ddp_check(model: nn.Module, params: Iterable[torch.Tensor]) -> Any:
+def register_outer_ddp_check(
+    model: nn.Module, params: Iterable[torch.Tensor], on_forward: Callable[[bool], None]
+) -> Any:
     """Registers the hook of [Note: DDP around a wrapped model] on ``model``, for the ``params``
-    zero-shard reduces; returns its handle."""
-    return _Handle(model, _QuietOuterDDP(model, params))
+    zero-shard reduces; ``on_forward`` is told at each forward under such a DDP whether the
+    backward that follows reduces (False inside its ``no_sync()``). Returns the hook's handle."""
+    return _Handle(model, _QuietOuterDDP(model, params, on_forward))

@@ -488,10 +488,16 @@ class ReplicatedKind(_Replicas):
                 alive.forget_aborted_backward()
                 alive.drop_cleared()
 
+        def outer_ddp_forward(sync: bool) -> None:
+            alive = reducer()
+            if alive is not None:
+                alive.set_sync(outer=sync)
+
         # Compiled code runs it at a graph break, or not at all ([Note: compiled models]).
         hook = CompileAwareHook.of(before_forward, self.gatherer)
         aborted = self.module.register_forward_pre_hook(hook)
-        outer_ddp = register_outer_ddp_check(self.module, (s.param for s in self.sharded))
+        params = (s.param for s in self.sharded)
+        outer_ddp = register_outer_ddp_check(self.module, params, outer_ddp_forward)
         handles = [*handles, aborted, outer_ddp, *self.reducer.register_hooks()]
         self._released_ops = ReleasedGradOps(optimizer)
         for index, sharded in enumerate(self.sharded):
@@ -528,11 +534,11 @@ class ReplicatedKind(_Replicas):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        self.reducer.enabled = False
+        self.reducer.set_sync(own=False)
         try:
             yield
         finally:
-            self.reducer.enabled = True
+            self.reducer.set_sync(own=True)
 
     def reset(self) -> None:
         self.reducer.reset()

@@ -1539,7 +1539,7 @@ def ddp_wrapped_after_wrap_trains_as_ddp(rank: int, world: int) -> None:
             ref_opt.step()
             ref_opt.zero_grad()
             torch.testing.assert_close(norm, ref_norm, **LOSS_TOL)
-        assert not ddp.require_backward_grad_sync
+        assert ddp.require_backward_grad_sync  # between forwards, the value the user set
         opt.finish_param_sync()
         assert_params_close(model, ref, f"DDP (static_graph={static_graph}) after wrap")
     del opt
@@ -1555,6 +1555,38 @@ def ddp_wrapped_after_wrap_trains_as_ddp(rank: int, world: int) -> None:
     mse(ref(x), y).backward()
     ref_plain.step()
     assert_params_close(model, ref, "DDP after the optimizer was collected")
+
+
+@case
+def ddp_wrapped_after_wrap_keeps_each_rank_s_grads_inside_its_no_sync(
+    rank: int, world: int
+) -> None:
+    # Inside DDP's no_sync() each rank's grads are its own until the backward that syncs: a
+    # clip on every micro-batch (accelerate's clip inside accumulate() without checking
+    # sync_gradients) clips them there. The reference is DDP + torch AdamW on the same ranks.
+    for fraction, stage in ((0.5, 2), (0.0, 1)):
+        model, ref = make_model(), make_model()
+        opt = zero_shard.wrap(adamw(model), model, stage=stage, offload=offload(fraction),
+                              bucket_mb=TINY_BUCKETS)  # fmt: skip
+        nets = (DDP(model), DDP(ref))
+        opts = (opt, adamw(ref))
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            x_local, y_local = local_slice(x, rank, world), local_slice(y, rank, world)
+            third = x_local.shape[0] // 3  # three micro-batches, two under no_sync
+            for net, net_opt in zip(nets, opts, strict=True):
+                for start in (0, third, 2 * third):
+                    rows = slice(start, None if start == 2 * third else start + third)
+                    sync = contextlib.nullcontext() if start == 2 * third else net.no_sync()
+                    with sync:
+                        (mse(net(x_local[rows]), y_local[rows]) / 3).backward()
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.02)
+                net_opt.step()
+                net.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(
+            model, ref, f"clipped micro-batches, fraction {fraction}, stage {stage}"
+        )
 
 
 @case

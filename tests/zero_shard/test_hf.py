@@ -144,6 +144,31 @@ def accelerate_prepare_and_clip_grad_norm_train_as_with_torch_adamw(rank: int, w
     assert_same_training(runs, "accelerate", steps=STEPS // world)  # the loader's share
 
 
+@case
+def accelerate_accumulation_clipped_on_every_micro_batch_trains_as_with_torch_adamw(
+    rank: int, world: int
+) -> None:
+    # accumulate() runs the micro-batches before the last under DDP's no_sync(): a clip made on
+    # every one (sync_gradients left unchecked) clips each rank's own grads there, as under DDP.
+    runs = {}
+    for wrapped in (False, True):
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = build_llama()
+        opt = optimizer_for(model, wrapped)
+        loader = torch.utils.data.DataLoader(token_rows(), batch_size=BATCH // 2)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        norms = []
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(input_ids=batch, labels=batch).loss)
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+                opt.step()
+                opt.zero_grad()
+        finish(opt)
+        runs[wrapped] = (accelerator.unwrap_model(model), norms)
+    assert_same_training(runs, "accelerate, accumulated", steps=2 * STEPS // world)
+
+
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, str | None]:
     with warnings.catch_warnings():
