@@ -649,6 +649,7 @@ def _clear_after_reduction(bucket: Bucket) -> tuple[list[bool], bool]:
         changed = True
         if cleared:
             sharded.watch.forget()
+            sharded.watch.renew_if_held()  # its grad is cleared from the slot below
             dropped[position] = True
         else:
             sharded.grad_slot.zero_()

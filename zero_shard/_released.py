@@ -27,10 +27,24 @@ place (``zero_grad(set_to_none=False)``) counts as a zero grad: cleared, and ste
 steps zeros. The placeholder is taken off ``.grad`` by a pre-hook on the param's grad
 accumulator, which runs before autograd accumulates a backward's grad there (and not for
 ``torch.autograd.grad``, which accumulates nothing).
+
+[Note: placeholders held across steps]
+torch makes a new ``.grad`` tensor for a backward that finds ``.grad`` None (after a clear to
+``None``): a grad someone kept from before keeps its values. zero-shard holds one reduced grad a
+param, so the placeholder that stood for the old one cannot go on standing for it: where it is
+held outside zero-shard (its reference count says so) when its reduced grad is freed
+(``zero_grad``, a forward after ``model.zero_grad()``) or about to be written afresh (a backward
+that finds ``.grad`` None), it is retired and the param gets a new one. Reading a retired
+placeholder raises; zeroing, scaling or clamping it changes nothing, as on torch's kept tensor;
+putting it back into ``.grad`` (grads saved, a diagnostic backward, grads restored) raises at the
+next backward or step, since zero-shard cannot step the values it stood for. A placeholder
+zeroed in place (``zero_grad(set_to_none=False)``) or accumulated into stays the live one, as
+torch's tensor does.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -69,6 +83,11 @@ class ReducedGrads(Protocol):
     """What holds the reduced grads that placeholders stand in for (the optimizer's), by the
     index the placeholder was linked with; see [Note: torch's clip on released grads]."""
 
+    def settle(self, indices: list[int]) -> None:
+        """Brings the grads up to date with clears made since the reduction (a placeholder held
+        elsewhere whose grad was cleared is retired there)."""
+        ...
+
     def norms(self, indices: list[int], norm_type: float) -> list[torch.Tensor]:
         """The global ``norm_type``-norm of each grad (collective), fp32 or fp64."""
         ...
@@ -88,6 +107,8 @@ class ReleasedGrad(torch.Tensor):
 
     fqn: str
     zeroed: bool
+    retired: bool  # it stood for a reduced grad since freed or written afresh ([Note:
+    #                placeholders held across steps])
     alias_of: ReleasedGrad | None  # the placeholder this one is a detached alias of (.data)
     index: int  # the grad's index in ``owner``
     owner: weakref.ref[ReducedGrads] | None  # what computes norms of, scales and clamps the
@@ -104,6 +125,7 @@ class ReleasedGrad(torch.Tensor):
     def __init__(self, param: torch.Tensor, fqn: str, device: torch.device | None = None) -> None:
         self.fqn = fqn
         self.zeroed = False
+        self.retired = False
         self.alias_of = None
         self.index = -1
         self.owner = None
@@ -133,6 +155,9 @@ class ReleasedGrad(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        retired = [t for t in tensors if isinstance(t, ReleasedGrad) and _root(t).retired]
+        if retired:
+            return _on_retired(func, args, tensors, retired)
         if func is aten._to_copy.default:  # nn.Module._apply converts grads too
             like = args[0]
             dtype, device = kwargs.get("dtype") or like.dtype, kwargs.get("device") or like.device
@@ -161,6 +186,38 @@ class ReleasedGrad(torch.Tensor):
             f"ReleasedGrad({self.fqn!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}: reduced into zero-shard's shards; see opt.main_grad)"
         )
+
+
+def _root(released: ReleasedGrad) -> ReleasedGrad:
+    return released if released.alias_of is None else released.alias_of
+
+
+def _on_retired(
+    func: Any, args: tuple[Any, ...], tensors: list[torch.Tensor], retired: list[ReleasedGrad]
+) -> Any:
+    """An op on placeholders retired ([Note: placeholders held across steps]): a write to them
+    alone changes nothing (as on the grads torch keeps); anything else raises."""
+    writes = _ZEROING + _SCALES + _CLAMPS
+    if func in writes and all(isinstance(t, ReleasedGrad) and _root(t).retired for t in tensors):
+        return None if func._overloadpacket.__name__.startswith("_foreach") else args[0]
+    raise RuntimeError(
+        f"the grad of {retired[0].fqn!r} held here stood for a reduced grad that zero-shard has "
+        f"since freed or written afresh (a clear, then a backward; attempted: {func}): zero-shard "
+        "holds one reduced grad a param, and the placeholder in .grad stands for the current one "
+        "only. Read grads between backward and step, or keep copies of their values "
+        "(opt.main_grad(param).clone(): this rank's shard, as a DTensor)"
+    )
+
+
+def restored_error(fqn: str) -> RuntimeError:
+    """A placeholder retired and then put back into ``.grad``."""
+    return RuntimeError(
+        f"the .grad of {fqn!r} was set to a grad held from an earlier backward (grads saved, "
+        "cleared, and put back): zero-shard reduced that grad into its shards and holds the "
+        "current one only, so it cannot step the values it stood for. Keep copies of the values "
+        "instead (saved = opt.main_grad(param).clone(): this rank's shard, as a DTensor), and "
+        "copy them back after the other backward (opt.main_grad(param).copy_(saved))"
+    )
 
 
 def _read_error(released: ReleasedGrad, func: Any) -> RuntimeError:
@@ -219,6 +276,11 @@ def _on_reduced_grads(func: Any, bound: dict[str, Any]) -> Any:
         entry = by_owner.setdefault(id(owner), (owner, [], []))
         entry[1].append(position)
         entry[2].append(grad.index)
+    for owner, _, indices in by_owner.values():
+        owner.settle(indices)
+    retired = [g for g in grads if isinstance(g, ReleasedGrad) and _root(g).retired]
+    if retired:  # by the clears just applied
+        return _on_retired(func, (bound["self"],), grads, retired)
     plain = [grad for grad in grads if not isinstance(grad, ReleasedGrad)]
     if func in _NORMS:
         norms = _norms_of(func, bound, grads, by_owner.values(), plain)
@@ -341,6 +403,20 @@ class GradWatch:
     def __post_init__(self) -> None:
         self.dtype, self.device = self.param.dtype, self.param.device
 
+    def renew_if_held(self) -> None:
+        """Retires the placeholder where it is held outside zero-shard, for a new one ([Note:
+        placeholders held across steps]); one left in ``.grad`` (zeroed in place) stays live."""
+        if self.param.grad is self.placeholder:
+            return
+        if sys.getrefcount(self.placeholder) <= _HELD_ONCE + (self.expected is self.placeholder):
+            return
+        placeholder = self.placeholder
+        placeholder.retired = True
+        renewed = self.placeholder = ReleasedGrad(self.param, placeholder.fqn)
+        renewed.index, renewed.owner = placeholder.index, placeholder.owner
+        if self.expected is placeholder:
+            self.expected = renewed
+
     def _intact(self) -> bool:
         grad = self.param.grad
         if grad is None or grad is not self.expected:
@@ -353,7 +429,13 @@ class GradWatch:
         """A backward is about to accumulate into ``.grad``: judge it, take the placeholder off.
         (A pre-hook on the param's grad accumulator: ``grad_outputs`` is unused.)"""
         self.kept = self.kept and self._intact()
-        if isinstance(self.param.grad, ReleasedGrad):
+        grad = self.param.grad
+        if grad is None:  # torch makes a new grad now: one held keeps its values
+            if sys.getrefcount(self.placeholder) > _HELD_ONCE + (self.expected is self.placeholder):
+                self.renew_if_held()  # (checked inline: every backward)
+        elif isinstance(grad, ReleasedGrad):
+            if grad is not self.placeholder and _root(grad).retired:
+                raise restored_error(self.placeholder.fqn)
             self.param.grad = None
 
     def after_accumulate(self) -> None:
@@ -369,7 +451,12 @@ class GradWatch:
         zeroed placeholder is a zero grad (without memory), as torch's zeroed ``.grad``."""
         self.kept = self.kept and self._intact()
         grad = self.param.grad
-        if isinstance(grad, ReleasedGrad):
+        if grad is None:  # cleared: the reduction writes the grad afresh
+            if sys.getrefcount(self.placeholder) > _HELD_ONCE + (self.expected is self.placeholder):
+                self.renew_if_held()
+        elif isinstance(grad, ReleasedGrad):
+            if grad is not self.placeholder and _root(grad).retired:
+                raise restored_error(self.placeholder.fqn)
             self.param.grad = None
             if not grad.zeroed:
                 return Taken(None, self.kept, zeroed=False)
@@ -388,6 +475,9 @@ class GradWatch:
         """Between the reduction and the step: True if ``.grad`` was set to None; False if the
         placeholder was zeroed in place; None otherwise (it holds the reduced grad, or a grad
         set by hand, which this step does not use: the reducer warns)."""
+        grad = self.param.grad
+        if isinstance(grad, ReleasedGrad) and grad is not self.placeholder and _root(grad).retired:
+            raise restored_error(self.placeholder.fqn)
         if self.expected is not self.placeholder or self._intact():
             return None
         if self.param.grad is None:
@@ -413,10 +503,30 @@ class GradWatch:
 
 
 def forget_all(watches: list[GradWatch]) -> None:
-    """``forget`` for each of ``watches`` (a bucket's, at ``zero_grad``), in one call."""
+    """``forget`` for each of ``watches`` (a bucket's reduced grads freed, at ``zero_grad``), in
+    one call; placeholders held elsewhere are retired ([Note: placeholders held across steps])."""
     for watch in watches:
         watch.expected = None
         watch.kept = False
+        if watch.param.grad is not watch.placeholder and sys.getrefcount(watch.placeholder) > (
+            _HELD_ONCE
+        ):
+            watch.renew_if_held()
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.value = object()
+
+
+def _count_held_once() -> int:
+    """What ``sys.getrefcount(holder.value)`` reads for an object only that attribute holds (the
+    call's own reference included, where the interpreter counts it)."""
+    holder = _Holder()
+    return sys.getrefcount(holder.value)
+
+
+_HELD_ONCE = _count_held_once()
 
 
 class PlaceholderRemoval:

@@ -91,7 +91,9 @@ class _Finalized:
     param, and a read of the presence flags, each time)."""
 
     marker: Any  # the kind's grads marker after it
-    grads: list[Any]  # each param's ``.grad`` after it (its placeholder, or None)
+    grads: list[weakref.ref | None]  # each param's ``.grad`` after it (its placeholder, weakly:
+    #                                  a reference held would retire it at the next clear,
+    #                                  [Note: placeholders held across steps]; or None)
 
 
 @dataclass
@@ -138,7 +140,11 @@ class ReleasedGradOps:
             return
         optimizer._finalize_grads()
         grads = [sharded.param.grad for sharded in optimizer._sharded]
-        self._finalized = _Finalized(optimizer.kind.grads_marker(), grads)
+        left = [None if grad is None else weakref.ref(grad) for grad in grads]
+        self._finalized = _Finalized(optimizer.kind.grads_marker(), left)
+
+    def settle(self, indices: list[int]) -> None:
+        self._finalize(self._live(), indices)
 
     def _records(self, optimizer: ZeroShardOptimizer, indices: list[int]) -> list[ShardedParam]:
         """The records of ``indices`` that hold a reduced grad (others: no rank had one)."""
@@ -221,11 +227,11 @@ class ReleasedGradOps:
         optimizer._window_norm = None  # a clamp makes infs finite: the step checks again
 
 
-def _as_left(grad: Any, left: Any) -> bool:
+def _as_left(grad: Any, left: weakref.ref | None) -> bool:
     """Whether a ``.grad`` is what the last finalize left there, untouched."""
-    if grad is not left:
-        return False
-    return grad is None or (isinstance(grad, ReleasedGrad) and not grad.zeroed)
+    if left is None:
+        return grad is None
+    return grad is left() and isinstance(grad, ReleasedGrad) and not grad.zeroed
 
 
 def edited(grads: list[torch.Tensor]) -> None:

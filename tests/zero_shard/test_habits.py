@@ -1590,6 +1590,92 @@ def ddp_wrapped_after_wrap_keeps_each_rank_s_grads_inside_its_no_sync(
 
 
 @case
+def grads_held_across_a_clear_read_raise_and_writes_change_nothing(rank: int, world: int) -> None:
+    # torch makes a new .grad after a clear to None, and a grad kept from before keeps its
+    # values; zero-shard holds one reduced grad a param ([Note: placeholders held across
+    # steps]): a kept placeholder reads as the grads until they are cleared, then reading it
+    # raises and writing it changes nothing, on every rank alike. Zeroed in place
+    # (set_to_none=False), the kept grad is .grad itself, in torch as here: it reads the next.
+    stale = "held here stood for a reduced grad that zero-shard has since freed"
+    clears = ("opt.zero_grad", "model.zero_grad", "set_to_none=False")
+    for fraction, clear in zip((0.5, 0.0, 0.5), clears, strict=True):
+        model, opt, ref, ref_opt = wrapped_and_torch(fraction=fraction)
+        params, ref_params = list(model.parameters()), list(ref.parameters())
+        held: list[torch.Tensor] = []
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            mse(ref(x), y).backward()
+            ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref_params])
+            if step == 1:  # kept: the grads, their .data and .detach()
+                held = [p.grad for p in params[:2]] + [params[2].grad.data]
+                held += [p.grad.detach() for p in params[3:]]
+            if held:
+                torch.testing.assert_close(
+                    torch.nn.utils.get_total_norm(held), ref_norm, **LOSS_TOL
+                )
+            opt.step()
+            ref_opt.step()
+            if clear == "opt.zero_grad":
+                opt.zero_grad()
+            elif clear == "model.zero_grad":
+                model.zero_grad()
+            else:
+                opt.zero_grad(set_to_none=False)
+            ref_opt.zero_grad(set_to_none=clear != "set_to_none=False")
+            if held and clear != "set_to_none=False":
+                with pytest.raises(RuntimeError, match=stale):
+                    torch.nn.utils.get_total_norm(held)
+                torch._foreach_mul_(held, 0.0)  # as on torch's kept grads: no effect
+                held[0].zero_()
+                held = []
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"grads held, then {clear}")
+
+
+@case
+def grads_saved_and_put_back_after_another_backward_are_refused(rank: int, world: int) -> None:
+    # Grads saved, cleared, a diagnostic backward, grads put back: zero-shard holds the reduced
+    # grads of the last backward only, so the step refuses, on every rank, params unchanged;
+    # copies of the reduced grads (main_grad) put back train as torch.
+    model, opt, ref, ref_opt = wrapped_and_torch(fraction=0.5)
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    x, y = global_batch(0)
+    other_x, other_y = global_batch(1)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    saved = [p.grad for p in params]
+    opt.zero_grad()
+    mse(model(local_slice(other_x, rank, world)), local_slice(other_y, rank, world)).backward()
+    for param, grad in zip(params, saved, strict=True):
+        param.grad = grad
+    opt.finish_param_sync()
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="set to a grad held from an earlier backward"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    opt.zero_grad()
+    for _ in range(2):
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        copies = [opt.main_grad(p).clone() for p in params]
+        opt.zero_grad()
+        mse(model(local_slice(other_x, rank, world)), local_slice(other_y, rank, world)).backward()
+        for param, values in zip(params, copies, strict=True):
+            opt.main_grad(param).copy_(values)
+        opt.step()
+        opt.zero_grad()
+        mse(ref(x), y).backward()
+        ref_saved = [p.grad.clone() for p in ref_params]
+        ref_opt.zero_grad()
+        mse(ref(other_x), other_y).backward()
+        for param, grad in zip(ref_params, ref_saved, strict=True):
+            param.grad = grad
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "grads copied through main_grad and put back")
+
+
+@case
 def ddp_params_ddp_ignores_and_local_sgd_hooks_are_refused(rank: int, world: int) -> None:
     # DDP leaves params it ignores, and grads once local SGD starts, to each rank: zero-shard,
     # which steps each rank's rows of grads alike on every rank, refuses both on every rank.
