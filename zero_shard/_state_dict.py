@@ -32,6 +32,7 @@ from ._buckets import ShardedParam
 
 __all__ = [
     "ShardedStateView",
+    "add_state_saved_beyond",
     "check_origin",
     "check_saved_groups",
     "check_saved_model",
@@ -354,6 +355,46 @@ def check_saved_model(path: Path, saved: dict[str, Any], model_state: dict[str, 
                 f"{tuple(size)}, but this model's has shape {tuple(value.shape)}: the checkpoint "
                 "is of another model"
             )
+
+
+def add_state_saved_beyond(
+    path: Path,
+    saved: Mapping[str, Any],
+    optim_state: dict[str, Any],
+    records: Sequence[ShardedParam],
+    names: Sequence[str | int],
+) -> None:
+    """Adds to ``optim_state`` (the layout a load reads into; ``names``: how it and the
+    checkpoint name each of ``records``) the state the checkpoint holds and this optimizer has
+    not made: state made at a param's first step (SGD with dampening, NAdam, ASGD, a param no
+    step gave a grad yet), or an option switched on after wrap. Each entry is zeros laid out as
+    the param's state, which DCP reads into, so that the load restores it rather than leave it
+    out. fp32 main weights are not added: without them in the layout, they come from the model."""
+    held: dict[str, dict[str, Any]] = {}
+    for flat, metadata in saved.items():
+        if flat.startswith("optim.state."):
+            name, key = flat.removeprefix("optim.state.").rsplit(".", 1)
+            held.setdefault(name, {})[key] = metadata
+    for record, name in zip(records, names, strict=True):
+        for key, metadata in held.get(str(name), {}).items():
+            entry = optim_state["state"].get(name, {})
+            if key in entry or key == "main_param":
+                continue
+            size = tuple(getattr(metadata, "size", (-1,)))
+            dtype = getattr(getattr(metadata, "properties", None), "dtype", None)
+            if dtype is not None and size == ():  # a scalar (a 0-dim param's state too)
+                entry[key] = torch.zeros((), dtype=dtype)
+            elif dtype is not None and size == tuple(record.layout.shape):
+                zeros = torch.zeros(record.shard.shape, dtype=dtype)
+                entry[key] = to_dtensor(record, zeros, keep_device=True)
+            else:
+                raise ValueError(
+                    f"the checkpoint at {path} holds optimizer state {key!r} for param "
+                    f"{record.fqn!r} of shape {size}, which this optimizer does not hold and "
+                    f"cannot place (the param has shape {tuple(record.layout.shape)}): it is "
+                    "of another model, or of another optimizer class"
+                )
+            optim_state["state"][name] = entry
 
 
 def check_saved_optimizer(path: Path, saved: dict[str, Any], optim_state: dict[str, Any]) -> None:

@@ -61,6 +61,7 @@ from ._optimizer import ZeroShardOptimizer
 from ._reading import DamagedCheckpointError, read_metadata, read_whole
 from ._snapshots import Snapshotter
 from ._state_dict import (
+    add_state_saved_beyond,
     check_saved_groups,
     check_saved_model,
     check_saved_optimizer,
@@ -491,6 +492,11 @@ def _load_plan(
         for key, param_state in state["optim"]["state"].items():
             if f"optim.state.{key}.main_param" not in saved:
                 param_state.pop("main_param", None)
+        if isinstance(optimizer, ZeroShardOptimizer):
+            records = optimizer._sharded
+            position = {fqn: index for index, fqn in enumerate(f for g in group_fqns for f in g)}
+            names = [position[r.fqn] if numbered else r.fqn for r in records]
+            add_state_saved_beyond(resolved, saved, state["optim"], records, names)
         check_saved_optimizer(resolved, saved, state["optim"])
     # Only the generators the checkpoint has for this rank: none at a larger world size, and no
     # CUDA one when CUDA was not yet initialized at the save (the first DCP call initializes it).

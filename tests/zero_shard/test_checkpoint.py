@@ -289,6 +289,55 @@ def a_scheduler_saved_with_the_checkpoint_resumes_its_schedule(rank: int, world:
         assert torch.equal(param.detach(), expected.detach()), name
 
 
+def sgd_dampened_and_plain(model: torch.nn.Module) -> torch.optim.Optimizer:
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "dampening": 0.1}, {"params": vectors}]
+    return torch.optim.SGD(groups, lr=1e-2, momentum=0.9)
+
+
+def sgd_momentum_later(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.0)
+
+
+def momentum_on(opt: torch.optim.Optimizer) -> None:
+    opt.param_groups[0]["momentum"] = 0.9  # a momentum warm-up, after wrap
+
+
+def state_made_at_the_first_step_is_restored(rank: int, world: int) -> None:
+    # State a fresh optimizer has not made yet (made at a param's first step: SGD with
+    # dampening, NAdam; or by an option switched on after wrap) is read from the checkpoint,
+    # not left out: the resumed run is the uninterrupted one, bit for bit.
+    runs = (
+        (sgd_dampened_and_plain, None),
+        (sgd_momentum_later, momentum_on),
+        (lambda model: torch.optim.NAdam(model.parameters(), lr=1e-2), None),
+    )
+    for index, (make_optimizer, after_wrap) in enumerate(runs):
+        whole, whole_opt = build_with(make_optimizer, after_wrap, seed=0)
+        train(whole, whole_opt, rank, world, range(6))
+        model, opt = build_with(make_optimizer, after_wrap, seed=0)
+        train(model, opt, rank, world, range(3))
+        path = folder() / f"first_step_state_{index}"
+        zero_shard.checkpoint.save(path, model=model, optimizer=opt)
+        resumed, resumed_opt = build_with(make_optimizer, after_wrap, seed=1)  # no state yet
+        zero_shard.checkpoint.load(path, model=resumed, optimizer=resumed_opt)
+        train(resumed, resumed_opt, rank, world, range(3, 6))
+        for (name, param), expected in zip(
+            resumed.named_parameters(), whole.parameters(), strict=True
+        ):
+            assert torch.equal(param.detach(), expected.detach()), (type(opt).__name__, name)
+
+
+def build_with(make_optimizer, after_wrap, *, seed: int):  # type: ignore[no-untyped-def]
+    model = make_model(seed=seed)
+    opt = zero_shard.wrap(make_optimizer(model), model, offload=policy(0.5),
+                          bucket_mb=TINY_BUCKETS)  # fmt: skip
+    if after_wrap is not None:
+        after_wrap(opt)
+    return model, opt
+
+
 def bad_checkpoints_are_refused(rank: int, world: int) -> None:
     model, opt = build(fraction=0.0)
     other = torch.nn.Linear(3, 3)
@@ -318,6 +367,7 @@ CASES_BY_WORLD = {
         "model_only_load_trains_from_the_loaded_weights": model_only_load_trains_from_the_loaded_weights,
         "async_save_keeps_the_snapshot": async_save_keeps_the_snapshot,
         "bad_checkpoints_are_refused": bad_checkpoints_are_refused,
+        "state_made_at_the_first_step_is_restored": state_made_at_the_first_step_is_restored,
         "a_scheduler_saved_with_the_checkpoint_resumes_its_schedule": (
             a_scheduler_saved_with_the_checkpoint_resumes_its_schedule
         ),
