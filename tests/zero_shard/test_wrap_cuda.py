@@ -101,6 +101,7 @@ def bf16_and_fp16_runs_keep_params_equal_to_main_weights(rank: int, world: int) 
         scaler = zero_shard.GradScaler("cuda", enabled=dtype == torch.float16)
         losses = []
         for step in range(20):
+            before = {name: p.detach().clone() for name, p in model.named_parameters()}
             x, y = (t.to(device, dtype) for t in global_batch(step % 4))
             loss = mse(model(local_slice(x, rank, world)), local_slice(y, rank, world))
             scaler.scale(loss).backward()
@@ -111,9 +112,15 @@ def bf16_and_fp16_runs_keep_params_equal_to_main_weights(rank: int, world: int) 
             opt.zero_grad()
             losses.append(float(mean_over_ranks(loss)))
             opt.finish_param_sync()
-            for param in model.parameters():
-                main = opt.state[param]["main_param"].full_tensor()
-                assert torch.equal(param.detach(), main.to(dtype)), (dtype, step)
+            for name, param in model.named_parameters():
+                main = opt.state[param]["main_param"].full_tensor().to(dtype)
+                differs = param.detach() != main
+                assert not differs.any(), (
+                    f"{dtype} step {step} {name}: {int(differs.sum())} of {main.numel()} elements "
+                    f"differ (at {differs.nonzero()[:4].tolist()}), by up to "
+                    f"{(param.detach().float() - main.float()).abs().max():.3g}; those hold the "
+                    f"weights before the step: {torch.equal(param[differs], before[name][differs])}"
+                )
         assert losses[-1] < losses[0], (dtype, losses)
         assert opt.num_skipped_steps == 0
 
