@@ -91,6 +91,15 @@ MERGE_CHUNKS = 4
 _TABLES_KEPT = 4 * STAGING_SLOTS * MERGE_CHUNKS
 
 
+def _start_worker(num_threads: int, device: torch.device) -> None:
+    """The worker thread's setup: its intra-op threads, and the device as its current one. A new
+    thread's current device is the first GPU, where its first CUDA call (an event's query) would
+    make a context in every rank's process."""
+    torch.set_num_threads(num_threads)
+    if device.type not in ("cpu", "meta") and device.index is not None:
+        torch.get_device_module(device).set_device(device)
+
+
 def _needs_grad_buffer(spec: ChunkSpec, kernel: CpuAdamKernel | None) -> bool:
     """An fp32 grad buffer, unless the grads are fp32 in staging or the kernel reads them there."""
     return spec.dtype != torch.float32 and kernel is None
@@ -196,8 +205,8 @@ class HostPart:
             self._executor = ThreadPoolExecutor(
                 max_workers=1,
                 thread_name_prefix="zero_shard_cpu_step",
-                initializer=torch.set_num_threads,
-                initargs=(threads.num_threads,),
+                initializer=_start_worker,
+                initargs=(threads.num_threads, device),
             )
             weakref.finalize(self, self._executor.shutdown, wait=False)
         self.reload_from_params()

@@ -275,3 +275,18 @@ def test_full_offload_keeps_no_fp32_copies_on_the_gpu() -> None:
     assert opt.memory_report().device_bytes == 0
     # Only the model's own bf16 grads (and tiny activations) were added.
     assert after - before <= grads + (1 << 20)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: the first is the default")
+def test_the_cpu_worker_runs_on_the_params_gpu() -> None:
+    # A new thread's current device is the first GPU: the worker's CUDA calls (its chunks'
+    # event queries) would make a context there in every rank's process.
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    params = [torch.nn.Parameter(torch.randn(64, 64, device=device)) for _ in range(3)]
+    opt = HybridDeviceOptimizer(params, offload_fraction=0.5, lr=1e-3)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    opt.step()
+    opt.step()
+    worker = opt._host._executor
+    assert worker.submit(torch.cuda.current_device).result() == device.index
