@@ -426,9 +426,12 @@ def params_copied_to_an_equal_device_and_a_state_dict_round_trip_train_as_torch(
         torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS), model, bucket_mb=ONE_PER_BUCKET
     )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    before = [p.data_ptr() for p in model.parameters()]
+    before = [p.data for p in model.parameters()]  # held: no new copy can take their memory
     model.to(torch.device("cpu", 0))
-    moved = [p.data_ptr() != ptr for p, ptr in zip(model.parameters(), before, strict=True)]
+    moved = [
+        p.data_ptr() != old.data_ptr() for p, old in zip(model.parameters(), before, strict=True)
+    ]
+    del before
     assert sum(moved) == len(moved) - 1, moved  # all but `nothing` (no elements, no memory)
     opt.load_state_dict(opt.state_dict())
     for step in range(STEPS):
