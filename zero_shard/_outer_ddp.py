@@ -8,14 +8,18 @@ reading the placeholders zero-shard leaves in ``.grad``. When such a DDP runs th
 model's forward hook turns DDP's gradient sync off (``require_backward_grad_sync``: what
 ``DDP.no_sync()`` sets, and restores to the value it found), before DDP's forward ends and
 arms its reducer for backward: the grads then reach zero-shard alone, as they would without
-DDP. What the flag said is DDP's decision for this forward's backward, and zero-shard's: inside
-the user's ``no_sync()`` it was off, and that backward leaves each rank's grads unreduced in
-``.grad`` (as ``opt.no_sync()`` does), so a clip between micro-batches clips each rank's own
-grads, as under DDP. A hook on DDP itself, run when its forward ends (raised or not), puts the
-flag back, so the user's ``no_sync()`` finds and restores its own value. DDP's first forward
-runs without it (a module with no hooks when its call starts runs none), so that one forward
-puts the flag back from DDP's ``_post_forward``, shadowed on the instance for that call only.
-DDP still broadcast the params from its first rank when it was built, as zero-shard did
+DDP. A hook on DDP itself, run when its forward ends (raised or not), puts the flag back, so the
+user's ``no_sync()`` finds and restores its own value; DDP's first forward runs without it (a
+module with no hooks when its call starts runs none), so in that one the flag is turned off and
+back on around DDP's ``_post_forward`` alone, shadowed on the instance until it has run once
+(a forward that raises before it leaves the flag as it was). What the flag said is DDP's
+decision for this forward's backward: inside the user's ``no_sync()`` (accelerate's
+``accumulate()``, Trainer's accumulation) it was off. zero-shard reduces that backward's grads
+all the same, so that they are held as shards (the memory zero-shard saves), and the step is
+DDP's; but until a forward outside ``no_sync()``, DDP's ``.grad`` would hold each rank's own
+grads, which zero-shard no longer has: reads of the placeholders (torch's clip, a norm) raise
+there instead of giving other numbers. A copy of the DDP (pickled) gets a hook that does
+nothing. DDP still broadcast the params from its first rank when it was built, as zero-shard did
 at wrap; with its sync off it broadcasts no buffers either, as zero-shard alone does. A DDP
 built with ``static_graph=True`` is told its first backward's reduction of every grad was
 queued already. Only a DDP whose reduced params are all zero-shard's is quieted: a param
@@ -95,21 +99,22 @@ class _QuietOuterDDP:
         if ddp not in self._quieted:
             self._quieted[ddp] = ddp.static_graph and ddp._static_graph_delay_allreduce_enqueued
             if not ddp._use_python_reducer:  # (that one reads the flag in backward: left off)
-                self._ends[ddp] = ddp.register_forward_hook(self._end_forward, always_call=True)
-                ddp._post_forward = _FirstPostForward(ddp, self)
+                end = _EndOfForward(self)
+                self._ends[ddp] = ddp.register_forward_hook(end, always_call=True)
+                ddp._post_forward = _FirstPostForward(ddp)
         if ddp.static_graph:  # else its first backward would reduce every grad, even in no_sync
             ddp._static_graph_delay_allreduce_enqueued = True
         if not torch.is_grad_enabled():  # no backward follows: DDP does not read the flag
             return
         sync = ddp.require_backward_grad_sync
-        if sync:
+        if sync and "_post_forward" not in vars(ddp):  # (else _FirstPostForward turns it off)
             ddp.require_backward_grad_sync = False
             if ddp in self._ends:
                 self._flags[ddp] = True
         self._on_forward(sync or ddp not in self._ends)
 
-    def _end_forward(self, ddp: nn.Module, args: Any = None, output: Any = None) -> None:
-        """DDP's forward hook: its forward is over, the flag goes back to what the user set."""
+    def end_forward(self, ddp: nn.Module) -> None:
+        """DDP's forward is over: its flag goes back to what the user set."""
         if self._flags.pop(ddp, False):
             ddp.require_backward_grad_sync = True
 
@@ -132,21 +137,45 @@ class _QuietOuterDDP:
 
 class _FirstPostForward:
     """DDP's ``_post_forward`` for its first forward, which runs no forward hook: the class's,
-    then the flag put back ([Note: DDP around a wrapped model]); it takes itself off at once."""
+    with the flag off ([Note: DDP around a wrapped model]); it takes itself off at once."""
 
-    def __init__(self, ddp: nn.Module, hook: _QuietOuterDDP) -> None:
+    def __init__(self, ddp: nn.Module) -> None:
         self._ddp = weakref.ref(ddp)
-        self._hook = hook
 
     def __call__(self, output: Any) -> Any:
         ddp = self._ddp()
         if ddp is None:
             raise AssertionError("expected DDP alive in its own forward")
         del ddp._post_forward
+        sync = ddp.require_backward_grad_sync
+        ddp.require_backward_grad_sync = False
         try:
             return ddp._post_forward(output)
         finally:
-            self._hook._end_forward(ddp)
+            ddp.require_backward_grad_sync = sync
+
+
+class _EndOfForward:
+    """DDP's forward hook of [Note: DDP around a wrapped model]; pickled, a hook that does
+    nothing (what it points to lives in this process only)."""
+
+    def __init__(self, hook: _QuietOuterDDP) -> None:
+        self._hook = weakref.ref(hook)
+
+    def __call__(self, ddp: nn.Module, args: Any, output: Any) -> None:
+        hook = self._hook()
+        if hook is not None:
+            hook.end_forward(ddp)
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (_Inert, ())
+
+
+class _Inert:
+    """A forward hook that does nothing."""
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        return None
 
 
 class _Handle:

@@ -95,10 +95,10 @@ class GradReducer:
     """Reduces the grads of a replicated model into per-bucket shards ([Note: grad reduction])."""
 
     buckets: list[Bucket]
-    enabled: bool  # whether a backward now reduces: not inside the optimizer's no_sync(), nor
-    #                after a forward inside the no_sync() of a DDP around the model (grads then
-    #                accumulate unreduced in the model's .grad)
-    _sync: tuple[bool, bool]  # what set_sync was last told: (own, outer)
+    enabled: bool  # False inside no_sync(): grads accumulate unreduced in the model's .grad
+    outer_unsynced: bool  # the last forward under a DDP around the model ran inside its
+    #                       no_sync(): DDP would hold each rank's own grads now ([Note: DDP
+    #                       around a wrapped model])
     _group: dist.ProcessGroup | None  # None: one rank, which reduces nothing
     _rank: int
     _world_size: int
@@ -136,7 +136,7 @@ class GradReducer:
     ) -> None:
         self.buckets = list(buckets)
         self.enabled = True
-        self._sync = (True, True)
+        self.outer_unsynced = False
         self._group = group
         self._rank = 0 if group is None else dist.get_rank(group)
         self._world_size = 1 if group is None else dist.get_world_size(group)
@@ -193,16 +193,6 @@ class GradReducer:
                 mine.append(handles[-1].id)
         handles.append(PlaceholderRemoval([s.watch for b in self.buckets for s in b.params]))
         return handles
-
-    def set_sync(self, *, own: bool | None = None, outer: bool | None = None) -> None:
-        """Whether backwards reduce, as the optimizer's ``no_sync()`` says (``own``) and as the
-        last forward under a DDP around the model found its sync (``outer``, [Note: DDP around a
-        wrapped model]); left out, a setting keeps its value."""
-        self._sync = (
-            self._sync[0] if own is None else own,
-            self._sync[1] if outer is None else outer,
-        )
-        self.enabled = all(self._sync)
 
     def forget_aborted_backward(self) -> None:
         """A forward (outside any backward) while a backward's end never came: that backward

@@ -122,9 +122,20 @@ class ReleasedGradOps:
         self._factor = None
 
     def _live(self) -> ZeroShardOptimizer:
+        """The optimizer, where it can stand for the grads now: alive, and not between the
+        micro-batches of an outer DDP's ``no_sync()`` ([Note: DDP around a wrapped model])."""
         optimizer = self._optimizer()
         if optimizer is None:
             raise RuntimeError("the optimizer that reduced these grads is gone")
+        if optimizer.kind.reducer.outer_unsynced:
+            raise RuntimeError(
+                "the model's grads were read (torch's clip_grad_norm_, a grad norm) between "
+                "micro-batches inside the no_sync() of a DistributedDataParallel built around "
+                "the model after zero_shard.wrap: under DDP they are each rank's own there, but "
+                "zero-shard has reduced them over the ranks already. Clip or read them once the "
+                "last micro-batch's backward ran (accelerate: if accelerator.sync_gradients:), or "
+                "accumulate with opt.no_sync(), which keeps each rank's grads until then"
+            )
         return optimizer
 
     def _finalize(self, optimizer: ZeroShardOptimizer, indices: list[int]) -> None:

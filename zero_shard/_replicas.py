@@ -491,7 +491,7 @@ class ReplicatedKind(_Replicas):
         def outer_ddp_forward(sync: bool) -> None:
             alive = reducer()
             if alive is not None:
-                alive.set_sync(outer=sync)
+                alive.outer_unsynced = not sync
 
         # Compiled code runs it at a graph break, or not at all ([Note: compiled models]).
         hook = CompileAwareHook.of(before_forward, self.gatherer)
@@ -534,11 +534,11 @@ class ReplicatedKind(_Replicas):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        self.reducer.set_sync(own=False)
+        self.reducer.enabled = False
         try:
             yield
         finally:
-            self.reducer.set_sync(own=True)
+            self.reducer.enabled = True
 
     def reset(self) -> None:
         self.reducer.reset()

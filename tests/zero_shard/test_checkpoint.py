@@ -56,7 +56,8 @@ def train(model, opt, rank: int, world: int, steps: range) -> None:  # type: ign
         mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
         opt.step()
         opt.zero_grad()
-    opt.finish_param_sync()
+    if isinstance(opt, zero_shard.ZeroShardOptimizer):
+        opt.finish_param_sync()
 
 
 def compare_with_reference(model, opt, where: str, exact: bool) -> None:  # type: ignore[no-untyped-def]
@@ -329,6 +330,31 @@ def state_made_at_the_first_step_is_restored(rank: int, world: int) -> None:
             assert torch.equal(param.detach(), expected.detach()), (type(opt).__name__, name)
 
 
+def a_fresh_wrapper_loads_a_torch_optimizers_checkpoint(rank: int, world: int) -> None:
+    # A DDP + torch NAdam run saved (the torch optimizer's state_dict numbers its params),
+    # resumed by a fresh wrapper that holds no state yet: it goes on as DDP + NAdam.
+    def nadam(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.NAdam(model.parameters(), lr=1e-2)
+
+    whole = torch.nn.parallel.DistributedDataParallel(make_model())
+    whole_opt = nadam(whole)
+    train(whole, whole_opt, rank, world, range(6))
+    saved = torch.nn.parallel.DistributedDataParallel(make_model())
+    saved_opt = nadam(saved)
+    train(saved, saved_opt, rank, world, range(3))
+    path = folder() / "torch_nadam"
+    zero_shard.checkpoint.save(path, model=saved.module, optimizer=saved_opt)
+    resumed = make_model(seed=1)
+    resumed_opt = zero_shard.wrap(nadam(resumed), resumed, offload=policy(0.5),
+                                  bucket_mb=TINY_BUCKETS)  # fmt: skip
+    zero_shard.checkpoint.load(path, model=resumed, optimizer=resumed_opt)
+    train(resumed, resumed_opt, rank, world, range(3, 6))
+    for (name, param), expected in zip(
+        resumed.named_parameters(), whole.module.parameters(), strict=True
+    ):
+        torch.testing.assert_close(param.detach(), expected.detach(), **PARAM_TOL, msg=name)
+
+
 def build_with(make_optimizer, after_wrap, *, seed: int):  # type: ignore[no-untyped-def]
     model = make_model(seed=seed)
     opt = zero_shard.wrap(make_optimizer(model), model, offload=policy(0.5),
@@ -368,6 +394,9 @@ CASES_BY_WORLD = {
         "async_save_keeps_the_snapshot": async_save_keeps_the_snapshot,
         "bad_checkpoints_are_refused": bad_checkpoints_are_refused,
         "state_made_at_the_first_step_is_restored": state_made_at_the_first_step_is_restored,
+        "a_fresh_wrapper_loads_a_torch_optimizers_checkpoint": (
+            a_fresh_wrapper_loads_a_torch_optimizers_checkpoint
+        ),
         "a_scheduler_saved_with_the_checkpoint_resumes_its_schedule": (
             a_scheduler_saved_with_the_checkpoint_resumes_its_schedule
         ),

@@ -14,6 +14,7 @@ import gc
 import io
 import itertools
 import os
+import pickle
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -1558,18 +1559,23 @@ def ddp_wrapped_after_wrap_trains_as_ddp(rank: int, world: int) -> None:
 
 
 @case
-def ddp_wrapped_after_wrap_keeps_each_rank_s_grads_inside_its_no_sync(
-    rank: int, world: int
-) -> None:
-    # Inside DDP's no_sync() each rank's grads are its own until the backward that syncs: a
-    # clip on every micro-batch (accelerate's clip inside accumulate() without checking
-    # sync_gradients) clips them there. The reference is DDP + torch AdamW on the same ranks.
+def ddp_wrapped_after_wrap_refuses_reads_of_grads_inside_its_no_sync(rank: int, world: int) -> None:
+    # Inside DDP's no_sync() DDP's grads are each rank's own until the backward that syncs;
+    # zero-shard's are reduced already ([Note: DDP around a wrapped model]): a clip there
+    # (accelerate's clip inside accumulate() without checking sync_gradients) raises on every
+    # rank, and a clip after the last micro-batch trains as DDP + torch AdamW on the same ranks.
+    # A forward that raises on DDP's first call leaves nothing behind; the DDP pickles.
     for fraction, stage in ((0.5, 2), (0.0, 1)):
         model, ref = make_model(), make_model()
         opt = zero_shard.wrap(adamw(model), model, stage=stage, offload=offload(fraction),
                               bucket_mb=TINY_BUCKETS)  # fmt: skip
         nets = (DDP(model), DDP(ref))
         opts = (opt, adamw(ref))
+        norms: list[torch.Tensor] = []
+        failing = model.register_forward_hook(lambda *args: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            nets[0](local_slice(global_batch(0)[0], rank, world))
+        failing.remove()
         for step in range(STEPS):
             x, y = global_batch(step)
             x_local, y_local = local_slice(x, rank, world), local_slice(y, rank, world)
@@ -1577,16 +1583,19 @@ def ddp_wrapped_after_wrap_keeps_each_rank_s_grads_inside_its_no_sync(
             for net, net_opt in zip(nets, opts, strict=True):
                 for start in (0, third, 2 * third):
                     rows = slice(start, None if start == 2 * third else start + third)
-                    sync = contextlib.nullcontext() if start == 2 * third else net.no_sync()
-                    with sync:
+                    last = start == 2 * third
+                    with contextlib.nullcontext() if last else net.no_sync():
                         (mse(net(x_local[rows]), y_local[rows]) / 3).backward()
-                    torch.nn.utils.clip_grad_norm_(net.parameters(), 0.02)
+                    if net is nets[0] and step == 1 and not last:
+                        with pytest.raises(RuntimeError, match="inside the no_sync"):
+                            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.02)
+                norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.02))
                 net_opt.step()
                 net.zero_grad()
+            torch.testing.assert_close(norms[-2], norms[-1], **LOSS_TOL)
         opt.finish_param_sync()
-        assert_params_close(
-            model, ref, f"clipped micro-batches, fraction {fraction}, stage {stage}"
-        )
+        assert_params_close(model, ref, f"clipped after micro-batches, {fraction}, stage {stage}")
+        pickle.dumps(nets[0])  # its hook pickles as one that does nothing
 
 
 @case

@@ -124,49 +124,49 @@ def trainer_trains_as_with_torch_adamw(rank: int, world: int) -> None:
     assert_same_training(runs, "Trainer")
 
 
-@case
-def accelerate_prepare_and_clip_grad_norm_train_as_with_torch_adamw(rank: int, world: int) -> None:
+def accelerate_runs(
+    accumulation: int, *, clip_every_micro_batch: bool = False
+) -> dict[bool, tuple[torch.nn.Module, list[float]]]:
+    """Plain torch AdamW and zero-shard under ``accelerate.Accelerator.prepare``, with
+    ``accumulation`` micro-batches a step in ``accumulate()``, clipped once they are done (or
+    after every one)."""
     runs = {}
     for wrapped in (False, True):
-        accelerator = accelerate.Accelerator(cpu=True)
+        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
         model = build_llama()
         opt = optimizer_for(model, wrapped)
-        loader = torch.utils.data.DataLoader(token_rows(), batch_size=BATCH)
-        model, opt, loader = accelerator.prepare(model, opt, loader)
-        norms = []
-        for batch in loader:
-            accelerator.backward(model(input_ids=batch, labels=batch).loss)
-            norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
-            opt.step()
-            opt.zero_grad()
-        finish(opt)
-        runs[wrapped] = (accelerator.unwrap_model(model), norms)
-    assert_same_training(runs, "accelerate", steps=STEPS // world)  # the loader's share
-
-
-@case
-def accelerate_accumulation_clipped_on_every_micro_batch_trains_as_with_torch_adamw(
-    rank: int, world: int
-) -> None:
-    # accumulate() runs the micro-batches before the last under DDP's no_sync(): a clip made on
-    # every one (sync_gradients left unchecked) clips each rank's own grads there, as under DDP.
-    runs = {}
-    for wrapped in (False, True):
-        accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
-        model = build_llama()
-        opt = optimizer_for(model, wrapped)
-        loader = torch.utils.data.DataLoader(token_rows(), batch_size=BATCH // 2)
+        loader = torch.utils.data.DataLoader(token_rows(), batch_size=BATCH // accumulation)
         model, opt, loader = accelerator.prepare(model, opt, loader)
         norms = []
         for batch in loader:
             with accelerator.accumulate(model):
                 accelerator.backward(model(input_ids=batch, labels=batch).loss)
-                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
+                if accelerator.sync_gradients or clip_every_micro_batch:
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), 1.0)))
                 opt.step()
                 opt.zero_grad()
         finish(opt)
         runs[wrapped] = (accelerator.unwrap_model(model), norms)
-    assert_same_training(runs, "accelerate, accumulated", steps=2 * STEPS // world)
+    return runs
+
+
+@case
+def accelerate_prepare_and_clip_grad_norm_train_as_with_torch_adamw(rank: int, world: int) -> None:
+    runs = accelerate_runs(accumulation=1)
+    assert_same_training(runs, "accelerate", steps=STEPS // world)  # the loader's share
+
+
+@case
+def accelerate_accumulation_trains_as_with_torch_adamw(rank: int, world: int) -> None:
+    # accumulate() runs the micro-batches before the last under DDP's no_sync(). A clip after
+    # the last trains as torch; a clip on every one (sync_gradients left unchecked) would clip
+    # each rank's own grads under DDP, which zero-shard has reduced already: at more than one
+    # rank it raises on every rank ([Note: DDP around a wrapped model]).
+    runs = accelerate_runs(accumulation=2)
+    assert_same_training(runs, "accelerate, accumulated", steps=STEPS // world)
+    if world > 1:
+        with pytest.raises(RuntimeError, match="inside the no_sync"):
+            accelerate_runs(accumulation=2, clip_every_micro_batch=True)
 
 
 @pytest.fixture(scope="module")
