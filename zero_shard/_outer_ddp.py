@@ -57,8 +57,8 @@ class _QuietOuterDDP:
     #                                                       reduction was queued before
     _ends: weakref.WeakKeyDictionary[nn.Module, Any]  # per quieted DDP: its forward hook's handle
     _flags: weakref.WeakKeyDictionary[nn.Module, bool]  # per DDP in its forward: the flag found
-    _on_forward: Callable[[bool], None]  # told, at each forward under an owned DDP, whether its
-    #                                      backward is to reduce (False inside DDP's no_sync)
+    _on_forward: Callable[[bool], None]  # told, at each forward under an owned DDP, whether DDP
+    #                                      would sync its backward (False inside its no_sync)
 
     def __init__(
         self, model: nn.Module, params: Iterable[torch.Tensor], on_forward: Callable[[bool], None]
@@ -194,6 +194,7 @@ def register_outer_ddp_check(
     model: nn.Module, params: Iterable[torch.Tensor], on_forward: Callable[[bool], None]
 ) -> Any:
     """Registers the hook of [Note: DDP around a wrapped model] on ``model``, for the ``params``
-    zero-shard reduces; ``on_forward`` is told at each forward under such a DDP whether the
-    backward that follows reduces (False inside its ``no_sync()``). Returns the hook's handle."""
+    zero-shard reduces; ``on_forward`` is told at each forward under such a DDP whether DDP
+    would sync the backward that follows (False inside its ``no_sync()``). Returns the hook's
+    handle."""
     return _Handle(model, _QuietOuterDDP(model, params, on_forward))
