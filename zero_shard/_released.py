@@ -34,7 +34,8 @@ torch makes a new ``.grad`` tensor for a backward that finds ``.grad`` None (aft
 param, so the placeholder that stood for the old one cannot go on standing for it: where it is
 held outside zero-shard (its reference count says so) when its reduced grad is freed
 (``zero_grad``, a forward after ``model.zero_grad()``) or about to be written afresh (a backward
-that finds ``.grad`` None), it is retired and the param gets a new one. Reading a retired
+that finds ``.grad`` None, or set by hand to another tensor), it is retired and the param gets a
+new one. Reading a retired
 placeholder raises; zeroing, scaling or clamping it changes nothing, as on torch's kept tensor;
 putting it back into ``.grad`` (grads saved, a diagnostic backward, grads restored) raises at the
 next backward or step, since zero-shard cannot step the values it stood for. A placeholder
@@ -430,13 +431,14 @@ class GradWatch:
         (A pre-hook on the param's grad accumulator: ``grad_outputs`` is unused.)"""
         self.kept = self.kept and self._intact()
         grad = self.param.grad
-        if grad is None:  # torch makes a new grad now: one held keeps its values
-            if sys.getrefcount(self.placeholder) > _HELD_ONCE + (self.expected is self.placeholder):
-                self.renew_if_held()  # (checked inline: every backward)
-        elif isinstance(grad, ReleasedGrad):
+        if isinstance(grad, ReleasedGrad):
             if grad is not self.placeholder and _root(grad).retired:
                 raise restored_error(self.placeholder.fqn)
             self.param.grad = None
+        elif sys.getrefcount(self.placeholder) > _HELD_ONCE + (self.expected is self.placeholder):
+            # .grad cleared or set by hand: torch's grad from now on is another tensor than the
+            # one held, which keeps its values (checked inline: every backward)
+            self.renew_if_held()
 
     def after_accumulate(self) -> None:
         """A backward accumulated into ``.grad`` (inside ``no_sync()``, it stays there)."""

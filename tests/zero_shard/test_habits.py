@@ -1643,6 +1643,35 @@ def grads_held_across_a_clear_read_raise_and_writes_change_nothing(rank: int, wo
 
 
 @case
+def a_grad_kept_then_replaced_by_hand_reads_as_kept_until_the_next_backward(
+    rank: int, world: int
+) -> None:
+    # torch: `.grad` set to another tensor by hand leaves the kept one with its values, and the
+    # next backward accumulates into the new one. zero-shard: the kept placeholder reads the
+    # reduced grads until that backward writes them afresh, then raises; the training is torch's.
+    model, opt, ref, ref_opt = wrapped_and_torch(fraction=0.5)
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    mse(ref(x), y).backward()
+    held = [p.grad for p in params]
+    kept_norm = torch.nn.utils.get_total_norm([p.grad for p in ref_params])
+    for net_params in (params, ref_params):
+        for param in net_params:
+            param.grad = torch.full_like(param, 0.01)
+    torch.testing.assert_close(torch.nn.utils.get_total_norm(held), kept_norm, **LOSS_TOL)
+    x, y = global_batch(1)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    mse(ref(x), y).backward()
+    with pytest.raises(RuntimeError, match="held here stood for a reduced grad"):
+        torch.nn.utils.get_total_norm(held)
+    opt.step()
+    ref_opt.step()
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "grads set by hand between two backwards")
+
+
+@case
 def grads_saved_and_put_back_after_another_backward_are_refused(rank: int, world: int) -> None:
     # Grads saved, cleared, a diagnostic backward, grads put back: zero-shard holds the reduced
     # grads of the last backward only, so the step refuses, on every rank, params unchanged;
