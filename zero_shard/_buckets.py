@@ -91,6 +91,8 @@ class ShardedParam:
     #                                          ([Note: shared version counters] in _aliases.py)
     memory: int = 0  # its local tensor's data_ptr when zero-shard last checked it (replicated
     #                  models): other memory is checked again at the step (check_moved)
+    recorded: int = 0  # the data_ptr of the memory last recorded on the gathers' stream
+    #                    ([Note: memory the job uses] in _gather.py)
 
     @property
     def local(self) -> torch.Tensor:

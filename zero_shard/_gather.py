@@ -36,6 +36,16 @@ the CPU step: ``finish_param_sync()``, the optimizer's state dicts and a module'
 there a flush communicates nothing, whereas at more ranks some of those calls may be made on
 some ranks only, and the gathers are collectives.
 
+[Note: memory the job uses]
+The job's stream reads the shard buffers and writes the params, memory made on another stream
+(the optimizer's, the user's). Each is recorded on the job's stream (``record_stream``) before
+the job first uses it: the shard buffers when the gatherer is made, a param's memory at its
+first copy (again where the param was given other memory). So memory freed while a gather is
+still queued (the model and optimizer dropped right after ``step()``, a sweep building the next
+model; a rank whose gather waits in NCCL for a slower rank) goes back to the allocator only
+after the job's work queued before the free: new tensors made there are not overwritten by the
+old gather.
+
 A write to a param between ``step()`` and the wait for its bucket (a weight constraint such as
 ``p.clamp_()``, a load through ``copy_``) races with the job's copy into it, on another stream
 or thread. It is seen by the param's version counter: the job does not copy into a param written
@@ -64,7 +74,7 @@ from offload import current_stream, phase, record_event, side_stream, use_device
 from optimizers import HostStep, OffloadPolicy
 
 from ._aliases import own_counter_targets
-from ._buckets import Bucket, local_tensors, model_versions, stale_flags
+from ._buckets import Bucket, ShardedParam, local_tensors, model_versions, stale_flags
 from ._collectives import AllGather, launch_all_gather, unpack_params
 
 __all__ = ["DelayedUpdate", "HostWrites", "ParamGatherer", "PendingWrites"]
@@ -138,21 +148,25 @@ class _Job:
     all_gather: AllGather
 
 
-def _copy_into_params(bucket: Bucket, gathered: torch.Tensor) -> list[str]:
-    """Copies the gathered bucket into the params not written since the step; returns the FQNs
-    of those that were, or were written while being copied (another thread, see the note)."""
+def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, stream: Any) -> list[str]:
+    """Copies the gathered bucket into the params not written since the step, on ``stream``
+    (current; None on the CPU); returns the FQNs of those that were, or were written while being
+    copied (another thread, see the note)."""
     # One read of each counter decides: a write between a check and the copy would be missed.
     before = model_versions(bucket.params)
     locals_ = local_tensors(bucket.params)
+    memory = [local.data_ptr() for local in locals_]
     # By position, not by `in`: records compare their tensors (dataclass equality). A param
     # given other memory since (param.data = t, which moves no counter) is a write too.
     written = [
-        s.changed or v != s.version or (s.memory != 0 and local.data_ptr() != s.memory)
-        for s, v, local in zip(bucket.params, before, locals_, strict=True)
+        s.changed or v != s.version or (s.memory != 0 and m != s.memory)
+        for s, v, m in zip(bucket.params, before, memory, strict=True)
     ]
     if bucket.shares_counters:  # see [Note: shared version counters] in _aliases.py
         locals_ = own_counter_targets(bucket.params, locals_)
     targets = [None if w else local for local, w in zip(locals_, written, strict=True)]
+    if stream is not None:
+        _record_writes(bucket.params, targets, memory, stream)
     # Out of the user's TorchDispatchModes (FlopCounterMode around a step): a multi-tensor
     # in-place op dispatched to a Python mode moves no version counter, and these counts must
     # be ours.
@@ -172,6 +186,20 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor) -> list[str]:
     return [s.fqn for s, w in zip(bucket.params, written, strict=True) if w]
 
 
+def _record_writes(
+    records: Sequence[ShardedParam],
+    targets: Sequence[torch.Tensor | None],
+    memory: Sequence[int],
+    stream: Any,
+) -> None:
+    """Tells the allocator, once per memory, that ``stream`` writes the params: see [Note:
+    memory the job uses]."""
+    for sharded, target, pointer in zip(records, targets, memory, strict=True):
+        if target is not None and sharded.recorded != pointer:
+            target.record_stream(stream)
+            sharded.recorded = pointer
+
+
 def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
     if bucket.aliased:  # one rank, the params are the shards: the writes were all there is
         stale = stale_flags(bucket.params)  # (which counts `changed`)
@@ -181,7 +209,7 @@ def _gather_bucket(job: _Job, bucket: Bucket, report: _BucketDone) -> None:
     out = bucket.shard_buffer  # one rank's shard is the whole bucket
     if job.group is not None:
         out = _all_gather(job, bucket.shard_buffer)
-    report.written = _copy_into_params(bucket, out)
+    report.written = _copy_into_params(bucket, out, job.stream)
     report.event = record_event(job.stream)
 
 
@@ -274,6 +302,9 @@ class ParamGatherer:
         self._world_size = 1 if group is None else dist.get_world_size(group)
         self._device = device
         self._stream = side_stream(device)
+        if self._stream is not None:  # the gathers read the shard buffers on it
+            for bucket in self.buckets:
+                bucket.shard_buffer.record_stream(self._stream)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="zero_shard_gather")
         self._reports = None
         self._deferred = None

@@ -6,7 +6,9 @@ skipped without a GPU."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import gc
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -123,6 +125,48 @@ def bf16_and_fp16_runs_keep_params_equal_to_main_weights(rank: int, world: int) 
                 )
         assert losses[-1] < losses[0], (dtype, losses)
         assert opt.num_skipped_steps == 0
+
+
+def _late_once(seconds: float) -> Callable[[], None]:
+    """A delay of ``seconds`` at its first call only."""
+    calls = []
+
+    def delay() -> None:
+        if not calls:
+            time.sleep(seconds)
+        calls.append(None)
+
+    return delay
+
+
+@case
+def memory_dropped_with_its_gather_in_flight_is_not_written_after(rank: int, world: int) -> None:
+    # Rank 0's first all-gather comes late, so rank 1's gathers wait in NCCL on their stream
+    # while rank 1 drops the model and optimizer right after step() and fills new tensors of the
+    # params' sizes: memory the gathers still write must not be handed out ([Note: memory the
+    # job uses]). Without the recording the fills took the old params' memory and read the
+    # gathered weights afterwards.
+    device = torch.device("cuda", rank)
+    fill = 7.0
+    for fraction in (0.0, 0.5):
+        model = make_model().to(device, torch.bfloat16)
+        opt = zero_shard.wrap(adamw(model), model, offload=policy(fraction), bucket_mb=0.0008)
+        for step in range(2):  # the first makes the gathers' NCCL communicator (a blocking call)
+            x, y = (t.to(device, torch.bfloat16) for t in global_batch(step))
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            if step == 0:
+                opt.step()
+                opt.zero_grad()
+        with delayed(_gather, "_all_gather", _late_once(1.0 if rank == 0 else 0.0)):
+            opt.step()
+            sizes = [p.numel() for p in model.parameters()] * 4
+            del model, opt
+            gc.collect()
+            fills = [torch.full((n,), fill, dtype=torch.bfloat16, device=device) for n in sizes]
+            torch.cuda.synchronize(device)
+        overwritten = [index for index, f in enumerate(fills) if not bool((f == fill).all())]
+        dist.barrier()  # before the check: a rank that fails it leaves no other one waiting
+        assert not overwritten, f"fraction {fraction}: fills {overwritten} were overwritten"
 
 
 @case
