@@ -9,13 +9,12 @@ import torch
 
 from offload import phase
 
-from ._elementwise import OptimizerSpec
+from ._elementwise import OptimizerSpec, step_sub_optimizer
 from ._fused_backends import build_sub_optimizer
 from ._grad_factor import scale_grads_
 from ._policy import DeviceImpl
 from ._records import ParamRecord, Piece, flat_param, reload_mains
 from ._split import PieceSpec
-from ._step_hooks import step_unhooked
 
 __all__ = ["DevicePart"]
 
@@ -224,7 +223,7 @@ class DevicePart:
             torch._foreach_mul_(cast_dst + in_place, grad_scale)
         round_.optimizer.found_inf = found_inf
         try:
-            step_unhooked(round_.optimizer)
+            step_sub_optimizer(round_.optimizer)
         finally:
             round_.optimizer.found_inf = None
             for _, piece in round_.pieces:

@@ -19,6 +19,7 @@ __all__ = [
     "constructor_defaults",
     "implementation_kwargs",
     "probe_state_keys",
+    "step_sub_optimizer",
 ]
 
 # Every element of these optimizers' update depends only on the same element of the param, grad
@@ -137,6 +138,54 @@ class StateKeys:
 
     elementwise_keys: tuple[str, ...]  # tensors shaped like the param ("exp_avg", ...)
     scalar_keys: tuple[str, ...]  # one value per param ("step", ...)
+
+
+def step_sub_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Steps one of the hybrid's own sub-optimizers (without torch's step hooks).
+
+    [Note: SGD's late first steps]
+    torch's fused SGD takes a step as a first one (each momentum buffer made from the grad,
+    undampened) only when no param of the call has a buffer yet: with some made and some not (a
+    param's first grad after the others stepped, a param's state dropped) it fails, and a first
+    step it skips on ``found_inf`` keeps the buffers it made with ``empty_like`` (uninitialized:
+    the next steps read them). Without dampening every buffer starts at zeros (``init_state``);
+    with it, a step of a group where some param with a grad has no buffer yet reads the verdict
+    on the host and, finite, runs torch's single-tensor path (torch's SGD by default, which makes
+    each missing buffer from its grad); not finite, nothing is stepped, as the fused step would
+    leave it.
+    """
+    if isinstance(optimizer, torch.optim.SGD):
+        first = [
+            group for group in optimizer.param_groups if _first_steps_unfused(optimizer, group)
+        ]
+        if first:
+            _step_first_steps(optimizer, first)
+            return
+    step_unhooked(optimizer)
+
+
+def _first_steps_unfused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    if not (group.get("fused") and group["momentum"] != 0 and group["dampening"] != 0):
+        return False
+    state = optimizer.state
+    return any(
+        p.grad is not None and "momentum_buffer" not in state.get(p, ()) for p in group["params"]
+    )
+
+
+def _step_first_steps(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is not None and bool(found_inf.item()):  # the fused steps would skip too
+        return
+    optimizer.found_inf = None  # (finite: the unfused path takes none)
+    for group in groups:
+        group["fused"] = False
+    try:
+        step_unhooked(optimizer)
+    finally:
+        for group in groups:
+            group["fused"] = True
+        optimizer.found_inf = found_inf
 
 
 def probe_state_keys(spec: OptimizerSpec, hyperparams: dict[str, Any]) -> StateKeys:

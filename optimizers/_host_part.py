@@ -61,7 +61,7 @@ from offload import (
 )
 
 from ._cpu_kernel import CpuAdamKernel, KernelPiece, KernelTable, fused_kernel_applies
-from ._elementwise import OptimizerSpec
+from ._elementwise import OptimizerSpec, step_sub_optimizer
 from ._fused_backends import build_sub_optimizer
 from ._group_options import leave_kernel_where_unmet, snapshot_hyperparams
 from ._host_step import ChunkJob, HostStep
@@ -76,7 +76,6 @@ from ._staging import (
     choose_staging,
     staging_bytes,
 )
-from ._step_hooks import step_unhooked
 
 __all__ = ["MERGE_CHUNKS", "HostPart"]
 
@@ -513,7 +512,7 @@ def _step_chunk(
         if grad_scale is not None:
             for _, piece in active:
                 piece.main.grad.mul_(grad_scale)
-        step_unhooked(chunk.optimizer)
+        step_sub_optimizer(chunk.optimizer)
         if whole:
             job.staging.copy_(chunk.main)
         else:
