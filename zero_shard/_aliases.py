@@ -158,5 +158,5 @@ def check_moved(moved: Sequence[ShardedParam], records: Sequence[ShardedParam]) 
             "model.a.weight) before zero_shard.wrap, or give each param its own memory"
         )
     for sharded in moved:
-        sharded.memory = sharded.local.data_ptr()
+        sharded.note_memory()
         sharded.changed = True  # a write the version counter missed: reloaded, or refused

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 from ._collectives import RowCopies, plan_row_copies
@@ -91,6 +92,9 @@ class ShardedParam:
     #                                          ([Note: shared version counters] in _aliases.py)
     memory: int = 0  # its local tensor's data_ptr when zero-shard last checked it (replicated
     #                  models): other memory is checked again at the step (check_moved)
+    storage: StorageWeakRef | None = None  # that memory's storage, weakly: expired, the param
+    #                                        was given other memory, even at the same address
+    #                                        (.half() then .float() may land there)
     recorded: int = 0  # the data_ptr of the memory last recorded on the gathers' stream
     #                    ([Note: memory the job uses] in _gather.py)
 
@@ -107,6 +111,13 @@ class ShardedParam:
         if isinstance(self.param, DTensor):  # under FSDP2 the shard is the local tensor
             return DTensorCounters(self.param, self.shard if self.spec is None else self.local)
         return self.param
+
+    def note_memory(self) -> None:
+        """Notes the param's memory as it is now (see ``memory``)."""
+        local = self.local
+        self.memory = local.data_ptr()
+        self.storage = StorageWeakRef(local.untyped_storage())
+        self.recorded = 0
 
     def record_version(self) -> None:
         """Notes that the model param holds what zero-shard knows (its main weight, rounded)."""
@@ -139,7 +150,7 @@ class ShardedParam:
         no longer follows the training)."""
         check_unconverted(self.param, self.fqn, self.shard.dtype, self.shard.device)
         self.param.data = self.shard.detach()
-        self.memory = self.param.data_ptr()
+        self.note_memory()
 
 
 def model_versions(records: Sequence[ShardedParam]) -> list[int]:

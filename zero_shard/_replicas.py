@@ -313,7 +313,7 @@ class _Replicas(Kind):
         records = self.sharded
         moved = [
             s for s, local in zip(records, local_tensors(records), strict=True)
-            if local.data_ptr() != s.memory
+            if local.data_ptr() != s.memory or (s.storage is not None and s.storage.expired())
         ]  # fmt: skip
         if moved:
             check_moved(moved, records)
@@ -327,7 +327,10 @@ class _Replicas(Kind):
         # The params are taken as they are: memory given since the last check (model.to(d)
         # copying to an equal device, as accelerate does on CPUs) is noted, so that the
         # gathers after this do not count it as written after a step.
-        moved = [s for s in records if s.memory and s.local.data_ptr() != s.memory]
+        moved = [
+            s for s in records if s.memory
+            and (s.local.data_ptr() != s.memory or (s.storage is not None and s.storage.expired()))
+        ]  # fmt: skip
         if moved:
             check_moved(moved, self.sharded)
         for sharded in records:
@@ -585,7 +588,7 @@ def _note_memory(buckets: Sequence[Bucket]) -> None:
     records = [sharded for bucket in buckets for sharded in bucket.params]
     locals_ = [sharded.local for sharded in records]
     for sharded, local, shares in zip(records, locals_, counter_sharing(locals_), strict=True):
-        sharded.memory = local.data_ptr()
+        sharded.note_memory()
         if shares:
             sharded.own_counter = own_counter_view(local)
             buckets[sharded.bucket].shares_counters = True
