@@ -34,6 +34,7 @@ from ._split import ChunkSpec
 
 __all__ = [
     "CpuAdamKernel",
+    "KeptPiece",
     "KernelPiece",
     "KernelTable",
     "fused_kernel_applies",
@@ -53,6 +54,9 @@ _FLAGS = (
     "-fPIC",
 )
 _CACHE_ENV = "ZERO_SHARD_CACHE_DIR"
+_ENTRIES = tuple(
+    f"zero_shard_adam{mode}_{dtype}" for mode in ("", "_keep", "_from") for dtype in ("bf16", "f32")
+)
 
 
 class _AdamArgs(ctypes.Structure):
@@ -81,7 +85,15 @@ class _AdamPiece(ctypes.Structure):
         ("staging", ctypes.c_void_p),
         ("numel", ctypes.c_int64),
         ("args", _AdamArgs),
+        ("kept_param", ctypes.c_void_p),
+        ("kept_exp_avg", ctypes.c_void_p),
+        ("kept_exp_avg_sq", ctypes.c_void_p),
+        ("weights", ctypes.c_void_p),
     ]
+
+
+def _fields(args: _AdamArgs) -> tuple[float, ...]:
+    return tuple(getattr(args, name) for name, _ in _AdamArgs._fields_)
 
 
 class KernelPiece(NamedTuple):
@@ -91,6 +103,16 @@ class KernelPiece(NamedTuple):
     main: torch.Tensor
     staging: torch.Tensor
     state: dict[str, Any]
+
+
+class KeptPiece(NamedTuple):
+    """Where a speculative step keeps one piece's state from before it (fp32, the piece's numel
+    each) and writes its new weights (the staging's dtype), so that the grads stay in staging."""
+
+    main: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    weights: torch.Tensor
 
 
 def _cpu_signature() -> str:
@@ -147,7 +169,7 @@ def load_cpu_adam() -> ctypes.CDLL | None:
             detail = getattr(err, "stderr", "") or str(err)
             reason = f"building it with {compiler} failed: {detail.strip()[:300]}"
         else:
-            for name in ("zero_shard_adam_bf16", "zero_shard_adam_f32"):
+            for name in _ENTRIES:
                 function = getattr(library, name)
                 function.argtypes = [ctypes.POINTER(_AdamPiece), ctypes.c_int64, ctypes.c_int]
                 function.restype = ctypes.c_int
@@ -295,6 +317,28 @@ class _Pointed(NamedTuple):
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
+    kept: KeptPiece | None
+
+
+def _check_kept(kept: KeptPiece, main: torch.Tensor, staging: torch.Tensor) -> None:
+    """The kept buffers are written through raw pointers too."""
+    numel = main.numel()
+    for name, tensor, dtype in (
+        ("kept main", kept.main, torch.float32),
+        ("kept exp_avg", kept.exp_avg, torch.float32),
+        ("kept exp_avg_sq", kept.exp_avg_sq, torch.float32),
+        ("weights", kept.weights, staging.dtype),
+    ):
+        if (
+            tensor.dtype != dtype
+            or not tensor.is_contiguous()
+            or tensor.numel() != numel
+            or tensor.device.type != "cpu"
+        ):
+            raise AssertionError(
+                f"expected {name} as a contiguous {dtype} CPU tensor of {numel} elements, got "
+                f"{tensor.dtype}, {tuple(tensor.shape)} on {tensor.device}"
+            )
 
 
 class KernelTable:
@@ -308,44 +352,67 @@ class KernelTable:
     kernel itself. The table holds every tensor it points into, so its pointers stay valid;
     ``backs`` says whether the same state tensors are still the pieces' (a loaded state dict
     replaces them).
+
+    [Note: speculative kernel steps]
+    With ``kept`` buffers a step may be taken before its grad factor and verdict are known:
+    ``speculate`` steps as ``run`` would with no grad factor, writing the state before the step
+    to the kept buffers and the new weights to their own buffer, so the grads stay in staging.
+    Then ``holds`` says whether the step asked for in the end is that one (the coefficients of
+    every piece the same to the bit, so the results are too): it stands as it is; else ``redo``
+    takes it again from the kept state and the grads, as ``run`` would have from the start, or
+    ``roll_back`` copies the kept state back (a skipped step). Every path ends bit-identical to
+    ``run`` with the final arguments (tests/optimizers/test_cpu_kernel.py).
     """
 
     _kernel: CpuAdamKernel
-    _function: Any  # the C entry point for the staging dtype
+    _function: Any  # the C entry point for the staging dtype, in place
+    _keep: Any  # the same, keeping the state before the step (kept tables only)
+    _from: Any  # the same, stepping from the kept state (kept tables only)
     _entries: ctypes.Array  # one _AdamPiece per piece, pointers filled in
     _held: list[_Pointed]  # per piece
     _counts: list[ctypes.c_float | ctypes.c_double]  # per piece: its step count, in place
+    _speculated: list[tuple[float, ...]] | None  # each piece's coefficients of the speculated
+    #                                              step; None: no step speculated
 
-    def __init__(self, kernel: CpuAdamKernel, pieces: Sequence[KernelPiece]) -> None:
+    def __init__(
+        self,
+        kernel: CpuAdamKernel,
+        pieces: Sequence[KernelPiece],
+        kept: Sequence[KeptPiece] | None = None,
+    ) -> None:
         if not pieces:
             raise AssertionError("expected at least one piece for a kernel table")
+        if kept is not None and len(kept) != len(pieces):
+            raise AssertionError(f"expected {len(pieces)} kept pieces, got {len(kept)}")
         dtype = pieces[0].staging.dtype
         self._held, self._counts = [], []
-        for piece in pieces:
+        for position, piece in enumerate(pieces):
             _check_buffers(piece.main, piece.staging, piece.state)
             if piece.staging.dtype != dtype:
                 raise AssertionError(
                     f"expected every staging in {dtype}, got {piece.staging.dtype}"
                 )
+            kept_piece = None if kept is None else kept[position]
+            if kept_piece is not None:
+                _check_kept(kept_piece, piece.main, piece.staging)
             state = piece.state
             held = _Pointed(
-                piece.main, piece.staging, state["exp_avg"], state["exp_avg_sq"], state["step"]
+                piece.main,
+                piece.staging,
+                state["exp_avg"],
+                state["exp_avg_sq"],
+                state["step"],
+                kept_piece,
             )
             self._held.append(held)
             self._counts.append(_count_of(held.step))
         self._kernel = kernel
-        self._entries = (_AdamPiece * len(pieces))(
-            *(
-                _AdamPiece(held.main.data_ptr(), held.exp_avg.data_ptr(),
-                           held.exp_avg_sq.data_ptr(), held.staging.data_ptr(),
-                           held.main.numel(), _AdamArgs())
-                for held in self._held
-            )
-        )  # fmt: skip
-        library = kernel.library
-        self._function = (
-            library.zero_shard_adam_bf16 if dtype == torch.bfloat16 else library.zero_shard_adam_f32
-        )
+        self._entries = (_AdamPiece * len(pieces))(*map(_entry, self._held))
+        library, name = kernel.library, "bf16" if dtype == torch.bfloat16 else "f32"
+        self._function = getattr(library, f"zero_shard_adam_{name}")
+        self._keep = getattr(library, f"zero_shard_adam_keep_{name}")
+        self._from = getattr(library, f"zero_shard_adam_from_{name}")
+        self._speculated = None
 
     def backs(self, states: Sequence[dict[str, Any]]) -> bool:
         """Whether ``states`` (the pieces' state dicts, in order) hold the tensors it reads."""
@@ -365,26 +432,134 @@ class KernelTable:
         """One Adam step of every piece; see :meth:`CpuAdamKernel.step`. ``group``: the param
         group of every piece, or a list of each piece's (a table over chunks of several
         groups)."""
+        # The counts this step takes, read before anything changes: a failure leaves them.
+        steps = [count.value + 1.0 for count in self._counts]
+        self._call(self._function, self._args(group, steps, grad_scale, grad_factor))
+        self._advance(steps)
+        self._speculated = None
+
+    def speculate(
+        self, group: dict[str, Any] | Sequence[dict[str, Any]], grad_scale: float | None = None
+    ) -> None:
+        """A step as :meth:`run` takes it with no grad factor, the state before it kept and the
+        weights written to the kept pieces' ``weights`` (see [Note: speculative kernel steps])."""
+        self._require_kept()
+        steps = [count.value + 1.0 for count in self._counts]
+        args = self._args(group, steps, grad_scale, None)
+        self._call(self._keep, args)
+        self._advance(steps)
+        self._speculated = [_fields(each) for each in args]
+
+    def holds(
+        self,
+        group: dict[str, Any] | Sequence[dict[str, Any]],
+        grad_scale: float | None = None,
+        grad_factor: float | None = None,
+    ) -> bool:
+        """Whether the speculated step is the step these arguments ask for: each piece's
+        coefficients the same to the bit."""
+        if self._speculated is None:
+            raise RuntimeError("no step was speculated: speculate() comes first")
+        steps = [count.value for count in self._counts]  # (the speculated step's numbers)
+        args = self._args(group, steps, grad_scale, grad_factor)
+        return all(
+            _fields(each) == speculated
+            for each, speculated in zip(args, self._speculated, strict=True)
+        )
+
+    def redo(
+        self,
+        group: dict[str, Any] | Sequence[dict[str, Any]],
+        grad_scale: float | None = None,
+        grad_factor: float | None = None,
+    ) -> None:
+        """The speculated step taken again from the kept state and the grads in staging, with
+        these arguments; the weights go to the kept pieces' ``weights``."""
+        if self._speculated is None:
+            raise RuntimeError("no step was speculated: speculate() comes first")
+        steps = [count.value for count in self._counts]
+        self._call(self._from, self._args(group, steps, grad_scale, grad_factor))
+        self._speculated = None
+
+    def roll_back(self) -> None:
+        """Undoes the speculated step: the kept state copied back, the counts as before it."""
+        if self._speculated is None:
+            raise RuntimeError("no step was speculated: speculate() comes first")
+        with torch.no_grad():
+            for held in self._held:
+                kept = _kept_of(held)
+                held.main.copy_(kept.main)
+                held.exp_avg.copy_(kept.exp_avg)
+                held.exp_avg_sq.copy_(kept.exp_avg_sq)
+        self._advance([count.value - 1.0 for count in self._counts])
+        self._speculated = None
+
+    def commit(self) -> None:
+        """The speculated step stands (``holds`` said so)."""
+        if self._speculated is None:
+            raise RuntimeError("no step was speculated: speculate() comes first")
+        self._speculated = None
+
+    def _require_kept(self) -> None:
+        if any(held.kept is None for held in self._held):
+            raise AssertionError("expected kept buffers: a table made with kept=...")
+
+    def _args(
+        self,
+        group: dict[str, Any] | Sequence[dict[str, Any]],
+        steps: Sequence[float],
+        grad_scale: float | None,
+        grad_factor: float | None,
+    ) -> list[_AdamArgs]:
         groups = [group] * len(self._held) if isinstance(group, dict) else group
         if len(groups) != len(self._held):
             raise AssertionError(f"expected {len(self._held)} param groups, got {len(groups)}")
-        # The counts this step takes, read before anything changes: a failure leaves them.
-        steps = [count.value + 1.0 for count in self._counts]
         args_of: dict[tuple[int, float], _AdamArgs] = {}
-        for entry, step, piece_group in zip(self._entries, steps, groups, strict=True):
+        args = []
+        for step, piece_group in zip(steps, groups, strict=True):
             key = (id(piece_group), step)
-            args = args_of.get(key)
-            if args is None:
-                args = args_of[key] = self._kernel.coefficients(
+            each = args_of.get(key)
+            if each is None:
+                each = args_of[key] = self._kernel.coefficients(
                     step, piece_group, grad_scale, grad_factor
                 )
-            entry.args = args
-        if self._function(self._entries, len(self._entries), self._kernel.num_threads) != 0:
+            args.append(each)
+        return args
+
+    def _call(self, function: Any, args: Sequence[_AdamArgs]) -> None:
+        for entry, each in zip(self._entries, args, strict=True):
+            entry.args = each
+        if function(self._entries, len(self._entries), self._kernel.num_threads) != 0:
             raise MemoryError(  # nothing was stepped
                 f"the CPU Adam kernel could not allocate its table of {len(self._entries)} pieces"
             )
+
+    def _advance(self, steps: Sequence[float]) -> None:
         for count, step in zip(self._counts, steps, strict=True):
             count.value = step  # rounded to the count's dtype, as torch's `step += 1` is
+
+
+def _kept_of(held: _Pointed) -> KeptPiece:
+    if held.kept is None:
+        raise AssertionError("expected kept buffers")
+    return held.kept
+
+
+def _entry(held: _Pointed) -> _AdamPiece:
+    kept = held.kept
+    pointers = (0, 0, 0, 0) if kept is None else (
+        kept.main.data_ptr(), kept.exp_avg.data_ptr(), kept.exp_avg_sq.data_ptr(),
+        kept.weights.data_ptr(),
+    )  # fmt: skip
+    return _AdamPiece(
+        held.main.data_ptr(),
+        held.exp_avg.data_ptr(),
+        held.exp_avg_sq.data_ptr(),
+        held.staging.data_ptr(),
+        held.main.numel(),
+        _AdamArgs(),
+        *pointers,
+    )
 
 
 def select_cpu_kernel(

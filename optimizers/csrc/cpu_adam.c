@@ -51,28 +51,83 @@ struct adam_args {
     float grad_scale;   /* then multiplied by it in fp32 (1: none) */
 };
 
+/* The update of one element, the same operations in every loop below: `grad` (scaled), `weight`,
+ * `m` and `v` (the state before the step) in; `weight`, `m`, `v` (after it) out. */
+#define ADAM_UPDATE(add_l2)                                                                    \
+    if (add_l2) grad = fmaf(weight, l2, grad);                                                \
+    weight *= decay;                                                                          \
+    m = fmaf(one_minus_beta1, grad - m, m);                                                   \
+    v = fmaf(one_minus_beta2 * grad, grad, v * beta2);                                        \
+    {                                                                                         \
+        float denom = sqrtf(v) / bc2_sqrt + eps;                                              \
+        weight -= step_size * m / denom;                                                      \
+    }
+
+#define ADAM_LOCALS                                                                            \
+    const float l2 = a.l2, decay = a.decay, one_minus_beta1 = a.one_minus_beta1;              \
+    const float beta2 = a.beta2, one_minus_beta2 = a.one_minus_beta2, eps = a.eps;            \
+    const float step_size = a.step_size, bc2_sqrt = a.bias_correction2_sqrt;                  \
+    const float grad_factor = a.grad_factor, grad_scale = a.grad_scale;                       \
+    (void)grad_factor;                                                                        \
+    (void)l2;
+
 /* One thread's contiguous range; restrict and local scalars let the compiler vectorize. Adam's
  * L2 term is compiled in or out (add_l2), not multiplied by zero: inf * 0 would make a NaN where
- * torch leaves an inf weight alone. */
+ * torch leaves an inf weight alone. In place: the state is updated where it is, and the weights
+ * replace the grads in the staging slots. */
 #define ADAM_RANGE(name, grad_t, add_l2, load_grad, store_weight)                              \
     static void name(float *restrict param, float *restrict exp_avg,                          \
                      float *restrict exp_avg_sq, grad_t *restrict staging, int64_t begin,     \
                      int64_t end, struct adam_args a) {                                       \
-        const float l2 = a.l2, decay = a.decay, one_minus_beta1 = a.one_minus_beta1;          \
-        const float beta2 = a.beta2, one_minus_beta2 = a.one_minus_beta2, eps = a.eps;        \
-        const float step_size = a.step_size, bc2_sqrt = a.bias_correction2_sqrt;              \
-        const float grad_factor = a.grad_factor, grad_scale = a.grad_scale;                   \
-        (void)grad_factor;                                                                    \
+        ADAM_LOCALS                                                                           \
         for (int64_t i = begin; i < end; ++i) {                                               \
             float grad = (load_grad) * grad_scale;                                            \
-            float weight = param[i];                                                          \
-            if (add_l2) grad = fmaf(weight, l2, grad);                                        \
-            weight *= decay;                                                                  \
-            float m = exp_avg[i];                                                             \
-            m = fmaf(one_minus_beta1, grad - m, m);                                           \
-            float v = fmaf(one_minus_beta2 * grad, grad, exp_avg_sq[i] * beta2);              \
-            float denom = sqrtf(v) / bc2_sqrt + eps;                                          \
-            weight -= step_size * m / denom;                                                  \
+            float weight = param[i], m = exp_avg[i], v = exp_avg_sq[i];                       \
+            ADAM_UPDATE(add_l2)                                                               \
+            param[i] = weight;                                                                \
+            exp_avg[i] = m;                                                                   \
+            exp_avg_sq[i] = v;                                                                \
+            store_weight;                                                                     \
+        }                                                                                     \
+    }
+
+/* Kept: as in place, but the state before the step is written to the kept buffers and the
+ * weights to their own buffer, so the grads stay in staging (a speculative step: committed as
+ * it is, or redone from what was kept). */
+#define ADAM_RANGE_KEEP(name, grad_t, add_l2, load_grad, store_weight)                         \
+    static void name(float *restrict param, float *restrict exp_avg,                          \
+                     float *restrict exp_avg_sq, float *restrict kept_param,                  \
+                     float *restrict kept_exp_avg, float *restrict kept_exp_avg_sq,           \
+                     const grad_t *restrict staging, grad_t *restrict weights, int64_t begin, \
+                     int64_t end, struct adam_args a) {                                       \
+        ADAM_LOCALS                                                                           \
+        for (int64_t i = begin; i < end; ++i) {                                               \
+            float grad = (load_grad) * grad_scale;                                            \
+            float weight = param[i], m = exp_avg[i], v = exp_avg_sq[i];                       \
+            kept_param[i] = weight;                                                           \
+            kept_exp_avg[i] = m;                                                              \
+            kept_exp_avg_sq[i] = v;                                                           \
+            ADAM_UPDATE(add_l2)                                                               \
+            param[i] = weight;                                                                \
+            exp_avg[i] = m;                                                                   \
+            exp_avg_sq[i] = v;                                                                \
+            store_weight;                                                                     \
+        }                                                                                     \
+    }
+
+/* From kept: the step taken from the kept state (the state before a speculative step) into the
+ * live one, the weights to their own buffer. */
+#define ADAM_RANGE_FROM(name, grad_t, add_l2, load_grad, store_weight)                         \
+    static void name(float *restrict param, float *restrict exp_avg,                          \
+                     float *restrict exp_avg_sq, const float *restrict kept_param,            \
+                     const float *restrict kept_exp_avg, const float *restrict kept_exp_avg_sq, \
+                     const grad_t *restrict staging, grad_t *restrict weights, int64_t begin, \
+                     int64_t end, struct adam_args a) {                                       \
+        ADAM_LOCALS                                                                           \
+        for (int64_t i = begin; i < end; ++i) {                                               \
+            float grad = (load_grad) * grad_scale;                                            \
+            float weight = kept_param[i], m = kept_exp_avg[i], v = kept_exp_avg_sq[i];        \
+            ADAM_UPDATE(add_l2)                                                               \
             param[i] = weight;                                                                \
             exp_avg[i] = m;                                                                   \
             exp_avg_sq[i] = v;                                                                \
@@ -83,14 +138,22 @@ struct adam_args {
 #define LOAD_BF16 bf16_to_float(staging[i])
 #define LOAD_BF16_FACTOR bf16_to_float(float_to_bf16(bf16_to_float(staging[i]) * grad_factor))
 #define STORE_BF16 staging[i] = float_to_bf16(weight)
-ADAM_RANGE(adam_range_bf16, uint16_t, 0, LOAD_BF16, STORE_BF16)
-ADAM_RANGE(adam_range_bf16_l2, uint16_t, 1, LOAD_BF16, STORE_BF16)
-ADAM_RANGE(adam_range_bf16_factor, uint16_t, 0, LOAD_BF16_FACTOR, STORE_BF16)
-ADAM_RANGE(adam_range_bf16_l2_factor, uint16_t, 1, LOAD_BF16_FACTOR, STORE_BF16)
-ADAM_RANGE(adam_range_f32, float, 0, staging[i], staging[i] = weight)
-ADAM_RANGE(adam_range_f32_l2, float, 1, staging[i], staging[i] = weight)
-ADAM_RANGE(adam_range_f32_factor, float, 0, staging[i] * grad_factor, staging[i] = weight)
-ADAM_RANGE(adam_range_f32_l2_factor, float, 1, staging[i] * grad_factor, staging[i] = weight)
+#define OUT_BF16 weights[i] = float_to_bf16(weight)
+#define LOAD_F32_FACTOR staging[i] * grad_factor
+/* Every variant: in place, kept and from kept; model dtype bf16 or fp32; L2 or not; a grad
+ * factor or not. */
+#define ADAM_VARIANTS(kind, suffix, store_bf16, store_f32)                                     \
+    kind(adam##suffix##_bf16, uint16_t, 0, LOAD_BF16, store_bf16)                             \
+    kind(adam##suffix##_bf16_l2, uint16_t, 1, LOAD_BF16, store_bf16)                          \
+    kind(adam##suffix##_bf16_factor, uint16_t, 0, LOAD_BF16_FACTOR, store_bf16)               \
+    kind(adam##suffix##_bf16_l2_factor, uint16_t, 1, LOAD_BF16_FACTOR, store_bf16)            \
+    kind(adam##suffix##_f32, float, 0, staging[i], store_f32)                                 \
+    kind(adam##suffix##_f32_l2, float, 1, staging[i], store_f32)                              \
+    kind(adam##suffix##_f32_factor, float, 0, LOAD_F32_FACTOR, store_f32)                     \
+    kind(adam##suffix##_f32_l2_factor, float, 1, LOAD_F32_FACTOR, store_f32)
+ADAM_VARIANTS(ADAM_RANGE, _range, STORE_BF16, staging[i] = weight)
+ADAM_VARIANTS(ADAM_RANGE_KEEP, _keep, OUT_BF16, weights[i] = weight)
+ADAM_VARIANTS(ADAM_RANGE_FROM, _from, OUT_BF16, weights[i] = weight)
 
 /* One piece of a chunk: its fp32 weight and moments, its staging slots, and its coefficients
  * (pieces of one chunk may be at different step counts). */
@@ -99,6 +162,9 @@ struct adam_piece {
     void *staging;
     int64_t numel;
     struct adam_args args;
+    /* Kept and from kept only: the state before the step, and the weights' own buffer. */
+    float *kept_param, *kept_exp_avg, *kept_exp_avg_sq;
+    void *weights;
 };
 
 /* The piece holding `block`: the last one whose first block is at most `block` (empty pieces
@@ -123,7 +189,14 @@ static inline int64_t piece_of_block(const int64_t *first_block, int64_t num_pie
  * parallel region, as a static split would. Returns 0, or -1 if the block table could not be
  * allocated (nothing was stepped then). */
 #define ADAM_BLOCK 32768
-#define ADAM_ENTRY(name, range, range_l2, range_f, range_l2_f, grad_t)                           \
+#define CALL_IN_PLACE(range, piece, grad_t, begin, end)                                       \
+    range(piece->param, piece->exp_avg, piece->exp_avg_sq, (grad_t *)piece->staging, begin,  \
+          end, piece->args)
+#define CALL_KEPT(range, piece, grad_t, begin, end)                                            \
+    range(piece->param, piece->exp_avg, piece->exp_avg_sq, piece->kept_param,                 \
+          piece->kept_exp_avg, piece->kept_exp_avg_sq, (const grad_t *)piece->staging,        \
+          (grad_t *)piece->weights, begin, end, piece->args)
+#define ADAM_ENTRY(name, range, grad_t, call)                                                   \
     int name(const struct adam_piece *pieces, int64_t num_pieces, int num_threads) {           \
         int64_t *first_block = malloc((size_t)(num_pieces + 1) * sizeof *first_block);          \
         if (first_block == NULL) return -1;                                                    \
@@ -137,21 +210,26 @@ static inline int64_t piece_of_block(const int64_t *first_block, int64_t num_pie
                 &pieces[piece_of_block(first_block, num_pieces, block)];                       \
             int64_t begin = (block - first_block[piece - pieces]) * ADAM_BLOCK;                \
             int64_t end = begin + ADAM_BLOCK < piece->numel ? begin + ADAM_BLOCK : piece->numel; \
-            grad_t *staging = (grad_t *)piece->staging;                                        \
             const int l2 = piece->args.l2 != 0.0f, factor = piece->args.grad_factor != 1.0f;   \
-            void (*run)(float *, float *, float *, grad_t *, int64_t, int64_t,                 \
-                        struct adam_args) =                                                    \
-                l2 ? (factor ? range_l2_f : range_l2) : (factor ? range_f : range);            \
-            run(piece->param, piece->exp_avg, piece->exp_avg_sq, staging, begin, end,          \
-                piece->args);                                                                  \
+            if (l2 && factor)                                                                  \
+                call(range##_l2_factor, piece, grad_t, begin, end);                            \
+            else if (l2)                                                                       \
+                call(range##_l2, piece, grad_t, begin, end);                                   \
+            else if (factor)                                                                   \
+                call(range##_factor, piece, grad_t, begin, end);                               \
+            else                                                                               \
+                call(range, piece, grad_t, begin, end);                                        \
         }                                                                                      \
         free(first_block);                                                                     \
         return 0;                                                                              \
     }
 
-/* staging: bf16 grads in, bf16 weights out (the same slots). */
-ADAM_ENTRY(zero_shard_adam_bf16, adam_range_bf16, adam_range_bf16_l2, adam_range_bf16_factor,
-           adam_range_bf16_l2_factor, uint16_t)
-/* staging: fp32 grads in, fp32 weights out. */
-ADAM_ENTRY(zero_shard_adam_f32, adam_range_f32, adam_range_f32_l2, adam_range_f32_factor,
-           adam_range_f32_l2_factor, float)
+/* In place: grads in, weights out through the same staging slots (bf16 or fp32). */
+ADAM_ENTRY(zero_shard_adam_bf16, adam_range_bf16, uint16_t, CALL_IN_PLACE)
+ADAM_ENTRY(zero_shard_adam_f32, adam_range_f32, float, CALL_IN_PLACE)
+/* Kept: the state before the step to the kept buffers, the weights to their own buffer. */
+ADAM_ENTRY(zero_shard_adam_keep_bf16, adam_keep_bf16, uint16_t, CALL_KEPT)
+ADAM_ENTRY(zero_shard_adam_keep_f32, adam_keep_f32, float, CALL_KEPT)
+/* From kept: the step from the kept buffers into the live state, the weights to their own. */
+ADAM_ENTRY(zero_shard_adam_from_bf16, adam_from_bf16, uint16_t, CALL_KEPT)
+ADAM_ENTRY(zero_shard_adam_from_f32, adam_from_f32, float, CALL_KEPT)

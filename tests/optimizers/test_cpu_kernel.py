@@ -23,7 +23,13 @@ from _parity import (
 
 from optimizers import HybridDeviceOptimizer, OffloadPolicy, _cpu_kernel
 from optimizers import _host_part as host_part
-from optimizers._cpu_kernel import CpuAdamKernel, KernelPiece, KernelTable, load_cpu_adam
+from optimizers._cpu_kernel import (
+    CpuAdamKernel,
+    KeptPiece,
+    KernelPiece,
+    KernelTable,
+    load_cpu_adam,
+)
 
 NUMEL = 16 * 4099 + 13  # a vector body, and a tail that torch steps one element at a time
 
@@ -185,6 +191,122 @@ def test_a_table_run_step_after_step_is_torch_fused_adamw() -> None:
     assert table.backs(states)
     replaced = dict(states[1], exp_avg=states[1]["exp_avg"].clone())
     assert not table.backs([states[0], replaced])
+
+
+class _Twins:
+    """Two tables over equal pieces (sizes of a vector body, a tail, several blocks; Adam's L2
+    or AdamW's decay): one runs as the host step does today, one speculates; the same grads."""
+
+    def __init__(self, cls: type, dtype: torch.dtype, seed: int) -> None:
+        kernel = kernel_for(cls)
+        gen = torch.Generator().manual_seed(seed)
+        sizes = [NUMEL, 5, 3 * 32768 + 7]
+        mains = [torch.randn(n, generator=gen) for n in sizes]
+        self.states = [
+            [{"step": torch.tensor(0.0), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
+             for n in sizes]
+            for _ in range(2)
+        ]  # fmt: skip
+        self.mains = [[m.clone() for m in mains] for _ in range(2)]
+        self.staging = [[torch.empty(n, dtype=dtype) for n in sizes] for _ in range(2)]
+        self.kept = [
+            KeptPiece(torch.empty(n), torch.empty(n), torch.empty(n), torch.empty(n, dtype=dtype))
+            for n in sizes
+        ]
+        self.plain, self.speculative = (
+            KernelTable(
+                kernel,
+                [
+                    KernelPiece(*p)
+                    for p in zip(self.mains[i], self.staging[i], self.states[i], strict=True)
+                ],
+                kept=None if i == 0 else self.kept,
+            )
+            for i in range(2)
+        )
+        self.gen = gen
+
+    def new_grads(self) -> None:
+        for plain, speculative in zip(*self.staging, strict=True):
+            plain.copy_(torch.randn(plain.numel(), generator=self.gen))
+            speculative.copy_(plain)
+
+    def live(self, which: int) -> list[torch.Tensor]:
+        states = self.states[which]
+        return [
+            tensor
+            for main, state in zip(self.mains[which], states, strict=True)
+            for tensor in (main, state["exp_avg"], state["exp_avg_sq"], state["step"])
+        ]
+
+    def assert_same(self, where: str) -> None:
+        for plain, speculative in zip(self.live(0), self.live(1), strict=True):
+            assert torch.equal(plain, speculative), where
+        # The plain step's weights replaced its grads in staging; the speculative one's are in
+        # the kept pieces' own buffer.
+        for slot, kept in zip(self.staging[0], self.kept, strict=True):
+            assert torch.equal(slot, kept.weights), where
+
+
+@pytest.mark.parametrize(
+    ("cls", "dtype", "weight_decay"),
+    [(torch.optim.AdamW, torch.bfloat16, 0.1), (torch.optim.Adam, torch.bfloat16, 0.1),
+     (torch.optim.AdamW, torch.float32, 0.0), (torch.optim.Adam, torch.float32, 0.1)],
+)  # fmt: skip
+def test_a_speculated_step_committed_redone_or_rolled_back_is_the_step_bit_for_bit(
+    cls: type, dtype: torch.dtype, weight_decay: float
+) -> None:
+    """[Note: speculative kernel steps]: each step is speculated before its arguments are known,
+    then committed (the same arguments), redone (a clip's grad factor; the lr a scheduler
+    changed; a grad scale) or rolled back (a skipped step); the twin table steps with the final
+    arguments from the start. Every live tensor and every weight written is the same bits."""
+    twins = _Twins(cls, dtype, seed=3)
+    group = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": weight_decay}
+    rounds = [  # what the step asks for in the end, against the speculated one
+        ("commit", None, None, None),
+        ("factor", None, 0.37, None),
+        ("commit", None, None, None),
+        ("lr", None, None, 5e-3),
+        ("skip", None, None, None),
+        ("scale", 0.5, None, None),
+        ("commit", 0.5, None, None),
+    ]
+    for step, (kind, scale, factor, lr) in enumerate(rounds):
+        twins.new_grads()
+        grads = [slot.clone() for slot in twins.staging[1]]
+        before = [tensor.clone() for tensor in twins.live(1)]
+        twins.speculative.speculate(group, grad_scale=0.5 if kind == "commit" and scale else None)
+        # The grads stay in staging; the state before the step is kept.
+        assert all(torch.equal(a, b) for a, b in zip(twins.staging[1], grads, strict=True))
+        kept = [t for k in twins.kept for t in (k.main, k.exp_avg, k.exp_avg_sq)]
+        assert all(
+            torch.equal(k, b) for k, b in zip(kept, [t for i, t in enumerate(before) if i % 4 != 3],
+                                              strict=True)
+        )  # fmt: skip
+        final = dict(group, lr=lr) if lr is not None else group
+        where = f"step {step}: {kind}"
+        if kind == "skip":
+            twins.speculative.roll_back()
+            assert all(torch.equal(a, b) for a, b in zip(twins.live(1), before, strict=True)), where
+            continue  # (the plain table takes no step)
+        holds = twins.speculative.holds(final, grad_scale=scale, grad_factor=factor)
+        assert holds == (kind == "commit"), where
+        if holds:
+            twins.speculative.commit()
+        else:
+            twins.speculative.redo(final, grad_scale=scale, grad_factor=factor)
+        twins.plain.run(final, grad_scale=scale, grad_factor=factor)
+        twins.assert_same(where)
+
+
+def test_a_speculative_table_refuses_calls_out_of_order() -> None:
+    twins = _Twins(torch.optim.AdamW, torch.bfloat16, seed=4)
+    group = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+    for call in (twins.speculative.commit, twins.speculative.roll_back):
+        with pytest.raises(RuntimeError, match=r"speculate\(\) comes first"):
+            call()
+    with pytest.raises(AssertionError, match="kept buffers"):
+        twins.plain.speculate(group)
 
 
 def test_a_state_dict_loaded_after_steps_is_the_state_stepped_next() -> None:
