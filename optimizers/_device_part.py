@@ -186,7 +186,8 @@ class DevicePart:
         changes where ``found_inf`` (one element, on the device) is nonzero.
 
         Runs on the current stream, so it is ordered after backward and before the next forward
-        with no synchronization (none for ``found_inf`` either where ``skips_on_device``).
+        with no synchronization (none for ``found_inf`` either where ``skips_on_device``, but at
+        an SGD param's late first step: [Note: SGD's late first steps] in ``_elementwise.py``).
         """
         if not self.rounds:
             return

@@ -148,11 +148,12 @@ def step_sub_optimizer(optimizer: torch.optim.Optimizer) -> None:
     undampened) only when no param of the call has a buffer yet: with some made and some not (a
     param's first grad after the others stepped, a param's state dropped) it fails, and a first
     step it skips on ``found_inf`` keeps the buffers it made with ``empty_like`` (uninitialized:
-    the next steps read them). Without dampening every buffer starts at zeros (``init_state``);
-    with it, a step of a group where some param with a grad has no buffer yet reads the verdict
-    on the host and, finite, runs torch's single-tensor path (torch's SGD by default, which makes
-    each missing buffer from its grad); not finite, nothing is stepped, as the fused step would
-    leave it.
+    the next steps read them). Buffers start at zeros where momentum is on without dampening at
+    construction (``init_state``); with dampening, or momentum switched on later (OneCycleLR's
+    ``cycle_momentum``), they are made at a param's first step. So a step of a group with momentum
+    where some param with a grad has no buffer yet reads the verdict on the host and, finite,
+    runs torch's single-tensor path (torch's SGD by default, which makes each missing buffer from
+    its grad); not finite, nothing is stepped, as the fused step would leave it.
     """
     if isinstance(optimizer, torch.optim.SGD):
         first = [
@@ -165,7 +166,7 @@ def step_sub_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _first_steps_unfused(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    if not (group.get("fused") and group["momentum"] != 0 and group["dampening"] != 0):
+    if not (group.get("fused") and group["momentum"] != 0):
         return False
     state = optimizer.state
     return any(

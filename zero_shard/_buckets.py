@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
 from ._collectives import RowCopies, plan_row_copies
@@ -57,6 +56,37 @@ class DTensorCounters:
         return self.param._version + self.shard._version
 
 
+class StorageRef:
+    """A weak reference to a tensor's storage (its memory's owner): ``expired()`` once the tensor
+    was given other memory and nothing else holds the old. Copies share it: the handle is freed
+    once, when the last holder is collected; it does not pickle."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._handle = tensor.untyped_storage()._weak_ref()
+
+    def expired(self) -> bool:
+        return _EXPIRED(self._handle)
+
+    def __del__(self) -> None:
+        _FREE(self._handle)
+
+    def __copy__(self) -> StorageRef:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StorageRef:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a weak reference to a storage cannot be pickled")
+
+
+# Held here: torch's module may be torn down before the last StorageRef at interpreter exit.
+_EXPIRED = torch.UntypedStorage._expired
+_FREE = torch.UntypedStorage._free_weak_ref
+
+
 @dataclass
 class ShardedParam:
     """A model parameter and this rank's shard of it."""
@@ -92,9 +122,9 @@ class ShardedParam:
     #                                          ([Note: shared version counters] in _aliases.py)
     memory: int = 0  # its local tensor's data_ptr when zero-shard last checked it (replicated
     #                  models): other memory is checked again at the step (check_moved)
-    storage: StorageWeakRef | None = None  # that memory's storage, weakly: expired, the param
-    #                                        was given other memory, even at the same address
-    #                                        (.half() then .float() may land there)
+    storage: StorageRef | None = None  # that memory's storage, weakly: expired, the param was
+    #                                    given other memory, even at the same address (.half()
+    #                                    then .float() may land there)
     recorded: int = 0  # the data_ptr of the memory last recorded on the gathers' stream
     #                    ([Note: memory the job uses] in _gather.py)
 
@@ -116,7 +146,7 @@ class ShardedParam:
         """Notes the param's memory as it is now (see ``memory``)."""
         local = self.local
         self.memory = local.data_ptr()
-        self.storage = StorageWeakRef(local.untyped_storage())
+        self.storage = StorageRef(local)
         self.recorded = 0
 
     def record_version(self) -> None:

@@ -160,8 +160,9 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, stream: Any) -> li
     # given other memory since (param.data = t, which moves no counter) is a write too.
     written = [
         s.changed or v != s.version or (s.memory != 0 and m != s.memory)
+        or (s.storage is not None and s.storage.expired())
         for s, v, m in zip(bucket.params, before, memory, strict=True)
-    ]
+    ]  # fmt: skip
     if bucket.shares_counters:  # see [Note: shared version counters] in _aliases.py
         locals_ = own_counter_targets(bucket.params, locals_)
     targets = [None if w else local for local, w in zip(locals_, written, strict=True)]

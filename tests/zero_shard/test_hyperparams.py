@@ -1,12 +1,13 @@
 """Param groups and their options after wrap, on 1 and 2 CPU processes (gloo), against torch
 AdamW in one process every step: a tensor lr a scheduler writes while the CPU's share of the
 step is still in flight applies from the next step, as in torch; maximize switched on mid-run
-steps as torch's; SGD with dampening takes first steps that come late or are skipped as torch;
+steps as torch's; SGD with momentum takes first steps that come late or are skipped as torch;
 groups changed on the wrapped torch optimizer are refused on every rank before
 anything changes, and wrapping again trains them."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 from typing import Any
@@ -225,24 +226,30 @@ def groups_changed_on_the_torch_optimizer_are_refused_until_wrapped_again(
         assert_params_close(model, ref, f"rewrapped, step {step}")
 
 
-def sgd_with_dampening(model: nn.Module) -> torch.optim.SGD:
+def sgd(model: nn.Module, momentum: float, dampening: float) -> torch.optim.SGD:
     return torch.optim.SGD(
-        param_groups(model), lr=0.05, momentum=0.9, dampening=0.5, weight_decay=1e-2
+        param_groups(model), lr=0.05, momentum=momentum, dampening=dampening, weight_decay=1e-2
     )
 
 
 @case
-def sgd_with_dampening_takes_late_and_skipped_first_steps_as_torch(rank: int, world: int) -> None:
+def sgd_with_momentum_takes_late_and_skipped_first_steps_as_torch(rank: int, world: int) -> None:
     # torch's fused SGD (which the hybrid runs) fails where some params have a momentum buffer and
     # others not yet, and keeps uninitialized buffers after a first step it skipped on found_inf
     # ([Note: SGD's late first steps]): a first step skipped on a NaN, a layer unfrozen at step
-    # 2, a param's state dropped at step 3; torch's SGD (its default path) beside it.
-    for fraction in (0.0, 0.5, 1.0):
+    # 2, a param's state dropped at step 3; torch's SGD (its default path) beside it. Buffers are
+    # made at a param's first step with dampening, and where momentum is switched on after wrap
+    # (OneCycleLR's cycle_momentum does it when it is built).
+    for (momentum, dampening), fraction in itertools.product(((0.9, 0.5), (0.0, 0.0)),
+                                                             (0.0, 0.5, 1.0)):  # fmt: skip
         model, ref = make_model(), make_model()
         policy = OffloadPolicy(fraction=fraction, chunk_numel=16) if fraction else None
-        opt = zero_shard.wrap(sgd_with_dampening(model), model, offload=policy,
+        opt = zero_shard.wrap(sgd(model, momentum, dampening), model, offload=policy,
                               bucket_mb=TINY_BUCKETS)  # fmt: skip
-        ref_opt = sgd_with_dampening(ref)
+        ref_opt = sgd(ref, momentum, dampening)
+        for groups in (opt.param_groups, ref_opt.param_groups):
+            for group in groups:
+                group["momentum"] = 0.9
         for net in (model, ref):
             net.out.requires_grad_(False)
         for step in range(6):
@@ -261,7 +268,7 @@ def sgd_with_dampening_takes_late_and_skipped_first_steps_as_torch(rank: int, wo
                 ref_opt.step()
             ref_opt.zero_grad()
             opt.finish_param_sync()
-            assert_params_close(model, ref, f"fraction {fraction}, step {step}")
+            assert_params_close(model, ref, f"{dampening=}, fraction {fraction}, step {step}")
         assert opt.num_skipped_steps == 1
 
 

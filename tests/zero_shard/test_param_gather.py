@@ -462,6 +462,40 @@ def memory_given_anew_at_the_same_address_is_taken_as_written(rank: int, world: 
 
 
 @case
+def memory_given_anew_at_the_same_address_right_after_step_raises(rank: int, world: int) -> None:
+    # As above, with the gather of the step's update held until after memory was given anew at
+    # the param's address (an fp16 round trip without finish_param_sync()): refused at the wait,
+    # and the update is not written into the memory given.
+    release, held = threading.Event(), [False]
+
+    def held_gather(shard: torch.Tensor, out: torch.Tensor, group: Any) -> Any:
+        if held[0]:
+            release.wait(60)
+        return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
+
+    model, opt = stepped(rank, world, all_gather=held_gather)
+    opt.finish_param_sync()
+    buffers = [bytearray(p.numel() * p.element_size() + 64) for p in model.parameters()]
+    _into_buffers(model, buffers)
+    given = [p.data_ptr() for p in model.parameters()]
+    x, y = batch(1)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    held[0] = True
+    opt.step()  # its gathers wait
+    values = [p.detach().half().float() for p in model.parameters()]
+    for param, value in zip(model.parameters(), values, strict=True):
+        param.data = value
+    _into_buffers(model, buffers)
+    assert [p.data_ptr() for p in model.parameters()] == given
+    held[0] = False
+    release.set()
+    with pytest.raises(RuntimeError, match=r"were written after step\(\).*finish_param_sync"):
+        opt.finish_param_sync()
+    for param, value in zip(model.parameters(), values, strict=True):
+        assert torch.equal(param.detach(), value), "the update was written into the memory given"
+
+
+@case
 def params_copied_to_an_equal_device_and_a_state_dict_round_trip_train_as_torch(
     rank: int, world: int
 ) -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
+import pickle
 
 import pytest
 import torch
 
 from zero_shard._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
-from zero_shard._buckets import _norm_runs
+from zero_shard._buckets import StorageRef, _norm_runs
 
 # Private free functions, unit-tested: the public API shows neither the layout nor the packing.
 from zero_shard._collectives import (
@@ -178,3 +180,17 @@ def test_reduce_scaling_is_a_mean() -> None:
     assert (fp16.pre_divide, fp16.post_divide) == (8.0, None)  # as DDP: no overflow in the sum
     cuda = choose_reduce_scaling(2, torch.device("cuda"), torch.bfloat16)
     assert cuda.pre_divide is None and cuda.post_divide is None  # NCCL's AVG
+
+
+def test_a_storage_ref_is_shared_by_copies_and_expires_with_its_memory() -> None:
+    """A record's weak reference to its param's storage: copies share it (a copied handle would be
+    freed twice: a deep copy of a DDP model's optimizer crashed the process), it does not pickle,
+    and it expires once the param is given other memory, wherever that lies."""
+    param = torch.zeros(4)
+    ref = StorageRef(param)
+    assert copy.deepcopy(ref) is ref and copy.copy(ref) is ref
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(ref)
+    assert not ref.expired()
+    param.data = torch.ones(4)
+    assert ref.expired()
