@@ -61,16 +61,16 @@ class StorageRef:
     was given other memory and nothing else holds the old. Copies share it: the handle is freed
     once, when the last holder is collected; it does not pickle."""
 
-    __slots__ = ("_handle",)
+    __slots__ = ("handle",)
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self._handle = tensor.untyped_storage()._weak_ref()
+        self.handle = tensor.untyped_storage()._weak_ref()
 
     def expired(self) -> bool:
-        return _EXPIRED(self._handle)
+        return storage_expired(self.handle)
 
     def __del__(self) -> None:
-        _FREE(self._handle)
+        _FREE(self.handle)
 
     def __copy__(self) -> StorageRef:
         return self
@@ -83,7 +83,8 @@ class StorageRef:
 
 
 # Held here: torch's module may be torn down before the last StorageRef at interpreter exit.
-_EXPIRED = torch.UntypedStorage._expired
+# Checks over every param call storage_expired(ref.handle): a C function, no Python call a param.
+storage_expired = torch.UntypedStorage._expired
 _FREE = torch.UntypedStorage._free_weak_ref
 
 

@@ -74,7 +74,14 @@ from offload import current_stream, phase, record_event, side_stream, use_device
 from optimizers import HostStep, OffloadPolicy
 
 from ._aliases import own_counter_targets
-from ._buckets import Bucket, ShardedParam, local_tensors, model_versions, stale_flags
+from ._buckets import (
+    Bucket,
+    ShardedParam,
+    local_tensors,
+    model_versions,
+    stale_flags,
+    storage_expired,
+)
 from ._collectives import AllGather, launch_all_gather, unpack_params
 
 __all__ = ["DelayedUpdate", "HostWrites", "ParamGatherer", "PendingWrites"]
@@ -160,7 +167,7 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, stream: Any) -> li
     # given other memory since (param.data = t, which moves no counter) is a write too.
     written = [
         s.changed or v != s.version or (s.memory != 0 and m != s.memory)
-        or (s.storage is not None and s.storage.expired())
+        or (s.storage is not None and storage_expired(s.storage.handle))
         for s, v, m in zip(bucket.params, before, memory, strict=True)
     ]  # fmt: skip
     if bucket.shares_counters:  # see [Note: shared version counters] in _aliases.py

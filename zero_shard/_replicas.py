@@ -24,7 +24,7 @@ from offload import use_device
 from optimizers import HostStep, OffloadPolicy
 
 from ._aliases import check_moved, counter_sharing, own_counter_view
-from ._buckets import Bucket, ShardedParam, build_buckets, local_tensors
+from ._buckets import Bucket, ShardedParam, build_buckets, local_tensors, storage_expired
 from ._collectives import AllGather, broadcast_tensors, launch_all_gather
 from ._compiled import CompileAwareHook
 from ._gather import DelayedUpdate, HostWrites, ParamGatherer
@@ -313,7 +313,8 @@ class _Replicas(Kind):
         records = self.sharded
         moved = [
             s for s, local in zip(records, local_tensors(records), strict=True)
-            if local.data_ptr() != s.memory or (s.storage is not None and s.storage.expired())
+            if local.data_ptr() != s.memory
+            or (s.storage is not None and storage_expired(s.storage.handle))
         ]  # fmt: skip
         if moved:
             check_moved(moved, records)
@@ -328,8 +329,10 @@ class _Replicas(Kind):
         # copying to an equal device, as accelerate does on CPUs) is noted, so that the
         # gathers after this do not count it as written after a step.
         moved = [
-            s for s in records if s.memory
-            and (s.local.data_ptr() != s.memory or (s.storage is not None and s.storage.expired()))
+            s for s in records if s.memory and (
+                s.local.data_ptr() != s.memory
+                or (s.storage is not None and storage_expired(s.storage.handle))
+            )
         ]  # fmt: skip
         if moved:
             check_moved(moved, self.sharded)
