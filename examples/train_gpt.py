@@ -266,9 +266,11 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             delayed_update=args.delayed_update,
             delayed_update_warmup=args.delayed_update_warmup,
             host_staging=args.host_staging,
+            speculative=args.speculative,
             **options,
         )
-        optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage)
+        buckets = {} if args.bucket_mb is None else {"bucket_mb": args.bucket_mb}
+        optimizer = zero_shard.wrap(adamw, model, offload=policy, stage=args.stage, **buckets)
         scaler_type = zero_shard.GradScaler
     if args.compile:  # after wrap: zero-shard's hooks must be there at the first compiled call
         blocks = (model.module if isinstance(model, DistributedDataParallel) else model).blocks
@@ -535,6 +537,8 @@ def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     log.summary = summarize(log, args)
     log.summary["memory"] = measure_memory(trainer, ranks, rss_samples[RSS_WARMUP_STEPS:])
     log.summary["clipping"] = {"max_norm": args.clip, **dataclasses.asdict(CLIPPING[trainer.kind])}
+    if args.speculative and isinstance(trainer.optimizer, zero_shard.ZeroShardOptimizer):
+        log.summary["speculation"] = dataclasses.asdict(trainer.optimizer.speculation_counts)
     if ranks.rank == 0:
         report(log, args)
     return log.to_json()
@@ -682,6 +686,12 @@ def report(log: Log, args: argparse.Namespace) -> None:
         f"({split} ms)"
     )
     print(summary["memory"]["line"])
+    speculation = summary.get("speculation")
+    if speculation is not None:  # rank 0's; the last step's is counted at the next one
+        print(
+            f"speculative CPU steps: {speculation['stood']} stood, {speculation['redone']} redone "
+            "or rolled back"
+        )
     if args.out is None:
         return
     log.write(args.out / "log.json")
@@ -764,6 +774,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "shard's host buffers for grads and weights: per_chunk (2 bytes a param more; each "
         "chunk's grads go to the host as backward reduces them), bounded, or auto (default: "
         "per_chunk where the host keeps a quarter of its memory available)")  # fmt: skip
+    add("--bucket-mb", type=float, metavar="MIB", help="zero-shard's bucket size (a reduction "
+        "and a gather each); default: wrap's (256)")  # fmt: skip
+    add("--speculative", action="store_true", help="zero-shard steps each CPU chunk as its grads "
+        "reach the host during backward, keeping the state from before it; the step then "
+        "stands, or is redone or rolled back (exact; per_chunk staging)")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
     add("--delayed-update-warmup", type=int, default=0, metavar="STEPS", help="with "

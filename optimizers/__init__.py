@@ -7,6 +7,7 @@ from ._group_options import GroupsAtBuild
 from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
+from ._speculation import SpeculationCounts
 from ._state import ParamState
 from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 from ._step_hooks import share_step_hooks
@@ -18,6 +19,7 @@ __all__ = [
     "MemoryReport",
     "OffloadPolicy",
     "ParamState",
+    "SpeculationCounts",
     "check_elementwise",
     "check_param_kind",
     "constructor_defaults",

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from typing import Any
@@ -67,6 +67,7 @@ from ._group_options import leave_kernel_where_unmet, snapshot_hyperparams
 from ._host_step import ChunkJob, HostStep
 from ._policy import HostStaging, StagingKind
 from ._records import HostChunk, ParamRecord, Piece, flat_param, reload_mains
+from ._speculation import KeptChunks, Speculation, SpeculationCounts, settle_speculation, speculate
 from ._split import ChunkSpec
 from ._staging import (
     STAGING_SLOTS,
@@ -109,9 +110,11 @@ def _checked_staging(
     specs: Sequence[ChunkSpec],
     num_state_tensors: int,
     kernels: Sequence[CpuAdamKernel | None],
+    speculative: bool,
 ) -> StagingKind:
     """``staging`` with ``"auto"`` resolved (see ``choose_staging``), once the host is checked
-    to hold the CPU share with it: fp32 main, fp32 grad where needed, optimizer state, staging."""
+    to hold the CPU share with it: fp32 main, fp32 grad where needed, optimizer state, staging,
+    and the kept state of speculative steps (with a buffer per chunk)."""
     other_bytes = 0
     for spec, kernel in zip(specs, kernels, strict=True):
         per_element = 4 * (1 + num_state_tensors)
@@ -121,10 +124,18 @@ def _checked_staging(
     if staging == "auto" and specs:
         kind, reason = choose_staging(other_bytes + staging_bytes("per_chunk", specs))
         logger.info("zero-shard: host staging %r (host_staging='auto': %s)", kind, reason)
+    kept_bytes = 0
+    if speculative and kind == "per_chunk":  # see KeptChunks
+        kept_bytes = sum(
+            spec.numel * (12 + spec.dtype.itemsize)
+            for spec, kernel in zip(specs, kernels, strict=True)
+            if kernel is not None
+        )
     check_host_memory(
-        other_bytes + staging_bytes(kind, specs),
-        what="the fp32 main weights, grads and optimizer state offloaded to the CPU",
-        setting="the offload fraction",
+        other_bytes + staging_bytes(kind, specs) + kept_bytes,
+        what="the fp32 main weights, grads and optimizer state offloaded to the CPU"
+        + (" and the state kept by speculative steps" if kept_bytes else ""),
+        setting="the offload fraction" + (" (or set speculative=False)" if kept_bytes else ""),
     )
     return kind
 
@@ -149,6 +160,11 @@ class HostPart:
     _chunks_of: dict[int, list[HostChunk]]  # record index -> the chunks with a piece of it
     switch_interval: float | None  # the GIL switch interval while a step is in flight (see
     #                                [Note: GIL switch interval]); None: left alone
+    speculation_counts: SpeculationCounts  # steps speculated during backward, by outcome
+    _kept: KeptChunks | None  # the kept state and weights of speculated steps; None: no
+    #                           speculation ([Note: speculative host steps] in _speculation.py)
+    _speculations: dict[int, Speculation]  # chunk index -> its step speculated since the last
+    #                                        step started
 
     def __init__(
         self,
@@ -165,6 +181,7 @@ class HostPart:
         staging: HostStaging,
         switch_interval: float | None = None,
         early_copies: bool = False,
+        speculative: bool = False,
     ) -> None:
         cls = optimizer_spec.cls
         kernels = [
@@ -173,7 +190,9 @@ class HostPart:
             else None
             for s in specs
         ]
-        kind = _checked_staging(staging, specs, num_state_tensors, kernels)
+        kind = _checked_staging(
+            staging, specs, num_state_tensors, kernels, speculative and early_copies
+        )
         self.engine = CopyEngine(device)
         self.threads = threads
         self.switch_interval = switch_interval
@@ -193,11 +212,23 @@ class HostPart:
             for record, _ in chunk.pieces:
                 self._chunks_of.setdefault(record.index, []).append(chunk)
         pin = pin_memory and device.type != "cpu"
+        self.speculation_counts = SpeculationCounts()
+        self._speculations = {}
+        self._kept = None
+        on_copied = None
+        if speculative and kind == "per_chunk" and early_copies:
+            self._kept = KeptChunks(self.chunks, pin=pin)
+            on_copied = _weak_call(self, HostPart._speculate)
         if kind == "bounded":
             self.staging = BoundedStaging(self.chunks, self.engine, pin=pin)
         else:
             self.staging = PerChunkStaging(
-                self.chunks, self.engine, self._chunks_of, pin=pin, early_copies=early_copies
+                self.chunks,
+                self.engine,
+                self._chunks_of,
+                pin=pin,
+                early_copies=early_copies,
+                on_copied=on_copied,
             )
         self._executor = None
         if self.chunks:
@@ -268,7 +299,13 @@ class HostPart:
             for value in piece.state.values()
             if torch.is_tensor(value) and value.dim() > 0
         )
-        return flats + state + self.staging.buffers.num_bytes
+        kept = 0 if self._kept is None else self._kept.num_bytes
+        return flats + state + self.staging.buffers.num_bytes + kept
+
+    @property
+    def speculates(self) -> bool:
+        """Whether chunks are stepped speculatively as their grads are copied early."""
+        return self._kept is not None
 
     @property
     def pending(self) -> HostStep | None:
@@ -284,7 +321,7 @@ class HostPart:
         param, or of the params whose record index is in ``indices``; ``keep_unchanged``: see
         ``reload_mains`` (each piece decides)."""
         self.settle()
-        self.staging.forget_early_copies()  # their buffers are overwritten here
+        self.forget_early_copies()  # their buffers are overwritten here
         after = record_event(current_stream(self.engine.device))
         for chunk in self.chunks:
             chosen = [(r, p) for r, p in chunk.pieces if indices is None or r.index in indices]
@@ -340,6 +377,7 @@ class HostPart:
             if active:
                 with_grads.append((chunk, active))
         jobs = self.staging.make_jobs(with_grads, grads)
+        self._attach_speculations(jobs)
         step = HostStep(
             jobs,
             start_event,
@@ -374,6 +412,55 @@ class HostPart:
             factor = self._grad_factor
         return verdict, factor
 
+    def _speculate(self, chunk: HostChunk, staging: torch.Tensor, landed: Any) -> None:
+        """Staging copied the chunk's grads early: the worker steps it now, speculatively, if it
+        is on the kernel (see [Note: speculative host steps])."""
+        if self._kept is None or chunk.index not in self._kept.kept:
+            return
+        earlier = self._speculations.pop(chunk.index, None)
+        if earlier is not None:  # its grads were given again: the worker undoes it first
+            self._executor.submit(earlier.roll_back)
+        speculation = Speculation(self._kept.weights[chunk.index])
+        kept = self._kept.kept[chunk.index]
+        # The group's options as they are now, when the grads were given: what the step takes
+        # unless they change before it (then it redoes the step).
+        group = dict(chunk.optimizer.param_groups[0])
+        speculation.future = self._executor.submit(
+            speculate, speculation, chunk, group, staging, kept, landed
+        )
+        self._speculations[chunk.index] = speculation
+
+    def _attach_speculations(self, jobs: Sequence[ChunkJob]) -> None:
+        """Hands each speculation the worker started to its chunk's job: settled there where the
+        job steps the chunk from the early copy the speculation read, on the kernel, else rolled
+        back before it steps; the worker rolls back those of chunks not stepped. Those not
+        started when the step starts are cancelled: backward is over, and the step's own work
+        goes first."""
+        speculations, self._speculations = self._speculations, {}
+        for job in jobs:
+            speculation = speculations.pop(job.chunk.index, None)
+            if speculation is None or speculation.future.cancel():
+                continue  # (not started yet: the chunk steps at the step, as without it)
+            chunk = job.chunk
+            if job.early and chunk.kernel is not None and len(job.active) == len(chunk.pieces):
+                job.speculation = speculation
+            else:
+                job.undo = speculation
+        for speculation in speculations.values():
+            self._executor.submit(speculation.roll_back)
+
+    def _drop_speculations(self) -> None:
+        """Rolls back every step speculated since the last step started (the state is read,
+        edited, loaded or reloaded first, or the grads cleared)."""
+        speculations, self._speculations = self._speculations, {}
+        for speculation in speculations.values():
+            speculation.roll_back()  # once the worker is done with it
+
+    def forget_early_copies(self) -> None:
+        """Forgets the grads copied early, and rolls back the steps speculated from them."""
+        self._drop_speculations()
+        self.staging.forget_early_copies()
+
     def grads_ready(self, grads: dict[int, torch.Tensor]) -> None:
         """Notes that ``grads`` (1-D, by record index) are final on the current stream; staging
         that copies early copies the chunks whose grads have all been given since the last step
@@ -390,7 +477,9 @@ class HostPart:
 
     def wait_for_worker(self) -> None:
         """For reads of main weights and state: the step in flight, if any, is done on the worker
-        (its weights are not copied into the params here)."""
+        (its weights are not copied into the params here), and steps speculated since are rolled
+        back (the state reads as before the step)."""
+        self._drop_speculations()
         pending = self.pending
         if pending is not None:
             pending.wait_worker()
@@ -399,8 +488,10 @@ class HostPart:
         """Forgets the kernel's tables: a loaded state dict is about to replace the state they
         point into, which they would otherwise keep alive until the next step rebuilt them."""
         self.settle()
+        self._drop_speculations()
         for chunk in self.chunks:
             chunk.tables.clear()
+            chunk.kept_table = None
 
     def settle(self) -> None:
         """Completes the step in flight, if any: its chunks' weights reach the params; and
@@ -419,6 +510,26 @@ class HostPart:
             # wait); the worker read the verdict of one with chunks already.
             if step.done and step.num_chunks and not step.skips():
                 self.num_updates += 1
+            if step.done:
+                self._count_speculations(step.speculations())
+
+    def _count_speculations(self, outcomes: list[str]) -> None:
+        if outcomes and all(outcome == "stood" for outcome in outcomes):
+            self.speculation_counts.stood += 1
+        elif outcomes:
+            self.speculation_counts.redone += 1
+
+
+def _weak_call(owner: HostPart, method: Callable[..., None]) -> Callable[..., None]:
+    """``method`` of ``owner``, holding ``owner`` weakly (its staging holds the call)."""
+    ref = weakref.ref(owner)
+
+    def call(*args: Any) -> None:
+        target = ref()
+        if target is not None:
+            method(target, *args)
+
+    return call
 
 
 def _whole_on_kernel(job: ChunkJob) -> bool:
@@ -437,6 +548,8 @@ def _landed_followers(step: HostStep, position: int, job: ChunkJob) -> list[Chun
         other = step.job_at(later)
         if not (
             _whole_on_kernel(other)
+            and other.speculation is None  # (settled on its own)
+            and other.undo is None
             and other.staging.dtype == job.staging.dtype
             and other.landed()
             and other.d2h_error is None  # (read after d2h_queued: set before it)
@@ -463,6 +576,20 @@ def _run_job(
                     "this chunk was stepped in one kernel call with an earlier chunk, and that "
                     "call failed"
                 ) from err
+            return stepped
+        if job.undo is not None:
+            job.undo.roll_back()
+        speculation = job.speculation
+        if speculation is not None and speculation.wait() is not None:
+            job.settled = settle_speculation(
+                speculation,
+                job.chunk,
+                step.skips(),
+                grad_scale=grad_scale,
+                grad_factor=step.grad_factor(job.chunk.spec.dtype),
+            )
+            stepped = job.settled != "rolled back"
+            job.weights = speculation.weights if stepped else None
             return stepped
         job.d2h_queued.wait()  # queued by start, or by the copier after the buffer's last chunk
         if job.d2h_error is not None:

@@ -54,6 +54,7 @@ from offload import (
 
 from ._grad_factor import factor_as_multiplied
 from ._records import HostChunk, ParamRecord, Piece, flat_param
+from ._speculation import Speculation
 
 __all__ = ["ChunkJob", "HostStep"]
 
@@ -78,9 +79,21 @@ class ChunkJob:
     copied: Future | None = field(default=None, repr=False)  # the copier's queuing of its H2D
     #     and of the next D2H into its buffer (bounded staging); None: the step queues its H2D
     #     when it completes the job
+    early: bool = False  # its grads were copied before the step (an early copy that serves)
+    speculation: Speculation | None = None  # its step speculated during backward, to settle
+    #                                         first; None: none ([Note: speculative host steps])
+    undo: Speculation | None = None  # a speculation of its chunk that this step does not use:
+    #                                  rolled back before the job steps
+    weights: torch.Tensor | None = None  # where its new weights are, where not in staging (a
+    #                                      speculated step's own buffer)
+    settled: str | None = None  # how its speculation ended: "stood", "redone", "rolled back"
 
     def staging_of(self, piece: Piece) -> torch.Tensor:
         return piece.in_chunk(self.staging)
+
+    def weights_of(self, piece: Piece) -> torch.Tensor:
+        """Where the piece's new weights are once the job stepped."""
+        return piece.in_chunk(self.staging if self.weights is None else self.weights)
 
     def landed(self) -> bool:
         """Whether the job's grads were copied and are on the host now (no wait)."""
@@ -210,10 +223,10 @@ class HostStep:
             job.d2h_queued.set()
 
     def queue_h2d(self, job: ChunkJob) -> None:
-        """Queues the job's new weights from its staging buffer into the params, behind the
-        events the writes wait for."""
+        """Queues the job's new weights (from its staging buffer, or their own buffer) into the
+        params, behind the events the writes wait for."""
         pairs = [
-            CopyPair(piece.of_param(flat_param(record.param)), job.staging_of(piece))
+            CopyPair(piece.of_param(flat_param(record.param)), job.weights_of(piece))
             for record, piece in job.active
         ]
         with self._writes_lock:
@@ -221,6 +234,10 @@ class HostStep:
         with phase("zero_shard::h2d"):
             job.h2d_done = self._engine.h2d(pairs, after=after)
         self._h2d_of[job.slot] = job.h2d_done
+
+    def speculations(self) -> list[str]:
+        """How each of its speculated chunks settled (see ``ChunkJob.settled``)."""
+        return [job.settled for job in self._jobs if job.settled is not None]
 
     def skips(self) -> bool:
         """Whether the step is skipped (its found_inf is nonzero). The worker reads the flag at

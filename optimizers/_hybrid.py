@@ -40,6 +40,7 @@ from ._host_part import HostPart
 from ._host_step import HostStep
 from ._policy import DelayedUpdate, OffloadPolicy, StagingKind
 from ._records import ParamRecord, collect_grads
+from ._speculation import SpeculationCounts
 from ._split import DeviceSplit, ParamInfo, plan_split
 from ._state import (
     StateEdits,
@@ -289,6 +290,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             staging=policy.host_staging if delay is None else delay.STAGING,
             switch_interval=policy.gil_switch_interval,
             early_copies=delay is None,
+            speculative=policy.speculative,
         )
         self._device = DevicePart(
             trainable, split.device_pieces, self.param_groups, spec, device, policy.device_impl
@@ -523,7 +525,23 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     "give the param's grad, contiguous"
                 )
             flat[index] = grad.view(-1)
+        if self.speculates:
+            # The steps speculated from these grads take the groups' options as they are now
+            # (a scheduler stepped since the last step), as the step will.
+            self._sync_hyperparams()
         self._host.grads_ready(flat)
+
+    @property
+    def speculates(self) -> bool:
+        """Whether :meth:`grads_ready` steps the chunks it copies now, speculatively (see
+        ``OffloadPolicy.speculative``): no step is in flight."""
+        return self._host.speculates and self._host.pending is None
+
+    @property
+    def speculation_counts(self) -> SpeculationCounts:
+        """Steps whose CPU share was speculated during backward, by outcome (see
+        ``OffloadPolicy.speculative``); the step in flight is counted once the next one starts."""
+        return self._host.speculation_counts
 
     @property
     def host_staging(self) -> StagingKind:
@@ -542,7 +560,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def drop_grads_ready(self) -> None:
         """Forgets the grads given to :meth:`grads_ready` since the last step, and their copies:
         for when they are cleared before any step (``zero_grad``), so that nothing holds them."""
-        self._host.staging.forget_early_copies()
+        self._host.forget_early_copies()
 
     @torch.no_grad()
     def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:

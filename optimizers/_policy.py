@@ -124,6 +124,14 @@ class OffloadPolicy:
             worker takes the GIL back after each chunk's kernel; with Python's default of 5 ms it
             may wait that long for a thread running Python (the next forward), chunk after
             chunk. ``None`` leaves the interval alone. Default 0.0005.
+        speculative: step each chunk on the single-pass kernel as soon as its grads are copied
+            to the host during backward (``host_staging="per_chunk"``, no delayed update), before
+            the clip factor and the inf/NaN verdict are known; at the step the result stands, is
+            redone from the state kept from before it, or is rolled back (a skipped step): the
+            same bits as without it. Costs 12 bytes of host memory per offloaded element for the
+            kept state, plus the new weights' own buffer (2 bytes of bf16); ``memory_report()``
+            counts them. Elsewhere (bounded staging, a delayed update, chunks torch steps) the
+            steps run as without it. Default False.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
@@ -140,6 +148,7 @@ class OffloadPolicy:
     delayed_update_warmup: int = 0
     host_staging: HostStaging = "auto"
     gil_switch_interval: float | None = 0.0005
+    speculative: bool = False
 
     @property
     def delay(self) -> DelayedUpdate | None:
@@ -155,7 +164,7 @@ class OffloadPolicy:
                 f"offload fraction must be in [0, 1] (0 = all on the accelerator, 1 = all on "
                 f"the CPU), got {fraction}"
             )
-        for name in ("pin_memory", "delayed_update"):
+        for name in ("pin_memory", "delayed_update", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.delayed_update and fraction != 1.0:

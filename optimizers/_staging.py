@@ -27,7 +27,7 @@ through the next backward.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -232,6 +232,8 @@ class PerChunkStaging(Staging):
     #     held until every chunk with a piece of it was copied (a backward's grads are then held
     #     by nothing here: zero_grad frees them, as without early copies)
     _uncopied: dict[int, set[int]]  # record index -> its chunks not copied since it was given
+    _on_copied: Callable[[HostChunk, torch.Tensor, Any], None] | None  # told of each early copy
+    #     queued (the chunk, its staging, the copy's event)
 
     def __init__(
         self,
@@ -241,14 +243,17 @@ class PerChunkStaging(Staging):
         *,
         pin: bool,
         early_copies: bool,
+        on_copied: Callable[[HostChunk, torch.Tensor, Any], None] | None = None,
     ) -> None:
         """``chunks_of``: record index -> the chunks with a piece of it; ``early_copies``:
-        ``grads_ready`` copies grads (not for a delayed update, see [Note: staging ring])."""
+        ``grads_ready`` copies grads (not for a delayed update, see [Note: staging ring]);
+        ``on_copied``: called with each chunk copied early, its staging and the copy's event."""
         requests = [HostBufferRequest(_spec_bytes(c.spec), torch.uint8) for c in chunks]
         self.buffers = HostBuffers(requests, pin=pin)
         self.copies_early = early_copies
         self._engine = engine
         self._chunks_of = chunks_of
+        self._on_copied = on_copied
         self.forget_early_copies()
 
     def slot(self, position: int, chunk: HostChunk) -> int:
@@ -264,6 +269,7 @@ class PerChunkStaging(Staging):
             if copied is not None and copied.serves([r.index for r, _ in active], grads):
                 job.d2h_done = copied.done  # in its buffer already ([Note: early grad copies])
                 job.d2h_queued.set()
+                job.early = True
             else:
                 job.grads = [grads[record.index] for record, _ in active]
             jobs.append(job)
@@ -312,6 +318,8 @@ class PerChunkStaging(Staging):
             done = self._engine.d2h(pairs, after=[after, h2d_before])
         identities = {i: GradIdentity.of(grad) for i, grad in given.items()}
         self._early[chunk.index] = EarlyCopy(identities, done)
+        if self._on_copied is not None:
+            self._on_copied(chunk, staging, done)
         for record_index in given:  # the copy recorded its stream on the grads: they may go
             self._uncopied[record_index].discard(chunk.index)
             if not self._uncopied[record_index]:

@@ -20,6 +20,7 @@ from optimizers import (
     HybridDeviceOptimizer,
     MemoryReport,
     OffloadPolicy,
+    SpeculationCounts,
     constructor_defaults,
     load_state_dict_with_hooks,
     share_step_hooks,
@@ -274,6 +275,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             device=self._reduce_device,
         )
 
+    def sync_hybrid_groups(self) -> None:
+        """The hybrid's groups take the options of this optimizer's (a scheduler's lr)."""
+        for group_index, group in enumerate(self._hybrid.param_groups):
+            group.update(self._hyperparams(group_index))
+
     def _hyperparams(self, group_index: int) -> dict[str, Any]:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
 
@@ -379,8 +385,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         written = self._stale.start()
         if written is None:
             self._stale.check(self.stale_params, agree=True)
-        for group_index, group in enumerate(self._hybrid.param_groups):
-            group.update(self._hyperparams(group_index))
+        self.sync_hybrid_groups()
         self._finalize_grads()
         self._refuse_scaled_grads_changed()
         if self._window_norm is not None and self.kind.grads_marker() != self._clipped_marker:
@@ -467,6 +472,14 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         """Steps skipped for non-finite grads so far (including the last one's verdict)."""
         self._skips.read(block=True)
         return self._skips.num_skipped
+
+    @property
+    def speculation_counts(self) -> SpeculationCounts:
+        """This rank's steps whose CPU share was speculated during backward
+        (``OffloadPolicy(speculative=True)``), by outcome: stood as speculated, or redone (a
+        clip, a changed option) or rolled back (a skipped step). The step in flight is counted
+        once the next one starts."""
+        return self._hybrid.speculation_counts
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the model's grads and this rank's reduced grads."""

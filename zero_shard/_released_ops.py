@@ -66,7 +66,7 @@ users may read after the clip: there the clip multiplies them at once, as before
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -369,11 +369,17 @@ class EarlyCopies:
     _reduced_last: Bucket  # the first bucket: backward reduces it last
     _bucket_indices: list[list[int]]  # per bucket, its shards' param indices in the hybrid
 
-    def __init__(self, hybrid: HybridDeviceOptimizer, buckets: Sequence[Bucket],
-                 bucket_indices: list[list[int]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hybrid: HybridDeviceOptimizer,
+        buckets: Sequence[Bucket],
+        bucket_indices: list[list[int]],
+        sync_groups: Callable[[], None],
+    ) -> None:
         self._hybrid = hybrid
         self._reduced_last = buckets[0]
         self._bucket_indices = bucket_indices
+        self._sync_groups = sync_groups
 
     def grads_reduced(self, bucket: Bucket) -> None:
         """On the side stream, where the bucket's reduced grads are final (1-D views of its grad
@@ -382,6 +388,8 @@ class EarlyCopies:
         (not on CUDA, where the device writes them: [Note: flags written by the device] in
         offload/_flag.py); the worker reads the flags before any chunk."""
         if bucket is not self._reduced_last:
+            if self._hybrid.speculates:  # its steps take the groups' options as they are now
+                self._sync_groups()
             indices = self._bucket_indices[bucket.params[0].bucket]
             params = zip(indices, bucket.params, strict=True)
             self._hybrid.grads_ready({index: s.grad_slot.view(-1) for index, s in params})

@@ -481,7 +481,9 @@ class ReplicatedKind(_Replicas):
         if hybrid.memory_report().num_host_elements:  # see [Note: clip at the step]
             self.clip = DeferredClip(self.sharded, optimizer._edits, hybrid)
             if hybrid.copies_grads_early:  # else no per-bucket work in backward's hooks
-                early = EarlyCopies(hybrid, self.buckets, self._bucket_indices)
+                early = EarlyCopies(
+                    hybrid, self.buckets, self._bucket_indices, optimizer.sync_hybrid_groups
+                )
         self.reducer = GradReducer(
             self.buckets, self._group, stage=self._stage, device=self._device,
             gatherer=self.gatherer, clip=self.clip, early=early,

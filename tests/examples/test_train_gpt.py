@@ -207,3 +207,22 @@ def test_fp32_params_follow_plain_adamw_under_bf16_autocast(tmp_path: Path) -> N
     assert ours["config"]["fp32_params"]
     for step, (got, want) in enumerate(zip(losses(ours), losses(plain), strict=True)):
         assert got == pytest.approx(want, rel=2e-3), f"step {step + 1}"
+
+
+def test_speculative_cpu_steps_give_the_run_without_them(
+    curves: dict[str, dict], tmp_path: Path
+) -> None:
+    """--speculative at fraction 1 with a buffer per chunk: the losses of the run without it, to
+    the bit, and the summary counts the speculated steps that stood and those redone (a clip at
+    1.0 scales the grads of the first steps; at 100 none)."""
+    # Buckets and chunks small enough that most chunks lie within buckets reduced before the
+    # last (whose grads are copied to the host as backward goes on).
+    flags = ("--offload-fraction", "1", "--host-staging", "per_chunk", "--chunk-numel", "4096",
+             "--bucket-mb", "0.25")  # fmt: skip
+    for clip, outcome in (("1.0", "redone"), ("100", "stood")):  # clipped early on; never
+        plain = run_in_process(tmp_path / f"plain{clip}", *flags, "--clip", clip)
+        speculative = run_in_process(tmp_path / f"spec{clip}", *flags, "--clip", clip,
+                                     "--speculative")  # fmt: skip
+        assert losses(speculative) == losses(plain)
+        counts = speculative["summary"]["speculation"]  # (those the step found started)
+        assert counts[outcome] > 0, (clip, counts)

@@ -1,0 +1,147 @@
+"""CPU steps taken while backward runs, before the step knows its clip factor and verdict.
+
+[Note: speculative host steps]
+With ``OffloadPolicy(speculative=True)``, a staging buffer per chunk and early grad copies (see
+[Note: early grad copies] in _early.py), a chunk on the single-pass kernel is stepped by the worker
+as soon as its grads have landed on the host, during backward, as if the step will stand with no
+clip factor and finite grads, at the hyperparameters its group holds then. The kernel keeps the
+chunk's state from before the step in the chunk's kept buffers and writes the new weights to a
+buffer of their own, so the grads stay in staging and nothing reaches the params ([Note:
+speculative kernel steps] in _cpu_kernel.py). When the step comes, the worker settles each such
+chunk first, with the step's real arguments: the speculated step stands where each piece's
+coefficients are the same to the bit (no clip factor, or one of exactly 1; the same lr, betas,
+eps, weight decay and grad scale); otherwise it is redone from the kept state and the grads, or,
+where the step is skipped (an inf or NaN), rolled back. Only then does its H2D copy go out. Each
+way, the state and weights are the bits of the step taken once at ``step()``.
+
+Speculations the worker has not started when the step starts are cancelled: backward is over, so
+the step's own work goes first (the one in progress finishes). A speculation is dropped (rolled
+back, the step then taken as without it) wherever its chunk is not stepped from that early copy: its grads changed or were cleared since (the early copy does not
+serve), its group now asks for what the kernel lacks, or the state is read, edited, loaded or
+reloaded before the step (those see the state before the step, as in torch).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from offload import HostBufferRequest, HostBuffers, wait_event
+
+from ._cpu_kernel import KeptPiece, KernelPiece, KernelTable, unmet_option
+from ._records import HostChunk
+
+__all__ = ["KeptChunks", "Speculation", "SpeculationCounts", "settle_speculation", "speculate"]
+
+
+@dataclass
+class SpeculationCounts:
+    """Steps whose CPU share was speculated during backward, by outcome (one step counts once,
+    as redone where any of its chunks was redone or rolled back)."""
+
+    stood: int = 0  # every speculated chunk's step stood as it was
+    redone: int = 0  # some chunk was redone (a clip, a new lr) or rolled back (a skipped step)
+
+
+class KeptChunks:
+    """Each kernel chunk's kept state (fp32: weight and both moments, host memory) and new
+    weights (model dtype, pinned: the H2D reads them), one set per chunk."""
+
+    kept: dict[int, list[KeptPiece]]  # chunk index -> one per piece, in the chunk's order
+    weights: dict[int, torch.Tensor]  # chunk index -> 1-D, the chunk's new weights
+    num_bytes: int
+    _buffers: HostBuffers
+
+    def __init__(self, chunks: list[HostChunk], *, pin: bool) -> None:
+        on_kernel = [chunk for chunk in chunks if chunk.kernel is not None]
+        self._buffers = HostBuffers(
+            [HostBufferRequest(c.spec.numel, c.spec.dtype) for c in on_kernel], pin=pin
+        )
+        self.kept, self.weights = {}, {}
+        state_bytes = 0
+        for chunk, weights in zip(on_kernel, self._buffers.views, strict=True):
+            numel = chunk.spec.numel
+            state = torch.empty(3, numel, dtype=torch.float32)
+            state_bytes += state.numel() * state.element_size()
+            self.weights[chunk.index] = weights
+            self.kept[chunk.index] = [
+                KeptPiece(*(piece.in_chunk(row) for row in state), piece.in_chunk(weights))
+                for _, piece in chunk.pieces
+            ]
+        self.num_bytes = state_bytes + self._buffers.num_bytes
+
+
+@dataclass
+class Speculation:
+    """One chunk's step speculated during backward, on the worker."""
+
+    weights: torch.Tensor  # 1-D, the chunk's buffer its new weights are written to
+    table: KernelTable | None = None  # set by the worker once it speculated; None: it did not
+    future: Future | None = field(default=None, repr=False)  # the worker's speculation
+
+    def wait(self) -> KernelTable | None:
+        """Waits for the worker's speculation; its table, or ``None`` where nothing was stepped
+        (cancelled, the chunk's group asked for what the kernel lacks, or the kernel failed: it
+        steps nothing then)."""
+        future = self.future
+        if future is not None and (future.cancelled() or future.exception() is not None):
+            return None
+        return self.table
+
+    def roll_back(self) -> None:
+        """Undoes the speculated step, if one was taken."""
+        table = self.wait()
+        if table is not None:
+            table.roll_back()
+            self.table = None
+
+
+def _table(chunk: HostChunk, staging: torch.Tensor, kept: list[KeptPiece]) -> KernelTable:
+    """The chunk's kept table, built once and again where a loaded state replaced its state."""
+    table = chunk.kept_table
+    states = [piece.state for _, piece in chunk.pieces]
+    if table is None or not table.backs(states):
+        pieces = [KernelPiece(p.main, p.in_chunk(staging), p.state) for _, p in chunk.pieces]
+        table = chunk.kept_table = KernelTable(chunk.kernel, pieces, kept=kept)
+    return table
+
+
+def speculate(
+    speculation: Speculation,
+    chunk: HostChunk,
+    group: dict[str, Any],
+    staging: torch.Tensor,
+    kept: list[KeptPiece],
+    landed: Any,
+) -> None:
+    """Worker thread: steps the chunk from its grads in ``staging`` once ``landed`` (the early
+    copy's event) completed, with ``group``'s options (the chunk's group as the grads were
+    given), keeping the state before the step; see [Note: speculative host steps]."""
+    if chunk.kernel is None or unmet_option(group) is not None:
+        return
+    wait_event(landed)
+    table = _table(chunk, staging, kept)
+    table.speculate(group)
+    speculation.table = table
+
+
+def settle_speculation(speculation: Speculation, chunk: HostChunk, skips: bool, **step: Any) -> str:
+    """Worker thread, at the step: the speculated step stands, is redone with the step's
+    arguments (``grad_scale``, ``grad_factor``), or is rolled back where the step ``skips``.
+    Returns which: ``"stood"``, ``"redone"`` or ``"rolled back"``."""
+    table = speculation.table
+    if table is None:
+        raise AssertionError("expected a speculated step to settle")
+    speculation.table = None
+    if skips:
+        table.roll_back()
+        return "rolled back"
+    group = chunk.optimizer.param_groups[0]
+    if table.holds(group, **step):
+        table.commit()
+        return "stood"
+    table.redo(group, **step)
+    return "redone"
