@@ -373,6 +373,8 @@ class KernelTable:
     _counts: list[ctypes.c_float | ctypes.c_double]  # per piece: its step count, in place
     _speculated: list[tuple[float, ...]] | None  # each piece's coefficients of the speculated
     #                                              step; None: no step speculated
+    _counts_before: list[float]  # the step counts before the speculated step
+    _versions: tuple[int, ...]  # the state's version counters right after the speculation
 
     def __init__(
         self,
@@ -413,6 +415,7 @@ class KernelTable:
         self._keep = getattr(library, f"zero_shard_adam_keep_{name}")
         self._from = getattr(library, f"zero_shard_adam_from_{name}")
         self._speculated = None
+        self._counts_before, self._versions = [], ()
 
     def backs(self, states: Sequence[dict[str, Any]]) -> bool:
         """Whether ``states`` (the pieces' state dicts, in order) hold the tensors it reads."""
@@ -444,11 +447,29 @@ class KernelTable:
         """A step as :meth:`run` takes it with no grad factor, the state before it kept and the
         weights written to the kept pieces' ``weights`` (see [Note: speculative kernel steps])."""
         self._require_kept()
-        steps = [count.value + 1.0 for count in self._counts]
+        before = [count.value for count in self._counts]
+        steps = [value + 1.0 for value in before]
         args = self._args(group, steps, grad_scale, None)
         self._call(self._keep, args)
         self._advance(steps)
         self._speculated = [_fields(each) for each in args]
+        self._counts_before = before
+        self._versions = self.versions()
+
+    def versions(self) -> tuple[int, ...]:
+        """The version counters of the state tensors it steps: the kernel writes through raw
+        pointers and moves none, so a change is someone else's write."""
+        return tuple(
+            tensor._version
+            for held in self._held
+            for tensor in (held.main, held.exp_avg, held.exp_avg_sq, held.step)
+        )
+
+    def written_since(self) -> bool:
+        """Whether the state was written by another hand since the speculation."""
+        if self._speculated is None:
+            raise RuntimeError("no step was speculated: speculate() comes first")
+        return self.versions() != self._versions
 
     def holds(
         self,
@@ -481,17 +502,27 @@ class KernelTable:
         self._call(self._from, self._args(group, steps, grad_scale, grad_factor))
         self._speculated = None
 
-    def roll_back(self) -> None:
-        """Undoes the speculated step: the kept state copied back, the counts as before it."""
+    def roll_back(self, *, keep_written: bool = False) -> None:
+        """Undoes the speculated step: the kept state copied back, the counts as before it
+        (``keep_written``: not into the tensors someone else wrote since, a load's values)."""
         if self._speculated is None:
             raise RuntimeError("no step was speculated: speculate() comes first")
+        now = iter(self.versions())
+        then = iter(self._versions)
         with torch.no_grad():
-            for held in self._held:
+            for held, before in zip(self._held, self._counts_before, strict=True):
                 kept = _kept_of(held)
-                held.main.copy_(kept.main)
-                held.exp_avg.copy_(kept.exp_avg)
-                held.exp_avg_sq.copy_(kept.exp_avg_sq)
-        self._advance([count.value - 1.0 for count in self._counts])
+                pairs = ((held.main, kept.main), (held.exp_avg, kept.exp_avg),
+                         (held.exp_avg_sq, kept.exp_avg_sq), (held.step, None))  # fmt: skip
+                for (live, saved), version, speculated in zip(pairs, now, then, strict=False):
+                    if keep_written and version != speculated:
+                        continue
+                    if saved is None:
+                        _count_of(live).value = before  # (a count past 2**24 gains nothing)
+                    else:
+                        # Through an alias with a counter of its own: the state's counters say
+                        # whether someone else wrote it, and a group's pieces share theirs.
+                        _uncounted(live).copy_(saved)
         self._speculated = None
 
     def commit(self) -> None:
@@ -537,6 +568,15 @@ class KernelTable:
     def _advance(self, steps: Sequence[float]) -> None:
         for count, step in zip(self._counts, steps, strict=True):
             count.value = step  # rounded to the count's dtype, as torch's `step += 1` is
+
+
+def _uncounted(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s memory with a version counter of its own (writes through it move none of
+    ``tensor``'s)."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+    )
 
 
 def _kept_of(held: _Pointed) -> KeptPiece:

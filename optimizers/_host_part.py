@@ -39,8 +39,9 @@ wait for the current one first.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from typing import Any
@@ -60,7 +61,13 @@ from offload import (
     wait_event,
 )
 
-from ._cpu_kernel import CpuAdamKernel, KernelPiece, KernelTable, fused_kernel_applies
+from ._cpu_kernel import (
+    CpuAdamKernel,
+    KernelPiece,
+    KernelTable,
+    fused_kernel_applies,
+    unmet_option,
+)
 from ._elementwise import OptimizerSpec, step_sub_optimizer
 from ._fused_backends import build_sub_optimizer
 from ._group_options import leave_kernel_where_unmet, snapshot_hyperparams
@@ -120,16 +127,26 @@ def _checked_staging(
         per_element = 4 * (1 + num_state_tensors)
         per_element += 4 if _needs_grad_buffer(spec, kernel) else 0
         other_bytes += spec.numel * per_element
+    # The state speculative steps keep, with a buffer per chunk (see KeptChunks).
+    kept_per_chunk = sum(
+        spec.numel * (12 + spec.dtype.itemsize)
+        for spec, kernel in zip(specs, kernels, strict=True)
+        if kernel is not None and speculative
+    )
     kind: StagingKind = "bounded" if staging == "auto" else staging  # (with nothing to stage)
     if staging == "auto" and specs:
-        kind, reason = choose_staging(other_bytes + staging_bytes("per_chunk", specs))
+        per_chunk = other_bytes + staging_bytes("per_chunk", specs) + kept_per_chunk
+        kind, reason = choose_staging(per_chunk)
         logger.info("zero-shard: host staging %r (host_staging='auto': %s)", kind, reason)
-    kept_bytes = 0
-    if speculative and kind == "per_chunk":  # see KeptChunks
-        kept_bytes = sum(
-            spec.numel * (12 + spec.dtype.itemsize)
-            for spec, kernel in zip(specs, kernels, strict=True)
-            if kernel is not None
+    kept_bytes = kept_per_chunk if kind == "per_chunk" else 0
+    if speculative and not kept_bytes:
+        warnings.warn(
+            "OffloadPolicy(speculative=True) has no effect here: it needs a staging buffer per "
+            f"chunk (host_staging is {kind!r} here) and chunks on the single-pass Adam/AdamW "
+            "kernel, with no delayed update. Set host_staging='per_chunk', or speculative=False "
+            "to silence this",
+            RuntimeWarning,
+            stacklevel=4,
         )
     check_host_memory(
         other_bytes + staging_bytes(kind, specs) + kept_bytes,
@@ -378,16 +395,20 @@ class HostPart:
                 with_grads.append((chunk, active))
         jobs = self.staging.make_jobs(with_grads, grads)
         self._attach_speculations(jobs)
-        step = HostStep(
-            jobs,
-            start_event,
-            engine=self.engine,
-            delayed=delayed,
-            verdict=verdict,
-            factor=factor,
-            gil_switch_interval=self.switch_interval,
-        )
-        self.staging.queue_first_copies(step, jobs, previous)
+        try:
+            step = HostStep(
+                jobs,
+                start_event,
+                engine=self.engine,
+                delayed=delayed,
+                verdict=verdict,
+                factor=factor,
+                gil_switch_interval=self.switch_interval,
+            )
+            self.staging.queue_first_copies(step, jobs, previous)
+        except BaseException:  # no job runs: the speculations attached go back
+            _roll_back_all(j.speculation or j.undo for j in jobs if j.speculation or j.undo)
+            raise
         for position, job in enumerate(jobs):
             job.future = self._executor.submit(
                 _run_job, step, position, job, grad_scale, self.staging
@@ -418,7 +439,8 @@ class HostPart:
         if self._kept is None or chunk.index not in self._kept.kept:
             return
         earlier = self._speculations.pop(chunk.index, None)
-        if earlier is not None:  # its grads were given again: the worker undoes it first
+        if earlier is not None and not earlier.future.cancel():
+            # Its grads were given again: the worker undoes it first.
             self._executor.submit(earlier.roll_back)
         speculation = Speculation(self._kept.weights[chunk.index])
         kept = self._kept.kept[chunk.index]
@@ -437,28 +459,42 @@ class HostPart:
         started when the step starts are cancelled: backward is over, and the step's own work
         goes first."""
         speculations, self._speculations = self._speculations, {}
-        for job in jobs:
-            speculation = speculations.pop(job.chunk.index, None)
-            if speculation is None or speculation.future.cancel():
-                continue  # (not started yet: the chunk steps at the step, as without it)
-            chunk = job.chunk
-            if job.early and chunk.kernel is not None and len(job.active) == len(chunk.pieces):
-                job.speculation = speculation
-            else:
-                job.undo = speculation
-        for speculation in speculations.values():
-            self._executor.submit(speculation.roll_back)
+        # Those not started yet never run: their chunks step at the step, as without them.
+        started = {i: s for i, s in speculations.items() if not s.future.cancel()}
+        try:
+            for job in jobs:
+                speculation = started.pop(job.chunk.index, None)
+                if speculation is None:
+                    continue
+                chunk = job.chunk
+                whole = len(job.active) == len(chunk.pieces)
+                if job.early and chunk.kernel is not None and whole:
+                    job.speculation = speculation
+                else:
+                    job.undo = speculation
+            _roll_back_all(started.values())  # chunks not stepped now: here, before it returns
+        except BaseException:
+            _roll_back_all(j.speculation or j.undo for j in jobs if j.speculation or j.undo)
+            raise
 
-    def _drop_speculations(self) -> None:
+    def drop_speculations(self, *, loading: bool = False) -> None:
         """Rolls back every step speculated since the last step started (the state is read,
-        edited, loaded or reloaded first, or the grads cleared)."""
+        edited, loaded or reloaded first, or the grads cleared); ``loading``: a load replaces
+        the state next (see ``Speculation.roll_back``)."""
         speculations, self._speculations = self._speculations, {}
-        for speculation in speculations.values():
-            speculation.roll_back()  # once the worker is done with it
+        _roll_back_all(speculations.values(), loading=loading)
+
+    def drop_unmet_speculations(self) -> None:
+        """Rolls back the speculated steps of chunks whose group now asks for what the kernel
+        lacks (amsgrad switched on reads the step counts first)."""
+        for index, speculation in list(self._speculations.items()):
+            if unmet_option(self.chunks[index].optimizer.param_groups[0]) is not None:
+                del self._speculations[index]
+                speculation.roll_back()
 
     def forget_early_copies(self) -> None:
         """Forgets the grads copied early, and rolls back the steps speculated from them."""
-        self._drop_speculations()
+        self.drop_speculations()
         self.staging.forget_early_copies()
 
     def grads_ready(self, grads: dict[int, torch.Tensor]) -> None:
@@ -479,7 +515,7 @@ class HostPart:
         """For reads of main weights and state: the step in flight, if any, is done on the worker
         (its weights are not copied into the params here), and steps speculated since are rolled
         back (the state reads as before the step)."""
-        self._drop_speculations()
+        self.drop_speculations()
         pending = self.pending
         if pending is not None:
             pending.wait_worker()
@@ -488,7 +524,7 @@ class HostPart:
         """Forgets the kernel's tables: a loaded state dict is about to replace the state they
         point into, which they would otherwise keep alive until the next step rebuilt them."""
         self.settle()
-        self._drop_speculations()
+        self.drop_speculations(loading=True)
         for chunk in self.chunks:
             chunk.tables.clear()
             chunk.kept_table = None
@@ -518,6 +554,18 @@ class HostPart:
             self.speculation_counts.stood += 1
         elif outcomes:
             self.speculation_counts.redone += 1
+
+
+def _roll_back_all(speculations: Iterable[Speculation], *, loading: bool = False) -> None:
+    """Rolls back each of ``speculations``; raises the first error once all were tried."""
+    error = None
+    for speculation in list(speculations):
+        try:
+            speculation.roll_back(loading=loading)
+        except BaseException as err:
+            error = error or err
+    if error is not None:
+        raise error
 
 
 def _weak_call(owner: HostPart, method: Callable[..., None]) -> Callable[..., None]:
@@ -581,12 +629,13 @@ def _run_job(
             job.undo.roll_back()
         speculation = job.speculation
         if speculation is not None and speculation.wait() is not None:
+            try:
+                skips, factor = step.skips(), step.grad_factor(job.chunk.spec.dtype)
+            except BaseException:
+                speculation.roll_back()  # a failed step leaves the state as before it
+                raise
             job.settled = settle_speculation(
-                speculation,
-                job.chunk,
-                step.skips(),
-                grad_scale=grad_scale,
-                grad_factor=step.grad_factor(job.chunk.spec.dtype),
+                speculation, job.chunk, skips, grad_scale=grad_scale, grad_factor=factor
             )
             stepped = job.settled != "rolled back"
             job.weights = speculation.weights if stepped else None

@@ -68,7 +68,8 @@ class MemoryReport:
 
     device: str  # the params' device ("cuda:0"; "cpu" in a CPU run: both shares on the host)
     device_bytes: int  # fp32 main weights, main grads and state of the accelerator's share
-    host_bytes: int  # the same for the CPU's share, plus the staging buffers
+    host_bytes: int  # the same for the CPU's share, plus the staging buffers and the
+    #                 state kept by speculative steps (OffloadPolicy.speculative)
     host_staging_bytes: int  # of host_bytes: the staging buffers for host<->device copies
     pinned: bool | None  # whether the staging buffers are pinned; None when nothing is offloaded
     num_device_elements: int
@@ -444,6 +445,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         need_order: Sequence[int] | None,
     ) -> HostStep:
         check_wrapped_groups(self._groups_at_build, self.param_groups, self._wrapped_optimizer())
+        if self._edits.pending:  # they land before the step: not after a speculated one
+            self._host.drop_speculations()
         self._edits.apply()  # edits of state handed out land before the step reads it
         self._edits.expire()
         if grad_scale is not None and not math.isfinite(grad_scale):
@@ -468,6 +471,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         delayed = self._delay is not None and self._delay.delays(self._host.num_updates)
         self._mark_stepped()
         self._sync_hyperparams()
+        self._host.drop_unmet_speculations()  # before anything reads their step counts
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
         stepping = [self._records[index] for index in grads]
         prepare_switched_on_state(stepping, self.param_groups)

@@ -14,6 +14,14 @@ eps, weight decay and grad scale); otherwise it is redone from the kept state an
 where the step is skipped (an inf or NaN), rolled back. Only then does its H2D copy go out. Each
 way, the state and weights are the bits of the step taken once at ``step()``.
 
+The kernel writes the state through raw pointers, which move no version counter: a change of
+the state's counters after the speculation is someone else's in-place write (through a tensor read
+from ``optimizer.state`` before backward). That write cannot come before the speculated step any
+more, so the step raises, the state put back as before the step without the write; a load about to
+take the state as written (a state dict filled in place) keeps the written tensors and puts back
+the rest. Reads and edits through ``optimizer.state`` during
+the window roll the speculation back first, and go on as without it.
+
 Speculations the worker has not started when the step starts are cancelled: backward is over, so
 the step's own work goes first (the one in progress finishes). A speculation is dropped (rolled
 back, the step then taken as without it) wherever its chunk is not stepped from that early copy: its grads changed or were cleared since (the early copy does not
@@ -91,12 +99,34 @@ class Speculation:
             return None
         return self.table
 
-    def roll_back(self) -> None:
-        """Undoes the speculated step, if one was taken."""
+    def roll_back(self, *, loading: bool = False) -> None:
+        """Undoes the speculated step, if one was taken. Where the state was written in place
+        since (see ``_raise_written``), a load about to take the state as it is (``loading``:
+        filled in place, as ``dcp.load`` fills a state dict) keeps what was written and puts the
+        rest back; otherwise the state goes back to before the step, and this raises."""
+        if self.future is not None and self.future.cancel():
+            return  # (not started: it never runs)
         table = self.wait()
-        if table is not None:
+        if table is None:
+            return
+        self.table = None
+        if not table.written_since():
             table.roll_back()
-            self.table = None
+        elif loading:
+            table.roll_back(keep_written=True)  # what was written is the load's
+        else:
+            table.roll_back()
+            _raise_written()
+
+
+def _raise_written() -> None:
+    raise RuntimeError(
+        "optimizer state was written in place (through a tensor read from optimizer.state "
+        "before backward) while its CPU step was taken speculatively during backward "
+        "(OffloadPolicy(speculative=True)): the write cannot come before that step any more. The "
+        "state is as before the step, without the write. Write optimizer state before backward "
+        "or after step(), or set speculative=False"
+    )
 
 
 def _table(chunk: HostChunk, staging: torch.Tensor, kept: list[KeptPiece]) -> KernelTable:
@@ -135,13 +165,20 @@ def settle_speculation(speculation: Speculation, chunk: HostChunk, skips: bool, 
     table = speculation.table
     if table is None:
         raise AssertionError("expected a speculated step to settle")
-    speculation.table = None
-    if skips:
-        table.roll_back()
+    if skips or table.written_since():
+        speculation.roll_back()  # (raises where it was written)
         return "rolled back"
     group = chunk.optimizer.param_groups[0]
-    if table.holds(group, **step):
-        table.commit()
-        return "stood"
-    table.redo(group, **step)
-    return "redone"
+    try:
+        if table.holds(group, **step):
+            table.commit()
+            outcome = "stood"
+        else:
+            table.redo(group, **step)  # (fails before it writes anything, or not at all)
+            outcome = "redone"
+    except BaseException:
+        table.roll_back()  # a failed step leaves the state as before it
+        raise
+    finally:
+        speculation.table = None
+    return outcome

@@ -245,6 +245,11 @@ class StateEdits:
         token = object() if token is None else token
         self._fresh.append(_Copy(weakref.ref(tensor), tensor, tensor._version, write, owner, token))
 
+    @property
+    def pending(self) -> bool:
+        """Whether some copy handed out may have been edited (``apply`` has work to do)."""
+        return bool(self._fresh or self._stale)
+
     def apply(self) -> None:
         """Writes back the copies edited since they were handed out; raises (once per copy)
         where a copy handed out before the last step was edited after it."""

@@ -166,8 +166,9 @@ def _copy_into_params(bucket: Bucket, gathered: torch.Tensor, stream: Any) -> li
     # By position, not by `in`: records compare their tensors (dataclass equality). A param
     # given other memory since (param.data = t, which moves no counter) is a write too.
     written = [
-        s.changed or v != s.version or (s.memory != 0 and m != s.memory)
-        or (s.storage is not None and storage_expired(s.storage.handle))
+        s.changed or v != s.version or (s.memory != 0 and (
+            m != s.memory or (s.storage is not None and storage_expired(s.storage.handle))
+        ))
         for s, v, m in zip(bucket.params, before, memory, strict=True)
     ]  # fmt: skip
     if bucket.shares_counters:  # see [Note: shared version counters] in _aliases.py

@@ -313,8 +313,9 @@ class _Replicas(Kind):
         records = self.sharded
         moved = [
             s for s, local in zip(records, local_tensors(records), strict=True)
-            if local.data_ptr() != s.memory
-            or (s.storage is not None and storage_expired(s.storage.handle))
+            if local.data_ptr() != s.memory or (
+                s.memory != 0 and s.storage is not None and storage_expired(s.storage.handle)
+            )
         ]  # fmt: skip
         if moved:
             check_moved(moved, records)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -249,3 +250,135 @@ def test_the_host_memory_check_counts_the_kept_state(monkeypatch: pytest.MonkeyP
     build(False)
     with pytest.raises(ValueError, match=r"kept by speculative steps.*speculative=False"):
         build(True)
+
+
+def _pair(speculative: bool) -> tuple[list[torch.nn.Parameter], HybridDeviceOptimizer]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+    policy = OffloadPolicy(
+        fraction=1.0,
+        chunk_numel=256,
+        host_staging="per_chunk",
+        speculative=speculative,
+        num_threads=1,
+    )
+    return params, HybridDeviceOptimizer(
+        params, torch.optim.AdamW, policy=policy, lr=1e-2, weight_decay=0.1
+    )
+
+
+def _give(opt: HybridDeviceOptimizer, params: list[torch.nn.Parameter], step: int) -> None:
+    """Grads given early, and (white-box) the worker's speculations run."""
+    gen = torch.Generator().manual_seed(step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.grads_ready({i: p.grad for i, p in enumerate(params)})
+    for each in opt._host._speculations.values():
+        each.wait()
+
+
+def _state(opt: HybridDeviceOptimizer) -> list[torch.Tensor]:
+    state = opt.state_dict()["state"]
+    return [torch.as_tensor(v).clone() for i in sorted(state) for v in state[i].values()]
+
+
+Case = Callable[[list[torch.nn.Parameter], HybridDeviceOptimizer], Any]
+
+
+def _run_both(case: Case) -> list[Any]:
+    if load_cpu_adam() is None:
+        pytest.skip("no C compiler on this machine: no single-pass kernel")
+    return [case(*_pair(speculative)) for speculative in (False, True)]
+
+
+def test_state_written_in_place_during_backward_is_refused_with_the_state_before_the_step() -> None:
+    """A tensor read from optimizer.state before backward, written in place after the grads were
+    given: the write cannot come before the speculated step, so the step raises on every chunk
+    that was written, and the state is as before the step (without the write)."""
+
+    def case(params: list[torch.nn.Parameter], opt: HybridDeviceOptimizer) -> None:
+        _give(opt, params, 0)
+        opt.step()
+        held = opt.state[params[1]]
+        before = _state(opt)
+        _give(opt, params, 1)
+        held["exp_avg"].zero_()
+        if not opt.speculates and not opt._host.speculates:  # (the plain run: torch's order)
+            opt.step()
+            return
+        with pytest.raises(RuntimeError, match=r"written in place .* speculative=False"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(_state(opt), before, strict=True))
+
+    _run_both(case)
+
+
+def test_a_state_dict_filled_in_place_and_loaded_before_the_step_is_loaded() -> None:
+    """dcp.load's way: a state dict taken before backward, filled in place, loaded between
+    backward and the step: the loaded values, as without speculation."""
+
+    def case(params: list[torch.nn.Parameter], opt: HybridDeviceOptimizer) -> list[torch.Tensor]:
+        _give(opt, params, 0)
+        opt.step()
+        state_dict = opt.state_dict()
+        _give(opt, params, 1)
+        state_dict["state"][1]["exp_avg"].fill_(0.5)
+        state_dict["state"][1]["step"].fill_(7.0)
+        opt.load_state_dict(state_dict)
+        opt.step()
+        return [*_state(opt), *(p.detach().clone() for p in params)]
+
+    plain, speculative = _run_both(case)
+    assert all(torch.equal(a, b) for a, b in zip(plain, speculative, strict=True))
+
+
+def test_amsgrad_switched_on_before_the_first_step_steps_as_without_speculation() -> None:
+    def case(params: list[torch.nn.Parameter], opt: HybridDeviceOptimizer) -> list[torch.Tensor]:
+        _give(opt, params, 0)
+        opt.param_groups[0]["amsgrad"] = True  # (read with the step counts: before the first)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the kernel lacks amsgrad: torch's steps it)
+            opt.step()
+        return [*_state(opt), *(p.detach().clone() for p in params)]
+
+    plain, speculative = _run_both(case)
+    assert all(torch.equal(a, b) for a, b in zip(plain, speculative, strict=True))
+
+
+def test_awkward_steps_leave_the_state_as_without_speculation() -> None:
+    """A skipped step at a count past 2**24 (where +1 rounds away); a step that fails (betas[0]
+    = 1: a division by zero), then retried; a step with no grads left, then a read: the same
+    state and params as without speculation."""
+
+    def case(params: list[torch.nn.Parameter], opt: HybridDeviceOptimizer) -> list[torch.Tensor]:
+        _give(opt, params, 0)
+        opt.step()
+        for p in params:
+            opt.state[p]["step"] = torch.tensor(2.0**24)
+        _give(opt, params, 1)
+        opt.step(found_inf=torch.tensor([1.0]))
+        _give(opt, params, 2)
+        opt.param_groups[0]["betas"] = (1.0, 0.999)
+        with pytest.raises(ZeroDivisionError):
+            opt.step()
+        opt.param_groups[0]["betas"] = (0.9, 0.999)
+        opt.step()
+        _give(opt, params, 3)
+        for p in params:
+            p.grad = None
+        opt.step()
+        return [*_state(opt), *(p.detach().clone() for p in params)]
+
+    plain, speculative = _run_both(case)
+    assert all(torch.equal(a, b) for a, b in zip(plain, speculative, strict=True))
+
+
+def test_speculative_where_it_cannot_apply_warns_once() -> None:
+    """Bounded staging copies no grads early: the option warns, and the steps run without it."""
+    if load_cpu_adam() is None:
+        pytest.skip("no C compiler on this machine: no single-pass kernel")
+    params = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+    policy = OffloadPolicy(fraction=1.0, host_staging="bounded", speculative=True)
+    with pytest.warns(RuntimeWarning, match=r"speculative=True\) has no effect here"):
+        opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy)
+    assert not opt.speculates
