@@ -455,9 +455,9 @@ class HostPart:
     def _attach_speculations(self, jobs: Sequence[ChunkJob]) -> None:
         """Hands each speculation the worker started to its chunk's job: settled there where the
         job steps the chunk from the early copy the speculation read, on the kernel, else rolled
-        back before it steps; the worker rolls back those of chunks not stepped. Those not
-        started when the step starts are cancelled: backward is over, and the step's own work
-        goes first."""
+        back on the worker before the job steps; those of chunks not stepped are rolled back
+        here. Those not started when the step starts are cancelled: backward is over, and the
+        step's own work goes first."""
         speculations, self._speculations = self._speculations, {}
         # Those not started yet never run: their chunks step at the step, as without them.
         started = {i: s for i, s in speculations.items() if not s.future.cancel()}

@@ -275,7 +275,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             device=self._reduce_device,
         )
 
-    def sync_hybrid_groups(self) -> None:
+    def _sync_hybrid_groups(self) -> None:
         """The hybrid's groups take the options of this optimizer's (a scheduler's lr)."""
         for group_index, group in enumerate(self._hybrid.param_groups):
             group.update(self._hyperparams(group_index))
@@ -385,7 +385,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         written = self._stale.start()
         if written is None:
             self._stale.check(self.stale_params, agree=True)
-        self.sync_hybrid_groups()
+        self._sync_hybrid_groups()
         self._finalize_grads()
         self._refuse_scaled_grads_changed()
         if self._window_norm is not None and self.kind.grads_marker() != self._clipped_marker:

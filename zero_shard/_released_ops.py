@@ -368,6 +368,8 @@ class EarlyCopies:
     _hybrid: HybridDeviceOptimizer
     _reduced_last: Bucket  # the first bucket: backward reduces it last
     _bucket_indices: list[list[int]]  # per bucket, its shards' param indices in the hybrid
+    _sync_groups: Callable[[], None]  # gives the hybrid the wrapper's group options (its steps
+    #                                   speculated from these grads take them)
 
     def __init__(
         self,

@@ -483,7 +483,7 @@ class ReplicatedKind(_Replicas):
             self.clip = DeferredClip(self.sharded, optimizer._edits, hybrid)
             if hybrid.copies_grads_early:  # else no per-bucket work in backward's hooks
                 early = EarlyCopies(
-                    hybrid, self.buckets, self._bucket_indices, optimizer.sync_hybrid_groups
+                    hybrid, self.buckets, self._bucket_indices, optimizer._sync_hybrid_groups
                 )
         self.reducer = GradReducer(
             self.buckets, self._group, stage=self._stage, device=self._device,
