@@ -24,9 +24,10 @@ the window roll the speculation back first, and go on as without it.
 
 Speculations the worker has not started when the step starts are cancelled: backward is over, so
 the step's own work goes first (the one in progress finishes). A speculation is dropped (rolled
-back, the step then taken as without it) wherever its chunk is not stepped from that early copy: its grads changed or were cleared since (the early copy does not
-serve), its group now asks for what the kernel lacks, or the state is read, edited, loaded or
-reloaded before the step (those see the state before the step, as in torch).
+back, the step then taken as without it) wherever its chunk is not stepped from that early copy:
+its grads changed or were cleared since (the early copy does not serve), its group now asks for
+what the kernel lacks, or the state is read, edited, loaded or reloaded through the optimizer
+before the step (those see the state before the step, as in torch).
 """
 
 from __future__ import annotations

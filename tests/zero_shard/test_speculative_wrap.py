@@ -35,7 +35,9 @@ def case(function):  # type: ignore[no-untyped-def]
     return function
 
 
-def wrapped(model: torch.nn.Module, fraction: float, stage: int, speculative: bool):  # type: ignore[no-untyped-def]
+def wrapped(
+    model: torch.nn.Module, fraction: float, stage: int, speculative: bool
+) -> zero_shard.ZeroShardOptimizer:
     policy = OffloadPolicy(
         fraction=fraction,
         chunk_numel=16,
