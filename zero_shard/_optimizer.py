@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -234,6 +235,15 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         for owner in previous:
             owner._retire()
         handles = self.kind.install(self, overlap=overlap)
+        if self._hybrid.speculates and not self.kind.copies_grads_early:
+            warnings.warn(
+                "OffloadPolicy(speculative=True) has no effect for this model: its CPU steps "
+                "start from grads copied to the host as backward reduces them, which zero-shard "
+                "does for a plain model only (not under DDP or FSDP2). Set speculative=False to "
+                "silence this",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid)
         for sharded in self._sharded:

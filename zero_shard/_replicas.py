@@ -485,6 +485,7 @@ class ReplicatedKind(_Replicas):
                 early = EarlyCopies(
                     hybrid, self.buckets, self._bucket_indices, optimizer._sync_hybrid_groups
                 )
+                self.copies_grads_early = True
         self.reducer = GradReducer(
             self.buckets, self._group, stage=self._stage, device=self._device,
             gatherer=self.gatherer, clip=self.clip, early=early,

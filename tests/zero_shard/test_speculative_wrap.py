@@ -20,6 +20,7 @@ from _models import (
     make_model,
     mse,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 import zero_shard
 from optimizers._cpu_kernel import load_cpu_adam
@@ -98,6 +99,16 @@ def speculated_steps_are_the_steps_bit_for_bit_and_torchs(rank: int, world: int)
         counts = speculative.speculation_counts
         assert counts.stood >= 1 and counts.redone >= 2, (fraction, stage, counts)
         assert speculative.num_skipped_steps == plain.num_skipped_steps == 1
+
+
+@case
+def speculative_on_a_ddp_model_warns_that_it_has_no_effect(rank: int, world: int) -> None:
+    # Under DDP the grads are the model's own: none go to the host while backward runs.
+    if load_cpu_adam() is None:
+        pytest.skip("no C compiler: no single-pass kernel")
+    model = DistributedDataParallel(make_model())
+    with pytest.warns(RuntimeWarning, match=r"speculative=True\) has no effect for this model"):
+        wrapped(model, 1.0, 2, True)
 
 
 @pytest.fixture(scope="module", params=[1, 3], ids=lambda world: f"world{world}")
