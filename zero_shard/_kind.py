@@ -84,7 +84,7 @@ class Kind(Protocol):
     sharded: list[ShardedParam]  # made by build(): one per trainable param, in param-group order
     buckets: list[Bucket]  # made by build(); none where zero-shard communicates nothing
     writes: ReplicaWrites | None  # replicas at more than one rank: they agree on param writes
-    copies_grads_early: bool = False  # set by install(): reduced grads go to the host as
+    copies_grads_early: bool = False  # whether install() hands reduced grads to the host as
     #                                   backward reduces them (the hybrid's grads_ready)
     clip: DeferredClip | None  # made by install(): the clip applied at the step, if it is
 

@@ -199,7 +199,18 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             all_gather=all_gather,
         )  # fmt: skip
         self._sharded = self.kind.sharded
-        self._hybrid = self._make_hybrid(optimizer, checked.policy)
+        policy = checked.policy
+        if policy.speculative and not self.kind.copies_grads_early:
+            warnings.warn(
+                "OffloadPolicy(speculative=True) has no effect for this model: its CPU steps "
+                "start from grads copied to the host as backward reduces them, which zero-shard "
+                "does for a plain model only (not under DDP or FSDP2). Set speculative=False to "
+                "silence this",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            policy = dataclasses.replace(policy, speculative=False)  # (no kept state held)
+        self._hybrid = self._make_hybrid(optimizer, policy)
         self._delay = checked.delay
         self._stale = StaleCheck(self.kind, self._hybrid, device=self._reduce_device)
         self._take_over(optimizer, fqns, previous, overlap=overlap_param_gather)
@@ -235,15 +246,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         for owner in previous:
             owner._retire()
         handles = self.kind.install(self, overlap=overlap)
-        if self._hybrid.speculates and not self.kind.copies_grads_early:
-            warnings.warn(
-                "OffloadPolicy(speculative=True) has no effect for this model: its CPU steps "
-                "start from grads copied to the host as backward reduces them, which zero-shard "
-                "does for a plain model only (not under DDP or FSDP2). Set speculative=False to "
-                "silence this",
-                RuntimeWarning,
-                stacklevel=3,
-            )
         self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid)
         for sharded in self._sharded:

@@ -368,15 +368,16 @@ class EarlyCopies:
     _hybrid: HybridDeviceOptimizer
     _reduced_last: Bucket  # the first bucket: backward reduces it last
     _bucket_indices: list[list[int]]  # per bucket, its shards' param indices in the hybrid
-    _sync_groups: Callable[[], None]  # gives the hybrid the wrapper's group options (its steps
-    #                                   speculated from these grads take them)
+    _sync_groups: Callable[[], None] | None  # gives the hybrid the wrapper's group options
+    #                                          (its steps speculated from these grads take
+    #                                          them); None: the hybrid does not speculate
 
     def __init__(
         self,
         hybrid: HybridDeviceOptimizer,
         buckets: Sequence[Bucket],
         bucket_indices: list[list[int]],
-        sync_groups: Callable[[], None],
+        sync_groups: Callable[[], None] | None,
     ) -> None:
         self._hybrid = hybrid
         self._reduced_last = buckets[0]
@@ -390,8 +391,8 @@ class EarlyCopies:
         (not on CUDA, where the device writes them: [Note: flags written by the device] in
         offload/_flag.py); the worker reads the flags before any chunk."""
         if bucket is not self._reduced_last:
-            if self._hybrid.speculates:  # its steps take the groups' options as they are now
-                self._sync_groups()
+            if self._sync_groups is not None and self._hybrid.speculates:
+                self._sync_groups()  # (no step in flight: the speculation runs now)
             indices = self._bucket_indices[bucket.params[0].bucket]
             params = zip(indices, bucket.params, strict=True)
             self._hybrid.grads_ready({index: s.grad_slot.view(-1) for index, s in params})

@@ -458,6 +458,8 @@ class DDPKind(_Replicas):
 class ReplicatedKind(_Replicas):
     """A plain module on every rank: zero-shard reduces grads and gathers params."""
 
+    copies_grads_early = True
+
     reducer: GradReducer  # made by install()
     _stage: int
     _released_ops: ReleasedGradOps  # torch's clip on the placeholders the reducer leaves
@@ -482,10 +484,9 @@ class ReplicatedKind(_Replicas):
         if hybrid.memory_report().num_host_elements:  # see [Note: clip at the step]
             self.clip = DeferredClip(self.sharded, optimizer._edits, hybrid)
             if hybrid.copies_grads_early:  # else no per-bucket work in backward's hooks
-                early = EarlyCopies(
-                    hybrid, self.buckets, self._bucket_indices, optimizer._sync_hybrid_groups
-                )
-                self.copies_grads_early = True
+                # Steps speculated from the copies take the wrapper's options as they are then.
+                sync = optimizer._sync_hybrid_groups if hybrid.speculates else None
+                early = EarlyCopies(hybrid, self.buckets, self._bucket_indices, sync)
         self.reducer = GradReducer(
             self.buckets, self._group, stage=self._stage, device=self._device,
             gatherer=self.gatherer, clip=self.clip, early=early,
