@@ -22,6 +22,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t wide = (uint32_t)bits << 16;
@@ -91,9 +94,25 @@ struct adam_args {
         }                                                                                     \
     }
 
-/* Kept: as in place, but the state before the step is written to the kept buffers and the
- * weights to their own buffer, so the grads stay in staging (a speculative step: committed as
- * it is, or redone from what was kept). */
+/* The state before the step copied to the kept buffers with streaming stores: they go straight
+ * to memory, not through the cache, so the copy costs its writes alone (no read of the kept
+ * lines first) and the block just read stays in cache for the update that follows. The kept
+ * buffers are read only after the parallel region ends (a fence per copy orders the stores). */
+static inline void stream_copy(float *restrict dst, const float *restrict src, int64_t n) {
+#if defined(__SSE2__)
+    int64_t i = 0;
+    for (; i < n && ((uintptr_t)(dst + i) & 15u) != 0; ++i) dst[i] = src[i];
+    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+    for (; i < n; ++i) dst[i] = src[i];
+    _mm_sfence();
+#else
+    memcpy(dst, src, (size_t)n * sizeof *dst);
+#endif
+}
+
+/* Kept: as in place, but the state before the step is first copied to the kept buffers (block by
+ * block: the update then reads it from cache) and the weights go to their own buffer, so the
+ * grads stay in staging (a speculative step: committed as it is, or redone from what was kept). */
 #define ADAM_RANGE_KEEP(name, grad_t, add_l2, load_grad, store_weight)                         \
     static void name(float *restrict param, float *restrict exp_avg,                          \
                      float *restrict exp_avg_sq, float *restrict kept_param,                  \
@@ -101,12 +120,12 @@ struct adam_args {
                      const grad_t *restrict staging, grad_t *restrict weights, int64_t begin, \
                      int64_t end, struct adam_args a) {                                       \
         ADAM_LOCALS                                                                           \
+        stream_copy(kept_param + begin, param + begin, end - begin);                          \
+        stream_copy(kept_exp_avg + begin, exp_avg + begin, end - begin);                      \
+        stream_copy(kept_exp_avg_sq + begin, exp_avg_sq + begin, end - begin);                \
         for (int64_t i = begin; i < end; ++i) {                                               \
             float grad = (load_grad) * grad_scale;                                            \
             float weight = param[i], m = exp_avg[i], v = exp_avg_sq[i];                       \
-            kept_param[i] = weight;                                                           \
-            kept_exp_avg[i] = m;                                                              \
-            kept_exp_avg_sq[i] = v;                                                           \
             ADAM_UPDATE(add_l2)                                                               \
             param[i] = weight;                                                                \
             exp_avg[i] = m;                                                                   \
