@@ -636,8 +636,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._edits.apply()
         state = record_state(record)
         if len(record.pieces) > 1:
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()  # every piece keeps its own
+            first = record.pieces[0].state
+            for key, value in state.items():
+                # A scalar state (``step``, NAdam's ``mu_product``, ASGD's ``eta``) is the first
+                # piece's own tensor, which its next step moves in place: every piece keeps its
+                # own, so the copy handed out is a copy, as the joined ones are.
+                if torch.is_tensor(value) and value is first.get(key):
+                    state[key] = value.clone()
             for key, value in state.items():
                 if watch and torch.is_tensor(value):
                     self.hand_out(record.param, key, value)

@@ -454,6 +454,25 @@ def test_state_replaced_by_an_empty_dict_starts_afresh_and_other_writes_raise() 
     assert opt.state[torch.zeros(2)] == {}  # not in the optimizer: {} as from torch's defaultdict
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_state_read_after_every_step_and_kept_changes_nothing(case: str) -> None:
+    """A logger reads every param's state after each step and keeps what it read (NAdam's
+    ``mu_product``, ASGD's ``eta`` and ``mu``: a scalar state of a cut param is a copy, which
+    the next step does not take for an edit): torch's trajectory."""
+    cls, kwargs = CASES[case]
+    params = make_params()
+    refs = fp32_copies(params)
+    ref_opt = cls(two_groups(refs, kwargs["lr"]), **torch_kwargs(kwargs, "cpu"))
+    opt = HybridDeviceOptimizer(two_groups(params, kwargs["lr"]), cls, policy=policy(0.5), **kwargs)
+    gen = torch.Generator().manual_seed(1)
+    logged = []
+    for step in range(NUM_STEPS):
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"step {step}")
+        logged.append([dict(opt.state[p]) for p in params])
+    assert_state_matches(opt, ref_opt, params, refs)
+
+
 def test_a_copy_held_across_a_step_and_edited_after_it_raises() -> None:
     params = make_params()
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(0.5), lr=1e-2)
