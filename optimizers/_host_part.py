@@ -74,7 +74,14 @@ from ._group_options import leave_kernel_where_unmet, snapshot_hyperparams
 from ._host_step import ChunkJob, HostStep
 from ._policy import HostStaging, StagingKind
 from ._records import HostChunk, ParamRecord, Piece, flat_param, reload_mains
-from ._speculation import KeptChunks, Speculation, SpeculationCounts, settle_speculation, speculate
+from ._speculation import (
+    KeptChunks,
+    Speculation,
+    SpeculationBackoff,
+    SpeculationCounts,
+    settle_speculation,
+    speculate,
+)
 from ._split import ChunkSpec
 from ._staging import (
     STAGING_SLOTS,
@@ -182,6 +189,8 @@ class HostPart:
     #                           speculation ([Note: speculative host steps] in _speculation.py)
     _speculations: dict[int, Speculation]  # chunk index -> its step speculated since the last
     #                                        step started
+    _backoff: SpeculationBackoff  # whether this step's backward speculates (not right after
+    #                               redone steps)
 
     def __init__(
         self,
@@ -231,6 +240,7 @@ class HostPart:
         pin = pin_memory and device.type != "cpu"
         self.speculation_counts = SpeculationCounts()
         self._speculations = {}
+        self._backoff = SpeculationBackoff()
         self._kept = None
         on_copied = None
         if speculative and kind == "per_chunk" and early_copies:
@@ -395,6 +405,7 @@ class HostPart:
                 with_grads.append((chunk, active))
         jobs = self.staging.make_jobs(with_grads, grads)
         self._attach_speculations(jobs)
+        self._backoff.step_started()
         try:
             step = HostStep(
                 jobs,
@@ -437,6 +448,10 @@ class HostPart:
         """Staging copied the chunk's grads early: the worker steps it now, speculatively, if it
         is on the kernel (see [Note: speculative host steps])."""
         if self._kept is None or chunk.index not in self._kept.kept:
+            return
+        if self._backoff.decided is None and self._unsettled is not None and self._unsettled.done:
+            self.settle()  # (counts the step before: its outcome decides for this one)
+        if not self._backoff.speculates():
             return
         earlier = self._speculations.pop(chunk.index, None)
         if earlier is not None and not earlier.future.cancel():
@@ -550,10 +565,14 @@ class HostPart:
                 self._count_speculations(step.speculations())
 
     def _count_speculations(self, outcomes: list[str]) -> None:
-        if outcomes and all(outcome == "stood" for outcome in outcomes):
+        if not outcomes:
+            return
+        stood = all(outcome == "stood" for outcome in outcomes)
+        if stood:
             self.speculation_counts.stood += 1
-        elif outcomes:
+        else:
             self.speculation_counts.redone += 1
+        self._backoff.settled(stood=stood)
 
 
 def _roll_back_all(speculations: Iterable[Speculation], *, loading: bool = False) -> None:

@@ -43,7 +43,14 @@ from offload import HostBufferRequest, HostBuffers, wait_event
 from ._cpu_kernel import KeptPiece, KernelPiece, KernelTable, unmet_option
 from ._records import HostChunk
 
-__all__ = ["KeptChunks", "Speculation", "SpeculationCounts", "settle_speculation", "speculate"]
+__all__ = [
+    "KeptChunks",
+    "Speculation",
+    "SpeculationBackoff",
+    "SpeculationCounts",
+    "settle_speculation",
+    "speculate",
+]
 
 
 @dataclass
@@ -53,6 +60,35 @@ class SpeculationCounts:
 
     stood: int = 0  # every speculated chunk's step stood as it was
     redone: int = 0  # some chunk was redone (a clip, a new lr) or rolled back (a skipped step)
+
+
+@dataclass
+class SpeculationBackoff:
+    """Whether this step's backward speculates: not for a while after a redone step (a redone
+    step costs more than one taken once, at the step). After 1, 2, 3, ... redone steps in a row
+    the next 1, 3, 7, ... steps (at most 63) take their CPU share at the step only; a speculated
+    step that stands ends the streak. A run whose every step is clipped, or changes its lr, so
+    tries once in 64 steps at worst; one whose steps stand speculates at every step."""
+
+    skip: int = 0  # steps still to take without speculating
+    streak: int = 0  # speculated steps redone in a row
+    decided: bool | None = None  # whether this step's backward speculates; None: not yet asked
+    max_skip: int = 63  # (0: speculate at every step)
+
+    def speculates(self) -> bool:
+        """Asked at each early copy: the first of a step decides for the step."""
+        if self.decided is None:
+            self.decided = self.skip == 0
+            self.skip = max(self.skip - 1, 0)
+        return self.decided
+
+    def step_started(self) -> None:
+        self.decided = None
+
+    def settled(self, *, stood: bool) -> None:
+        """A speculated step settled: every chunk's speculation stood, or not."""
+        self.streak = 0 if stood else self.streak + 1
+        self.skip = min(2**self.streak - 1, self.max_skip)
 
 
 class KeptChunks:

@@ -94,19 +94,23 @@ struct adam_args {
         }                                                                                     \
     }
 
-/* The state before the step copied to the kept buffers with streaming stores: they go straight
- * to memory, not through the cache, so the copy costs its writes alone (no read of the kept
- * lines first) and the block just read stays in cache for the update that follows. The kept
- * buffers are read only after the parallel region ends (a fence per copy orders the stores). */
+/* Streaming stores go straight to memory, not through the cache: a buffer written in full costs
+ * its writes alone (no read of its lines first), and the lines just read stay in cache. Each range
+ * that streams ends with stream_fence(); the buffers are read only after the parallel region. */
 static inline void stream_copy(float *restrict dst, const float *restrict src, int64_t n) {
 #if defined(__SSE2__)
     int64_t i = 0;
     for (; i < n && ((uintptr_t)(dst + i) & 15u) != 0; ++i) dst[i] = src[i];
     for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
     for (; i < n; ++i) dst[i] = src[i];
-    _mm_sfence();
 #else
     memcpy(dst, src, (size_t)n * sizeof *dst);
+#endif
+}
+
+static inline void stream_fence(void) {
+#if defined(__SSE2__)
+    _mm_sfence();
 #endif
 }
 
@@ -123,6 +127,7 @@ static inline void stream_copy(float *restrict dst, const float *restrict src, i
         stream_copy(kept_param + begin, param + begin, end - begin);                          \
         stream_copy(kept_exp_avg + begin, exp_avg + begin, end - begin);                      \
         stream_copy(kept_exp_avg_sq + begin, exp_avg_sq + begin, end - begin);                \
+        stream_fence();                                                                       \
         for (int64_t i = begin; i < end; ++i) {                                               \
             float grad = (load_grad) * grad_scale;                                            \
             float weight = param[i], m = exp_avg[i], v = exp_avg_sq[i];                       \
@@ -135,7 +140,9 @@ static inline void stream_copy(float *restrict dst, const float *restrict src, i
     }
 
 /* From kept: the step taken from the kept state (the state before a speculative step) into the
- * live one, the weights to their own buffer. */
+ * live one, the weights to their own buffer. The live state is written whole, so it is streamed
+ * out from a tile small enough for the first-level cache (no read of its lines first). */
+#define FROM_TILE 512
 #define ADAM_RANGE_FROM(name, grad_t, add_l2, load_grad, store_weight)                         \
     static void name(float *restrict param, float *restrict exp_avg,                          \
                      float *restrict exp_avg_sq, const float *restrict kept_param,            \
@@ -143,15 +150,23 @@ static inline void stream_copy(float *restrict dst, const float *restrict src, i
                      const grad_t *restrict staging, grad_t *restrict weights, int64_t begin, \
                      int64_t end, struct adam_args a) {                                       \
         ADAM_LOCALS                                                                           \
-        for (int64_t i = begin; i < end; ++i) {                                               \
-            float grad = (load_grad) * grad_scale;                                            \
-            float weight = kept_param[i], m = kept_exp_avg[i], v = kept_exp_avg_sq[i];        \
-            ADAM_UPDATE(add_l2)                                                               \
-            param[i] = weight;                                                                \
-            exp_avg[i] = m;                                                                   \
-            exp_avg_sq[i] = v;                                                                \
-            store_weight;                                                                     \
+        float tile_param[FROM_TILE], tile_exp_avg[FROM_TILE], tile_exp_avg_sq[FROM_TILE];     \
+        for (int64_t first = begin; first < end; first += FROM_TILE) {                        \
+            const int64_t last = first + FROM_TILE < end ? first + FROM_TILE : end;           \
+            for (int64_t i = first; i < last; ++i) {                                          \
+                float grad = (load_grad) * grad_scale;                                        \
+                float weight = kept_param[i], m = kept_exp_avg[i], v = kept_exp_avg_sq[i];    \
+                ADAM_UPDATE(add_l2)                                                           \
+                tile_param[i - first] = weight;                                               \
+                tile_exp_avg[i - first] = m;                                                  \
+                tile_exp_avg_sq[i - first] = v;                                               \
+                store_weight;                                                                 \
+            }                                                                                 \
+            stream_copy(param + first, tile_param, last - first);                             \
+            stream_copy(exp_avg + first, tile_exp_avg, last - first);                         \
+            stream_copy(exp_avg_sq + first, tile_exp_avg_sq, last - first);                   \
         }                                                                                     \
+        stream_fence();                                                                       \
     }
 
 #define LOAD_BF16 bf16_to_float(staging[i])

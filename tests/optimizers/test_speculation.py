@@ -72,6 +72,7 @@ def train(
         num_threads=1,
     )
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2, weight_decay=0.1)
+    opt._host._backoff.max_skip = 0  # white-box: every step speculates, redone or not
     trajectory = []
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)
@@ -120,6 +121,45 @@ def test_speculated_steps_are_the_steps_bit_for_bit(dtype: torch.dtype, fraction
     # before the step (not counted): 6, 7.
     stood = 5 if fraction == 1.0 else 4
     assert opt.speculation_counts == SpeculationCounts(stood=stood, redone=3)
+
+
+def test_redone_steps_back_off_and_a_step_that_stands_ends_it() -> None:
+    """Steps 0-7 clipped (a speculation redone), 8 on not: after 1, 2 and 3 redone steps in a row
+    the next 1, 3 and 7 steps are not speculated (0, 2, 6 and 14 are); 14 stands and 15 is
+    speculated again. The same bits as without speculation every step."""
+    if load_cpu_adam() is None:
+        pytest.skip("no C compiler on this machine: no single-pass kernel")
+    runs = []
+    for speculative in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+        policy = OffloadPolicy(
+            fraction=1.0,
+            chunk_numel=256,
+            host_staging="per_chunk",
+            speculative=speculative,
+            num_threads=1,
+        )
+        opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
+        trajectory, speculated = [], []
+        for step in range(16):
+            gen = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.grads_ready({i: p.grad for i, p in enumerate(params)})
+            if opt._host._speculations:  # white-box: which steps speculate, run before the step
+                speculated.append(step)
+            for each in opt._host._speculations.values():
+                each.wait()
+            opt.step(grad_factor=torch.tensor(0.37) if step < 8 else None)
+            trajectory.append([p.detach().clone() for p in params])
+        runs.append((trajectory, speculated, opt))
+    (plain, _, _), (got, speculated, opt) = runs
+    for step, (want, have) in enumerate(zip(plain, got, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(want, have, strict=True)), f"step {step}"
+    assert speculated == [0, 2, 6, 14, 15]
+    opt.state_dict()  # (settles step 15)
+    assert opt.speculation_counts == SpeculationCounts(stood=2, redone=3)
 
 
 def test_speculations_not_started_when_the_step_starts_are_cancelled(
@@ -262,9 +302,9 @@ def _pair(speculative: bool) -> tuple[list[torch.nn.Parameter], HybridDeviceOpti
         speculative=speculative,
         num_threads=1,
     )
-    return params, HybridDeviceOptimizer(
-        params, torch.optim.AdamW, policy=policy, lr=1e-2, weight_decay=0.1
-    )
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2, weight_decay=0.1)
+    opt._host._backoff.max_skip = 0  # white-box: every step speculates, redone or not
+    return params, opt
 
 
 def _give(opt: HybridDeviceOptimizer, params: list[torch.nn.Parameter], step: int) -> None:
