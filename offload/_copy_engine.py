@@ -41,8 +41,7 @@ def copy_async(
     agree; a dtype cast belongs on the host side (see docs/design.md: few bytes on the wire).
     """
     if stream is None:
-        for pair in pairs:
-            pair.dst.copy_(pair.src)
+        _copy_all(pairs, non_blocking=False)
         return None
     for event in after:
         wait_for_event(stream, event)
@@ -55,13 +54,25 @@ def _copy_on(stream: Stream, pairs: Sequence[CopyPair]) -> None:
     """Queues the copies on ``stream`` (current). Each device tensor records the stream, so that
     the caller may drop it at once: the allocator reuses its memory only after the copy."""
     on_device: dict[int, torch.Tensor] = {}  # one tensor per device allocation
+    _copy_all(pairs, non_blocking=True)
     for pair in pairs:
-        pair.dst.copy_(pair.src, non_blocking=True)
         for tensor in pair:
             if tensor.device.type != "cpu":
                 on_device.setdefault(tensor.untyped_storage().data_ptr(), tensor)
     for tensor in on_device.values():
         tensor.record_stream(stream)
+
+
+def _copy_all(pairs: Sequence[CopyPair], *, non_blocking: bool) -> None:
+    """One call for all the copies (a chunk of many small params holds a pair each): the
+    dispatch and the release of the GIL, which a busy worker thread may hold for a while before
+    handing it back, once, not once a pair."""
+    if len(pairs) == 1:
+        pairs[0].dst.copy_(pairs[0].src, non_blocking=non_blocking)
+    elif pairs:
+        torch._foreach_copy_(
+            [pair.dst for pair in pairs], [pair.src for pair in pairs], non_blocking=non_blocking
+        )
 
 
 class CopyEngine:
