@@ -59,6 +59,56 @@ from ._speculation import Speculation
 __all__ = ["ChunkJob", "HostStep"]
 
 
+def grad_copies(
+    staging: torch.Tensor, pieces: Sequence[Piece], grads: Sequence[torch.Tensor]
+) -> list[CopyPair]:
+    """The copies of each piece's elements of its param's flat grad (``grads``, in the order of
+    ``pieces``) into its place in the chunk's ``staging``. Pieces whose elements lie back to
+    back in one grad buffer and in staging go in one copy: a bucket's reduced grads are one
+    buffer, so a chunk of many small params is copied by a few copies, not one a param, each a
+    dispatch on the host."""
+    pairs = []
+    first: torch.Tensor | None = None  # the grad the copy in progress starts in
+    first_storage = first_at = first_offset = length = 0
+    for piece, grad in zip(pieces, grads, strict=True):
+        numel = piece.spec.numel
+        if numel == 0 or piece.offset is None:
+            continue
+        if grad.dim() != 1 or grad.stride(0) != 1:
+            pairs.append(CopyPair(piece.in_chunk(staging), piece.of_param(grad)))
+            continue
+        storage = grad.untyped_storage()._cdata
+        at = grad.storage_offset() + piece.spec.start  # (elements of the grad's storage)
+        if (
+            first is not None
+            and storage == first_storage
+            and grad.dtype == first.dtype
+            and at == first_at + length
+            and piece.offset == first_offset + length
+        ):
+            length += numel
+            continue
+        if first is not None:
+            pairs.append(_run_copy(staging, first, first_at, first_offset, length))
+        first, first_storage, first_at, first_offset, length = (
+            grad,
+            storage,
+            at,
+            piece.offset,
+            numel,
+        )
+    if first is not None:
+        pairs.append(_run_copy(staging, first, first_at, first_offset, length))
+    return pairs
+
+
+def _run_copy(
+    staging: torch.Tensor, grad: torch.Tensor, at: int, offset: int, length: int
+) -> CopyPair:
+    """``length`` elements of ``grad``'s storage from element ``at`` into ``staging[offset:]``."""
+    return CopyPair(staging.narrow(0, offset, length), grad.as_strided((length,), (1,), at))
+
+
 @dataclass
 class ChunkJob:
     """One chunk's part of a step: its staging buffer, copies and CPU step."""
@@ -210,10 +260,8 @@ class HostStep:
         (``d2h_queued``) also when it failed."""
         try:
             with phase("zero_shard::d2h"):
-                pairs = [
-                    CopyPair(job.staging_of(piece), piece.of_param(grad))
-                    for grad, (_, piece) in zip(job.grads, job.active, strict=True)
-                ]
+                pieces = [piece for _, piece in job.active]
+                pairs = grad_copies(job.staging, pieces, job.grads)
                 job.d2h_done = self._engine.d2h(pairs, after=after)
         except BaseException as err:
             job.d2h_error = err

@@ -35,7 +35,6 @@ import torch
 
 from offload import (
     CopyEngine,
-    CopyPair,
     HostBufferRequest,
     HostBuffers,
     available_after,
@@ -47,7 +46,7 @@ from offload import (
 )
 
 from ._early import EarlyCopy, GradIdentity
-from ._host_step import ChunkJob, HostStep
+from ._host_step import ChunkJob, HostStep, grad_copies
 from ._policy import StagingKind
 from ._records import HostChunk, ParamRecord, Piece
 from ._split import ChunkSpec
@@ -308,10 +307,9 @@ class PerChunkStaging(Staging):
     def _copy_early(self, chunk: HostChunk, after: Any, previous: HostStep | None) -> None:
         staging = self.view(chunk.index, chunk.spec)
         given = {record.index: self._early_grads[record.index] for record, _ in chunk.pieces}
-        pairs = [
-            CopyPair(piece.in_chunk(staging), piece.of_param(given[record.index]))
-            for record, piece in chunk.pieces
-        ]
+        pairs = grad_copies(
+            staging, [piece for _, piece in chunk.pieces], [given[r.index] for r, _ in chunk.pieces]
+        )
         # Once the last step's H2D out of the buffer is done: its weights have left.
         h2d_before = None if previous is None else previous.h2d_event_of(chunk.index)
         with phase("zero_shard::d2h"):
