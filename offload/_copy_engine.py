@@ -63,10 +63,13 @@ def _copy_on(stream: Stream, pairs: Sequence[CopyPair]) -> None:
         tensor.record_stream(stream)
 
 
+@torch.no_grad()
 def _copy_all(pairs: Sequence[CopyPair], *, non_blocking: bool) -> None:
     """One call for all the copies (a chunk of many small params holds a pair each): the
     dispatch and the release of the GIL, which a busy worker thread may hold for a while before
-    handing it back, once, not once a pair."""
+    handing it back, once, not once a pair. Without grad mode: no copy is part of a graph (a
+    copier thread runs with grad mode on, and grads made by ``create_graph=True`` require
+    grad)."""
     if len(pairs) == 1:
         pairs[0].dst.copy_(pairs[0].src, non_blocking=non_blocking)
     elif pairs:

@@ -331,7 +331,8 @@ class HostPart:
 
     @property
     def speculates(self) -> bool:
-        """Whether chunks are stepped speculatively as their grads are copied early."""
+        """Whether chunks are stepped speculatively as their grads are copied early (but for
+        the steps after redone ones: see ``SpeculationBackoff``)."""
         return self._kept is not None
 
     @property
@@ -390,6 +391,7 @@ class HostPart:
         chunk's D2H waits for its own below); ``None`` on the CPU. ``delayed``: the step is a
         delayed update's (its weights reach the params at the next step)."""
         start_event = grads_final
+        self._backoff.step_started()  # (the next backward decides anew)
         self.settle()
         previous = self._last_step
         # Before any chunk is handed to the worker: see [Note: group options at launch].
@@ -405,7 +407,6 @@ class HostPart:
                 with_grads.append((chunk, active))
         jobs = self.staging.make_jobs(with_grads, grads)
         self._attach_speculations(jobs)
-        self._backoff.step_started()
         try:
             step = HostStep(
                 jobs,

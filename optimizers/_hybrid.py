@@ -537,14 +537,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @property
     def speculates(self) -> bool:
-        """Whether :meth:`grads_ready` steps the chunks it copies now, speculatively (see
-        ``OffloadPolicy.speculative``): no step is in flight."""
+        """Whether :meth:`grads_ready` may step the chunks it copies now, speculatively (see
+        ``OffloadPolicy.speculative``; not in the steps after redone ones): no step is in
+        flight."""
         return self._host.speculates and self._host.pending is None
 
     @property
     def speculation_counts(self) -> SpeculationCounts:
         """Steps whose CPU share was speculated during backward, by outcome (see
-        ``OffloadPolicy.speculative``); the step in flight is counted once the next one starts."""
+        ``OffloadPolicy.speculative``); a step is counted once it is settled: at the next
+        backward's first early copy of a chunk, or when the next step starts."""
         return self._host.speculation_counts
 
     @property
