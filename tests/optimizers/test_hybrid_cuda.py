@@ -173,7 +173,8 @@ def test_no_race_on_a_staging_buffer_taken_again() -> None:
 def test_no_race_where_landed_chunks_merge(monkeypatch: pytest.MonkeyPatch) -> None:
     """Six layers, a chunk each, a buffer per chunk. Before each step the grads of every layer but
     layer 3 are given to ``grads_ready`` and their copies land; at the step, layer 3's are copied
-    behind ~10 ms of sleep. The worker must step the landed chunks around it together (see
+    behind ~50 ms of sleep (the worker's decision to merge, long before that, may still take
+    10 ms in a busy process). The worker must step the landed chunks around it together (see
     [Note: merged kernel calls]), but not layer 3's, whose staging holds the last step's weights
     until its copy lands: the main weights must follow a CPU AdamW fed the same grads.
     tests/optimizers/race_sensitivity.py shows that merging it anyway makes this test fail.
@@ -199,7 +200,7 @@ def test_no_race_where_landed_chunks_merge(monkeypatch: pytest.MonkeyPatch) -> N
         torch.cuda.synchronize()  # the early copies have landed
         grads = [p.grad.detach().clone() for p in params]
         calls.clear()
-        with late_copies("cpu"):
+        with late_copies("cpu", cycles=100_000_000):
             opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
