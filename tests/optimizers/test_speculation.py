@@ -131,16 +131,7 @@ def test_redone_steps_back_off_and_a_step_that_stands_ends_it() -> None:
         pytest.skip("no C compiler on this machine: no single-pass kernel")
     runs = []
     for speculative in (False, True):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
-        policy = OffloadPolicy(
-            fraction=1.0,
-            chunk_numel=256,
-            host_staging="per_chunk",
-            speculative=speculative,
-            num_threads=1,
-        )
-        opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
+        params, opt = _pair(speculative, back_off=True)
         trajectory, speculated = [], []
         for step in range(16):
             gen = torch.Generator().manual_seed(step)
@@ -292,7 +283,10 @@ def test_the_host_memory_check_counts_the_kept_state(monkeypatch: pytest.MonkeyP
         build(True)
 
 
-def _pair(speculative: bool) -> tuple[list[torch.nn.Parameter], HybridDeviceOptimizer]:
+def _pair(
+    speculative: bool, *, back_off: bool = False
+) -> tuple[list[torch.nn.Parameter], HybridDeviceOptimizer]:
+    """``back_off``: as it is by default, speculating not at every step after redone ones."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
     policy = OffloadPolicy(
@@ -303,7 +297,8 @@ def _pair(speculative: bool) -> tuple[list[torch.nn.Parameter], HybridDeviceOpti
         num_threads=1,
     )
     opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2, weight_decay=0.1)
-    opt._host._backoff.max_skip = 0  # white-box: every step speculates, redone or not
+    if not back_off:
+        opt._host._backoff.max_skip = 0  # white-box: every step speculates, redone or not
     return params, opt
 
 
