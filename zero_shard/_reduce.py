@@ -595,6 +595,7 @@ def _clear_slots(bucket: Bucket, cleared: list[bool]) -> None:
         if clear:
             sharded.grad_slot.zero_()
             flags[position].zero_()
+            torch.autograd.graph.increment_version(sharded.grad_slot)  # (as above)
 
 
 def _flags_before(bucket: Bucket) -> torch.Tensor | FlagsBefore:
@@ -643,6 +644,10 @@ def _clear_after_reduction(bucket: Bucket) -> tuple[list[bool], bool]:
             dropped[position] = True
         else:
             sharded.grad_slot.zero_()
+            # (Inside a placeholder's dispatch this zero moves no version counter: the early
+            # host copy of the grads before it would be taken to serve. A view shares its base's
+            # counter: the bucket's other early copies are made again too.)
+            torch.autograd.graph.increment_version(sharded.grad_slot)
             sharded.watch.release()  # zeros from now on, as the param's .grad in torch
     if any(dropped):
         _clear_slots(bucket, dropped)

@@ -350,6 +350,60 @@ def torch_one_by_one_clip_finalizes_once_and_defers_one_factor(rank: int, world:
         opt.zero_grad()
 
 
+class _Layers(nn.Module):
+    """Params in two groups over several buckets and host chunks: a 0-dim scale, a layer never
+    used, a layer without a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.inp = nn.Linear(15, 7)
+        self.never = nn.Linear(7, 1)
+        self.mid = nn.Linear(7, 5)
+        self.extra = nn.Linear(5, 5, bias=False)
+        self.out = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.mid(torch.tanh(self.inp(x)))
+        return self.out(y + self.extra(y)) * self.scale
+
+
+@case
+def a_grad_zeroed_after_backward_then_clipped_steps_zeros(rank: int, world: int) -> None:
+    # One layer's grad dropped for a step in place (p.grad.zero_(), p.grad.data.zero_()), then
+    # torch's clip, a logged norm or another grad scaled by hand: the zero reaches the step. Its
+    # grads were copied to the host as backward reduced them; those copies do not serve.
+    for fraction, zero, then in (
+        (0.5, "zero", "clip"),
+        (1.0, "data", "norm"),
+        (1.0, "zero", "mul"),
+    ):
+        model, ref = (_Layers() for _ in range(2))
+        opt = zero_shard.wrap(
+            adamw(model), model, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+        )
+        ref_opt = adamw(ref)
+        for step in range(3):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            mse(ref(x), y).backward()
+            for net in (model, ref):
+                grad = net.mid.weight.grad
+                (grad.data if zero == "data" else grad).zero_()
+                if then == "clip":
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
+                elif then == "norm":
+                    float(sum(p.grad.norm() for p in net.parameters() if p.grad is not None))
+                else:
+                    net.out.weight.grad.mul_(0.5)
+            for optimizer in (opt, ref_opt):
+                optimizer.step()
+                optimizer.zero_grad()
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f"fraction {fraction}, {zero}, {then}, step {step}")
+
+
 @case
 def grads_read_and_scaled_through_data_and_detach_as_in_torch(rank: int, world: int) -> None:
     # Logging's p.grad.data.norm(2) and p.grad.detach().norm(), a hand-made clip through .data,
