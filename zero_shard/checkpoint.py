@@ -43,7 +43,7 @@ import pickle
 import random
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -492,6 +492,7 @@ def _load_plan(
         for key, param_state in state["optim"]["state"].items():
             if f"optim.state.{key}.main_param" not in saved:
                 param_state.pop("main_param", None)
+        _leave_out_params_saved_without_state(saved, state["optim"])
         if isinstance(optimizer, ZeroShardOptimizer):
             records = optimizer._sharded
             position = {fqn: index for index, fqn in enumerate(f for g in group_fqns for f in g)}
@@ -519,6 +520,23 @@ def _load_plan(
             )
         state["scheduler"] = b""  # filled by DCP
     return _LoadPlan(resolved, metadata, state, group_fqns, numbered)
+
+
+def _leave_out_params_saved_without_state(saved: Mapping[str, Any], optim: dict[str, Any]) -> None:
+    """A param that had no optimizer state when the checkpoint was saved (frozen then, or given
+    no grad yet) loads none: torch's ``load_state_dict`` leaves such a param without state, and
+    its next step starts it afresh. Only where every param the checkpoint holds state for is one
+    of this optimizer's: otherwise the checkpoint is of another model, which the checks say."""
+    names = {
+        flat.removeprefix("optim.state.").rsplit(".", 1)[0]
+        for flat in saved
+        if flat.startswith("optim.state.")
+    }
+    held = {str(key) for key in optim["state"]}
+    if not names <= held:
+        return
+    for key in [key for key in optim["state"] if str(key) not in names]:
+        del optim["state"][key]
 
 
 def _loaded_optim_state(

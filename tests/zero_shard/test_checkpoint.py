@@ -19,7 +19,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _harness import check_outcome, run_cases
-from _models import PARAM_TOL, adamw, global_batch, local_slice, make_model, mse, step_reference
+from _models import (
+    PARAM_TOL,
+    adamw,
+    assert_params_close,
+    global_batch,
+    local_slice,
+    make_model,
+    mse,
+    step_reference,
+)
 from torch.distributed.tensor import DTensor
 
 import zero_shard
@@ -355,6 +364,48 @@ def a_fresh_wrapper_loads_a_torch_optimizers_checkpoint(rank: int, world: int) -
         torch.testing.assert_close(param.detach(), expected.detach(), **PARAM_TOL, msg=name)
 
 
+def a_param_frozen_when_saved_loads_no_state_as_in_torch(rank: int, world: int) -> None:
+    # Fine-tuning in phases: `inp` frozen (still in the optimizer's groups) while the rest
+    # trains, saved; then unfrozen, and the checkpoint loaded into an optimizer that has taken a
+    # step already. `inp` had no state when saved: it loads none and starts afresh, as torch's
+    # load_state_dict leaves it, against torch AdamW on the whole batch.
+    model, ref = make_model(), make_model()
+    for net in (model, ref):
+        net.inp.requires_grad_(False)
+    opt, ref_opt = zero_shard.wrap(adamw(model), model, offload=policy(0.5)), adamw(ref)
+    for step in range(2):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        step_reference(ref, ref_opt, x, y)
+    path = folder() / "frozen_when_saved"
+    zero_shard.checkpoint.save(path, model=model, optimizer=opt)
+    saved = ref_opt.state_dict()
+    resumed, resumed_opt = build(fraction=0.5, seed=1)
+    ref_opt = adamw(ref)
+    for net in (resumed, ref):
+        net.inp.requires_grad_(True)
+    for net, optimizer in ((resumed, resumed_opt), (ref, ref_opt)):  # a step, then the load
+        x, y = global_batch(9)
+        mse(net(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    ref.load_state_dict(model.state_dict())
+    ref_opt.load_state_dict(saved)
+    zero_shard.checkpoint.load(path, model=resumed, optimizer=resumed_opt)
+    assert not ref_opt.state[ref.inp.weight]
+    assert int(resumed_opt.state[resumed.inp.weight]["step"]) == 0
+    for step in range(2, 5):
+        x, y = global_batch(step)
+        mse(resumed(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        resumed_opt.step()
+        resumed_opt.zero_grad()
+        step_reference(ref, ref_opt, x, y)
+    resumed_opt.finish_param_sync()
+    assert_params_close(resumed, ref, "unfrozen after the load")
+
+
 def build_with(make_optimizer, after_wrap, *, seed: int):  # type: ignore[no-untyped-def]
     model = make_model(seed=seed)
     opt = zero_shard.wrap(make_optimizer(model), model, offload=policy(0.5),
@@ -399,6 +450,9 @@ CASES_BY_WORLD = {
         ),
         "a_scheduler_saved_with_the_checkpoint_resumes_its_schedule": (
             a_scheduler_saved_with_the_checkpoint_resumes_its_schedule
+        ),
+        "a_param_frozen_when_saved_loads_no_state_as_in_torch": (
+            a_param_frozen_when_saved_loads_no_state_as_in_torch
         ),
     },
     1: {"resume_in_one_process": resume_in_one_process},
