@@ -98,6 +98,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         offload_fraction: share of elements on the CPU, in [0, 1]; default 0. Shorthand for
             ``policy=OffloadPolicy(fraction=...)``.
         policy: full offload settings (pinning, threads, chunk size, accelerator kernel).
+        need_order: every param index over all param groups (as in ``state_dict()``), in the
+            order the forward needs the params (a model's order); default, index order. The CPU
+            takes the last params of this order (their grads come first in backward, and their
+            weights are needed last), and steps their chunks in it. Param groups that list the
+            norms of every layer apart put the first layers' norms last in index order: pass
+            the model's order then.
         **optimizer_kwargs: ``optimizer_cls``'s constructor arguments (lr, betas, weight_decay,
             initial_accumulator_value...). The sub-optimizers of both devices are built with them,
             so the trajectory is ``optimizer_cls``'s. Implementation flags (``foreach``,
@@ -142,6 +148,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         *,
         offload_fraction: float | None = None,
         policy: OffloadPolicy | None = None,
+        need_order: Sequence[int] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         check_elementwise(optimizer_cls)
@@ -164,6 +171,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         defaults = optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults
         super().__init__(params, defaults)
         check_impl_flags(self.param_groups)
+        self._need_order = self._checked_order(need_order)
         self._build()
         self._groups_at_build = GroupsAtBuild(self.param_groups)
         self._record_by_param = {record.param: record for record in self._records}
@@ -268,10 +276,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             check_param(record.param, record.index, device)
         trainable = [record for record in records if record.param.requires_grad]
         policy, delay, spec = self.policy, self._delay, self._optimizer_spec
+        place = {index: position for position, index in enumerate(self._need_order)}
         split = plan_split(
             [ParamInfo(r.param.numel(), r.group_index, r.param.dtype) for r in trainable],
             policy.fraction,
             policy.chunk_numel,
+            order=sorted(range(len(trainable)), key=lambda t: place[trainable[t].index]),
         )
         state_keys = [probe_state_keys(spec, group) for group in self.param_groups]
         threads = self._thread_budget(split, device)
@@ -416,25 +426,33 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         The accelerator's share is stepped on the current stream; the CPU's share on the worker
         thread, chunk by chunk in ``need_order`` (every param index over all param groups, as in
-        ``state_dict()``, in the order the new weights will be needed; default: index order).
-        The returned :class:`HostStep` completes it, from any thread: ``wait_for(indices)`` once
-        those params are needed, ``wait()`` for all; each makes the current stream see the new
-        weights (a stream wait; the host goes on). ``step``, ``state_dict``, ``load_state_dict``,
-        ``reload_model_params`` and ``param_state`` complete it first. The CPU share's params must
-        not be read (no forward) before their chunks are completed, nor the grads written (no
-        backward) before the whole step is. ``grad_scale``, ``found_inf`` and ``grad_factor`` are
-        as for :meth:`step`. With ``OffloadPolicy(delayed_update=True)`` past its warm-up the
+        ``state_dict()``, in the order the new weights will be needed; default: the
+        constructor's). The returned :class:`HostStep` completes it, from any thread:
+        ``wait_for(indices)`` once those params are needed, ``wait()`` for all; each makes the
+        current stream see the new weights (a stream wait; the host goes on). ``step``,
+        ``state_dict``, ``load_state_dict``, ``reload_model_params`` and ``param_state`` complete
+        it first. The CPU share's params must not be read (no forward) before their chunks are
+        completed, nor the grads written (no backward) before the whole step is.
+        ``grad_scale``, ``found_inf`` and ``grad_factor`` are as for :meth:`step`. With ``OffloadPolicy(delayed_update=True)`` past its warm-up the
         step's ``delayed`` is True: its weights are for the next step, which completes it.
         See [Note: deferred host step] in ``optimizers/_host_step.py``.
         """
+        if need_order is not None:
+            need_order = self._checked_order(need_order)
+        return self._launch(
+            grad_scale, found_inf, grad_factor, need_order=need_order or self._need_order
+        )
+
+    def _checked_order(self, need_order: Sequence[int] | None) -> list[int]:
+        num_params = sum(len(group["params"]) for group in self.param_groups)
         if need_order is None:
-            need_order = range(len(self._records))
-        elif sorted(need_order) != list(range(len(self._records))):
+            return list(range(num_params))
+        if sorted(need_order) != list(range(num_params)):
             raise ValueError(
-                f"need_order must hold every param index 0..{len(self._records) - 1} once, got "
+                f"need_order must hold every param index 0..{num_params - 1} once, got "
                 f"{list(need_order)[:10]}{' ...' if len(need_order) > 10 else ''}"
             )
-        return self._launch(grad_scale, found_inf, grad_factor, need_order=need_order)
+        return list(need_order)
 
     def _launch(
         self,

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["BucketLayout", "ShardSpec", "plan_buckets", "shard_spec"]
+__all__ = ["BucketLayout", "ShardSpec", "offload_start", "plan_buckets", "shard_spec"]
 
 _ALIGN_BYTES = 128  # each shard starts on this boundary inside a segment (vector loads, NCCL)
 
@@ -125,6 +125,8 @@ def plan_buckets(
     world_size: int,
     bucket_bytes: int,
     units: Sequence[int] | None = None,
+    *,
+    cut: int | None = None,
 ) -> list[BucketLayout]:
     """Packs parameters, in order, into buckets of at most ``bucket_bytes`` (unsharded, padded).
 
@@ -132,7 +134,8 @@ def plan_buckets(
     ``units`` (one per parameter, equal for consecutive parameters of one unit) keeps units
     whole: a unit that does not fit in what is left of a bucket starts a new one, and a unit
     spread over several buckets shares none of them with the next unit. So a bucket holds whole
-    units, or a part of one (see [Note: units] in ``_units.py``).
+    units, or a part of one (see [Note: units] in ``_units.py``). Parameter ``cut`` starts a
+    bucket whatever the sizes (``offload_start``).
     """
     if bucket_bytes < 1:
         raise AssertionError(f"expected a positive bucket size, got {bucket_bytes}")
@@ -158,7 +161,7 @@ def plan_buckets(
         unit_starts = units is None or index == 0 or units[index] != units[index - 1]
         if indices:
             grown = (used + size) * world_size * param_dtype.itemsize
-            split = param_dtype != dtype or grown > bucket_bytes
+            split = param_dtype != dtype or grown > bucket_bytes or index == cut
             if unit_starts and units is not None and not split:
                 # A unit that does not fit whole starts a bucket; so does the unit after a unit
                 # that was spread over buckets.
@@ -174,6 +177,28 @@ def plan_buckets(
         used += size
     close()
     return buckets
+
+
+def offload_start(numels: Sequence[int], fraction: float) -> int | None:
+    """The first of the parameters (in bucket order) that the CPU takes elements of, at offload
+    ``fraction`` of their elements (taken from the end, as the hybrid optimizer's split does);
+    ``None`` where it takes none, or all.
+
+    A bucket starts there: the buckets before it are stepped on the accelerator alone, so the
+    next forward's first units need not wait for the CPU step; and the CPU's share has buckets
+    of its own, whose grads are final (and copied to the host) while backward goes on. The
+    hybrid splits each rank's shards, not the whole parameters, so on some ranks the CPU's share
+    may start a parameter off; the buckets must be the same on every rank.
+    """
+    total = sum(numels)
+    remaining = min(total, math.floor(fraction * total + 0.5))
+    if remaining in (0, total):
+        return None
+    for index in reversed(range(len(numels))):
+        remaining -= numels[index]
+        if remaining <= 0:
+            return index if index > 0 else None
+    raise AssertionError(f"expected the CPU's share within {total} elements, got {fraction}")
 
 
 def _unit_bytes(

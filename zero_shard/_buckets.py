@@ -11,7 +11,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
+from ._bucket_layout import BucketLayout, ShardSpec, offload_start, plan_buckets, shard_spec
 from ._collectives import RowCopies, plan_row_copies
 from ._released import GradWatch, check_unconverted
 from ._tp import StateLayout, dtensor_layout, local_tensor, placements_over, rows_layout
@@ -370,11 +370,12 @@ def build_buckets(
     joint: DeviceMesh | None,
     bucket_bytes: int,
     units: Sequence[int] | None = None,
+    offload_fraction: float = 0.0,
 ) -> tuple[list[ShardedParam], list[Bucket]]:
     """Shards ``params`` (replicated over the 1-D ``mesh``; tensor-parallel ones by their local
     tensors, their state on the ``joint`` mesh: see [Note: tensor parallelism under zero-shard's
     sharding]) by rows and packs them into buckets, keeping ``units`` whole as ``plan_buckets``
-    does.
+    does; a bucket starts where the CPU's share of ``offload_fraction`` does (``offload_start``).
 
     Each shard is filled with this rank's rows of its parameter; no bucket holds grads yet.
     """
@@ -383,7 +384,9 @@ def build_buckets(
     rank, world_size = 0 if mesh.size() == 1 else mesh.get_local_rank(), mesh.size()
     locals_ = [local_tensor(p) for p in params]
     specs = [shard_spec(local.shape, rank, world_size) for local in locals_]
-    layouts = plan_buckets(specs, [p.dtype for p in params], world_size, bucket_bytes, units)
+    dtypes = [p.dtype for p in params]
+    cut = offload_start([local.numel() for local in locals_], offload_fraction)
+    layouts = plan_buckets(specs, dtypes, world_size, bucket_bytes, units, cut=cut)
     sharded: list[ShardedParam] = [None] * len(params)  # type: ignore[list-item]
     buckets = []
     for bucket_index, layout in enumerate(layouts):

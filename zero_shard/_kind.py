@@ -103,7 +103,7 @@ class Kind(Protocol):
     # Then the shards (collective), and the hooks once the optimizer's hybrid exists.
     def build(self, trainable: list[Trainable], units: list[tuple[str, nn.Module]], *,
               device: torch.device, reduce_device: torch.device, stage: int, bucket_mb: float,
-              all_gather: AllGather | None) -> None: ...  # fmt: skip
+              offload_fraction: float, all_gather: AllGather | None) -> None: ...  # fmt: skip
     def install(self, optimizer: ZeroShardOptimizer, *, overlap: bool) -> list[Any]: ...
 
     # Each step. finalize_grads: each shard's .grad is its reduced grad (reduce=False: with no

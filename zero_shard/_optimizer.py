@@ -193,13 +193,13 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._end_window()
         self._share_param_groups(optimizer, fqns)
         self._device = checked.trainable[0][0].device
+        policy = checked.policy
         self.kind.build(
             checked.trainable, checked.units, device=self._device,
             reduce_device=self._reduce_device, stage=stage, bucket_mb=bucket_mb,
-            all_gather=all_gather,
+            offload_fraction=policy.fraction, all_gather=all_gather,
         )  # fmt: skip
         self._sharded = self.kind.sharded
-        policy = checked.policy
         if policy.speculative and not self.kind.copies_grads_early:
             warnings.warn(
                 "OffloadPolicy(speculative=True) has no effect for this model: its CPU steps "
@@ -281,7 +281,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         # Host memory differs between hosts: a rank that cannot hold its share fails all ranks.
         return on_every_rank(
             lambda: HybridDeviceOptimizer(
-                shard_groups, type(optimizer), policy=policy, **constructor_defaults(optimizer)
+                shard_groups,
+                type(optimizer),
+                policy=policy,
+                need_order=self.kind.need_order,
+                **constructor_defaults(optimizer),
             ),
             mesh=self._meshes.verdict_mesh,
             device=self._reduce_device,
@@ -415,7 +419,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                 grad_scale=self._grad_scale,
                 found_inf=found_inf,
                 grad_factor=grad_factor,
-                need_order=self.kind.need_order,
             )
             if clip is not None and grad_factor is not None:
                 clip.read_by(host_step)

@@ -242,6 +242,7 @@ class _Replicas(Kind):
         reduce_device: torch.device,
         stage: int,
         bucket_mb: float,
+        offload_fraction: float,
         all_gather: AllGather | None,
     ) -> None:
         # Replicas agree on the params written at each step: at one rank there is nothing to agree.
@@ -265,6 +266,7 @@ class _Replicas(Kind):
             joint=self.meshes.joint,
             bucket_bytes=int(bucket_mb * (1 << 20)),
             units=[owner[id(p)] for p, _, _ in ordered],
+            offload_fraction=offload_fraction,
         )
         record_of = {id(record.param): record for record in sharded}
         self.sharded = [record_of[id(p)] for p, _, _ in trainable]

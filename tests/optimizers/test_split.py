@@ -59,3 +59,24 @@ def test_params_smaller_than_a_chunk_are_not_cut() -> None:
     layout = plan_split(params, 1.0, 25)
     assert [len(c.pieces) for c in layout.host_chunks] == [2, 2, 1]
     assert all(p.numel == 10 for c in layout.host_chunks for p in c.pieces)
+
+
+def test_the_cpu_takes_the_end_of_the_order_and_packs_each_group_in_it() -> None:
+    # Two groups listed apart (weights, then the norms of every layer), as weight-decay groups
+    # are; the model's order interleaves them: layer 0 (params 0, 3), layer 1 (1, 4), layer 2
+    # (2, 5).
+    params = [ParamInfo(40, 0, BF16)] * 3 + [ParamInfo(4, 1, BF16)] * 3
+    order = [0, 3, 1, 4, 2, 5]
+    by_index = plan_split(params, 0.5, 64)  # 66 of 132 elements from the end of index order
+    assert {p.param_index for c in by_index.host_chunks for p in c.pieces} == {1, 2, 3, 4, 5}
+    layout = plan_split(params, 0.5, 64, order=order)
+    host = [[(p.param_index, p.start, p.numel) for p in c.pieces] for c in layout.host_chunks]
+    # Layer 2 whole, layer 1's norm and the last 18 elements of its weight: 44 + 4 + 18.
+    assert host == [[(1, 22, 18), (2, 0, 40)], [(4, 0, 4), (5, 0, 4)]]
+    assert {p.param_index for p in layout.device_pieces} == {0, 1, 3}
+    assert all(count == 1 for row in covered(layout, params) for count in row)
+    # Small chunks: a group's pieces fill its chunks in the order, chunks by first piece.
+    small = plan_split(params, 1.0, 40, order=order)
+    firsts = [c.pieces[0].param_index for c in small.host_chunks]
+    assert firsts == [0, 3, 1, 2]  # group 1's three norms fit one chunk of 40
+    assert [len(c.pieces) for c in small.host_chunks] == [1, 3, 1, 1]

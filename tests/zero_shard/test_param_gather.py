@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import zero_shard
+from optimizers import _host_part
 from zero_shard import OffloadPolicy, _gather
 
 CASES = {}
@@ -631,6 +632,82 @@ def a_submodule_called_on_its_own_waits_for_its_params(rank: int, world: int) ->
         return mse(model.head(model.norm(h)), y)
 
     train_against_torch(rank, world, TiedFunctional, bucket_mb=ONE_PER_BUCKET, loss_fn=loss)
+
+
+def decay_groups(model: nn.Module) -> list[dict[str, Any]]:
+    # As users group them: the norms and biases of every layer in a group of their own.
+    return [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+@contextlib.contextmanager
+def cpu_steps_held() -> Any:
+    """Every CPU chunk step waits until the event yielded is set (for at most a minute)."""
+    held = threading.Event()
+    step_chunk = _host_part._step_chunk
+
+    def step_when_released(*args: Any, **kwargs: Any) -> Any:
+        if not held.wait(timeout=60):
+            raise AssertionError("the CPU step was held for a minute")
+        return step_chunk(*args, **kwargs)
+
+    _host_part._step_chunk = step_when_released
+    try:
+        yield held
+    finally:
+        _host_part._step_chunk = step_chunk
+
+
+@case
+def the_first_layers_run_while_the_cpu_steps_the_last(rank: int, world: int) -> None:
+    # At fraction 0.5 the CPU takes the last two of four layers whole (not the norms of every
+    # layer, which the optimizer's groups list after the weights), and the next forward's first
+    # two layers run while the CPU step is held; training follows torch's.
+    def build() -> nn.Module:
+        layer = nn.TransformerEncoderLayer(DIM, 2, 16, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+
+    torch.manual_seed(0)
+    model = build()
+    torch.manual_seed(0)
+    ref = build()
+    opt = zero_shard.wrap(
+        torch.optim.AdamW(decay_groups(model), lr=LR, eps=EPS),
+        model,
+        offload=OffloadPolicy(fraction=0.5, num_threads=1),
+    )
+    ref_opt = torch.optim.AdamW(decay_groups(ref), lr=LR, eps=EPS)
+    for step in range(STEPS):
+        x, y = batch(step)
+        local_x = local_slice(x, rank, world)
+        loss = mse(model(local_x), local_slice(y, rank, world))
+        assert_params_close(model, ref, f"step {step}")
+        loss.backward()
+        with cpu_steps_held() as held:
+            opt.step()
+            ran = threading.Event()
+            first = threading.Thread(target=lambda: (model.layers[1](model.layers[0](local_x)),
+                                                     ran.set()))  # fmt: skip
+            first.start()
+            ran_held = ran.wait(timeout=20)
+            held.set()
+            first.join()
+        assert ran_held, f"step {step}: the first layers waited for the CPU step of the last"
+        opt.zero_grad()
+        ref_loss = mse(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean_loss = mean_over_ranks(loss) if world > 1 else loss.detach()
+        torch.testing.assert_close(mean_loss, ref_loss.detach(), **LOSS_TOL)
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "the end")
+
+
+def test_one_process_runs_the_first_layers_while_the_cpu_steps_the_last() -> None:
+    the_first_layers_run_while_the_cpu_steps_the_last(0, 1)  # no process group
 
 
 @case

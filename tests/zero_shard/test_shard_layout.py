@@ -9,7 +9,13 @@ import pickle
 import pytest
 import torch
 
-from zero_shard._bucket_layout import BucketLayout, ShardSpec, plan_buckets, shard_spec
+from zero_shard._bucket_layout import (
+    BucketLayout,
+    ShardSpec,
+    offload_start,
+    plan_buckets,
+    shard_spec,
+)
 from zero_shard._buckets import StorageRef, _norm_runs
 
 # Private free functions, unit-tested: the public API shows neither the layout nor the packing.
@@ -82,6 +88,26 @@ def test_buckets_keep_order_split_by_size_and_dtype() -> None:
     assert buckets[0].offsets == (0, 32)
     assert all(b.dtype == torch.bfloat16 for b in buckets[-1:])
     assert buckets[0].segment_numel == buckets[0].shard_numel + 2
+
+
+def test_a_bucket_starts_where_the_offloaded_share_does() -> None:
+    numels = [100, 30, 50, 20]  # 200 elements; the CPU takes from the end
+    assert offload_start(numels, 0.0) is None  # nothing offloaded
+    assert offload_start(numels, 1.0) is None  # all: one share, no boundary
+    assert offload_start(numels, 0.1) == 3  # 20 elements: the last param whole
+    assert offload_start(numels, 0.11) == 2  # 22: two of the one before
+    assert offload_start(numels, 0.35) == 2  # 70: the last two whole
+    assert offload_start(numels, 0.9) is None  # the first param: no cut needed
+    world = 2
+    specs = [shard_spec((n,), 0, world) for n in numels]
+    units = [0, 1, 1, 2]
+    cut = offload_start(numels, 0.11)
+    buckets = plan_buckets(specs, [torch.float32] * 4, world, 1 << 20, units, cut=cut)
+    # A bucket starts at the cut, inside unit 1; the unit after it starts one of its own.
+    assert [b.param_indices for b in buckets] == [(0, 1), (2,), (3,)]
+    assert [b.param_indices for b in plan_buckets(specs, [torch.float32] * 4, world, 1 << 20)] == [
+        (0, 1, 2, 3)
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
