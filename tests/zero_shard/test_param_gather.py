@@ -660,6 +660,11 @@ def cpu_steps_held() -> Any:
         _host_part._step_chunk = step_chunk
 
 
+def run_first_layers(model: nn.Module, x: torch.Tensor, ran: threading.Event) -> None:
+    model.layers[1](model.layers[0](x))
+    ran.set()
+
+
 @case
 def the_first_layers_run_while_the_cpu_steps_the_last(rank: int, world: int) -> None:
     # At fraction 0.5 the CPU takes the last two of four layers whole (not the norms of every
@@ -688,8 +693,7 @@ def the_first_layers_run_while_the_cpu_steps_the_last(rank: int, world: int) -> 
         with cpu_steps_held() as held:
             opt.step()
             ran = threading.Event()
-            first = threading.Thread(target=lambda: (model.layers[1](model.layers[0](local_x)),
-                                                     ran.set()))  # fmt: skip
+            first = threading.Thread(target=run_first_layers, args=(model, local_x, ran))
             first.start()
             ran_held = ran.wait(timeout=20)
             held.set()
