@@ -418,6 +418,14 @@ def check_saved_optimizer(path: Path, saved: dict[str, Any], optim_state: dict[s
             f"has {len(optim_state['param_groups'])}: it was saved from another model or another "
             "param-group setup"
         )
+    for index, group in enumerate(optim_state["param_groups"]):
+        lacking = sorted(o for o in group if f"optim.param_groups.{index}.{o}" not in saved)
+        if lacking:
+            raise ValueError(
+                f"the checkpoint at {path} has no option {lacking} in param group {index}, which "
+                f"this optimizer's groups have: it was saved by another optimizer class (or "
+                "another torch version's). Load it into an optimizer of the class that saved it"
+            )
     for fqn, param_state in optim_state["state"].items():
         for key, value in param_state.items():
             flat = f"optim.state.{fqn}.{key}"

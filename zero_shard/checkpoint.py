@@ -493,6 +493,7 @@ def _load_plan(
             if f"optim.state.{key}.main_param" not in saved:
                 param_state.pop("main_param", None)
         _leave_out_params_saved_without_state(saved, state["optim"])
+        _leave_out_state_of_options_saved_off(saved, state["optim"])
         if isinstance(optimizer, ZeroShardOptimizer):
             records = optimizer._sharded
             position = {fqn: index for index, fqn in enumerate(f for g in group_fqns for f in g)}
@@ -537,6 +538,33 @@ def _leave_out_params_saved_without_state(saved: Mapping[str, Any], optim: dict[
         return
     for key in [key for key in optim["state"] if str(key) not in names]:
         del optim["state"][key]
+
+
+def _leave_out_state_of_options_saved_off(saved: Mapping[str, Any], optim: dict[str, Any]) -> None:
+    """State that this optimizer makes under an option the checkpoint was saved without (AdamW's
+    ``max_exp_avg_sq`` under ``amsgrad=True``) loads none: the saved param groups' options
+    replace this optimizer's, as torch's ``load_state_dict`` does, and they make no such state.
+    Only where the checkpoint holds that state for no param, every other state it holds is of
+    this optimizer's kinds, and its param groups name every option this optimizer's do (the same
+    class): otherwise the checks refuse it."""
+    options = {
+        key.split(".", 3)[3]
+        for key in saved
+        if key.startswith("optim.param_groups.") and key.count(".") >= 3
+    }
+    if not {option for group in optim["param_groups"] for option in group} <= options:
+        return
+    saved_kinds = {
+        flat.rsplit(".", 1)[1]
+        for flat in saved
+        if flat.startswith("optim.state.") and not flat.endswith(".main_param")
+    }
+    kinds = {key for entry in optim["state"].values() for key in entry if key != "main_param"}
+    if not saved_kinds or not saved_kinds <= kinds:
+        return
+    for entry in optim["state"].values():
+        for key in kinds - saved_kinds:
+            entry.pop(key, None)
 
 
 def _loaded_optim_state(

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _harness import check_outcome, run_cases
 from _models import (
+    LR,
     PARAM_TOL,
     adamw,
     assert_params_close,
@@ -27,6 +28,7 @@ from _models import (
     local_slice,
     make_model,
     mse,
+    param_groups,
     step_reference,
 )
 from torch.distributed.tensor import DTensor
@@ -399,6 +401,38 @@ def a_param_frozen_when_saved_loads_no_state_as_in_torch(rank: int, world: int) 
     assert_params_close(resumed, ref, "unfrozen after the load")
 
 
+def saved_without_amsgrad_loads_into_amsgrad_as_in_torch(rank: int, world: int) -> None:
+    # A checkpoint of AdamW without amsgrad, loaded into an optimizer built with amsgrad=True:
+    # the saved options replace the new ones (amsgrad off), as torch's load_state_dict does, and
+    # training goes on as torch's.
+    model, ref = make_model(), make_model()
+    opt, ref_opt = zero_shard.wrap(adamw(model), model, offload=policy(0.5)), adamw(ref)
+    train(model, opt, rank, world, range(2))
+    for step in range(2):
+        step_reference(ref, ref_opt, *global_batch(step))
+    path = folder() / "without_amsgrad"
+    zero_shard.checkpoint.save(path, model=model, optimizer=opt)
+    resumed = make_model(seed=1)
+    amsgrad = torch.optim.AdamW(param_groups(resumed), lr=LR, amsgrad=True)
+    resumed_opt = zero_shard.wrap(amsgrad, resumed, offload=policy(0.5))
+    saved, ref_opt = ref_opt.state_dict(), torch.optim.AdamW(param_groups(ref), amsgrad=True)
+    ref_opt.load_state_dict(saved)
+    zero_shard.checkpoint.load(path, model=resumed, optimizer=resumed_opt)
+    assert [g["amsgrad"] for g in resumed_opt.param_groups] == [False, False]
+    assert "max_exp_avg_sq" not in resumed_opt.state[resumed.inp.weight]
+    train(resumed, resumed_opt, rank, world, range(2, 5))
+    for step in range(2, 5):
+        step_reference(ref, ref_opt, *global_batch(step))
+    assert_params_close(resumed, ref, "resumed without amsgrad")
+    # NAdam's options are not the checkpoint's: refused as another class (nothing left out).
+    nadam = torch.optim.NAdam(param_groups(resumed), lr=LR)
+    nadam_opt = zero_shard.wrap(nadam, resumed, offload=policy(0.5))
+    with pytest.raises(
+        ValueError, match=r"no option \['momentum_decay'\].*another optimizer class"
+    ):
+        zero_shard.checkpoint.load(path, model=resumed, optimizer=nadam_opt)
+
+
 def build_with(make_optimizer, after_wrap, *, seed: int):  # type: ignore[no-untyped-def]
     model = make_model(seed=seed)
     opt = zero_shard.wrap(make_optimizer(model), model, offload=policy(0.5),
@@ -446,6 +480,9 @@ CASES_BY_WORLD = {
         ),
         "a_param_frozen_when_saved_loads_no_state_as_in_torch": (
             a_param_frozen_when_saved_loads_no_state_as_in_torch
+        ),
+        "saved_without_amsgrad_loads_into_amsgrad_as_in_torch": (
+            saved_without_amsgrad_loads_into_amsgrad_as_in_torch
         ),
     },
     1: {"resume_in_one_process": resume_in_one_process},
