@@ -67,46 +67,63 @@ def grad_copies(
     back in one grad buffer and in staging go in one copy: a bucket's reduced grads are one
     buffer, so a chunk of many small params is copied by a few copies, not one a param, each a
     dispatch on the host."""
-    pairs = []
-    first: torch.Tensor | None = None  # the grad the copy in progress starts in
+    return [CopyPair(host, flat) for host, flat in _runs(staging, pieces, grads)]
+
+
+def weight_copies(
+    weights: torch.Tensor, pieces: Sequence[Piece], params: Sequence[torch.Tensor]
+) -> list[CopyPair]:
+    """The copies of each piece's new weights, in the chunk's ``weights`` buffer, into its
+    param (``params``: the flat params, in the order of ``pieces``); merged as ``grad_copies``
+    merges, where the params are one buffer (the shards of a bucket at more than one rank)."""
+    return [CopyPair(flat, host) for host, flat in _runs(weights, pieces, params)]
+
+
+def _runs(
+    host: torch.Tensor, pieces: Sequence[Piece], flats: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(a run of ``host``, the same elements of ``flats``) for each run of pieces back to back
+    in both: in the chunk's ``host`` buffer and in the storage of their 1-D ``flats``."""
+    runs = []
+    first: torch.Tensor | None = None  # the flat the run in progress starts in
     first_storage = first_at = first_offset = length = 0
-    for piece, grad in zip(pieces, grads, strict=True):
+    for piece, flat in zip(pieces, flats, strict=True):
         numel = piece.spec.numel
         if numel == 0 or piece.offset is None:
             continue
-        if grad.dim() != 1 or grad.stride(0) != 1:
-            pairs.append(CopyPair(piece.in_chunk(staging), piece.of_param(grad)))
+        if flat.dim() != 1 or flat.stride(0) != 1:
+            runs.append((piece.in_chunk(host), piece.of_param(flat)))
             continue
-        storage = grad.untyped_storage()._cdata
-        at = grad.storage_offset() + piece.spec.start  # (elements of the grad's storage)
+        storage = flat.untyped_storage()._cdata
+        at = flat.storage_offset() + piece.spec.start  # (elements of the flat's storage)
         if (
             first is not None
             and storage == first_storage
-            and grad.dtype == first.dtype
+            and flat.dtype == first.dtype
             and at == first_at + length
             and piece.offset == first_offset + length
         ):
             length += numel
             continue
         if first is not None:
-            pairs.append(_run_copy(staging, first, first_at, first_offset, length))
+            runs.append(_run(host, first, first_at, first_offset, length))
         first, first_storage, first_at, first_offset, length = (
-            grad,
+            flat,
             storage,
             at,
             piece.offset,
             numel,
         )
     if first is not None:
-        pairs.append(_run_copy(staging, first, first_at, first_offset, length))
-    return pairs
+        runs.append(_run(host, first, first_at, first_offset, length))
+    return runs
 
 
-def _run_copy(
-    staging: torch.Tensor, grad: torch.Tensor, at: int, offset: int, length: int
-) -> CopyPair:
-    """``length`` elements of ``grad``'s storage from element ``at`` into ``staging[offset:]``."""
-    return CopyPair(staging.narrow(0, offset, length), grad.as_strided((length,), (1,), at))
+def _run(
+    host: torch.Tensor, flat: torch.Tensor, at: int, offset: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``host[offset:]`` and ``length`` elements of ``flat``'s storage from element ``at``."""
+    return host.narrow(0, offset, length), flat.as_strided((length,), (1,), at)
 
 
 @dataclass
@@ -141,9 +158,9 @@ class ChunkJob:
     def staging_of(self, piece: Piece) -> torch.Tensor:
         return piece.in_chunk(self.staging)
 
-    def weights_of(self, piece: Piece) -> torch.Tensor:
-        """Where the piece's new weights are once the job stepped."""
-        return piece.in_chunk(self.staging if self.weights is None else self.weights)
+    def weights_buffer(self) -> torch.Tensor:
+        """Where the chunk's new weights are once the job stepped (1-D, the chunk's numel)."""
+        return self.staging if self.weights is None else self.weights
 
     def landed(self) -> bool:
         """Whether the job's grads were copied and are on the host now (no wait)."""
@@ -273,10 +290,9 @@ class HostStep:
     def queue_h2d(self, job: ChunkJob) -> None:
         """Queues the job's new weights (from its staging buffer, or their own buffer) into the
         params, behind the events the writes wait for."""
-        pairs = [
-            CopyPair(piece.of_param(flat_param(record.param)), job.weights_of(piece))
-            for record, piece in job.active
-        ]
+        pieces = [piece for _, piece in job.active]
+        params = [flat_param(record.param) for record, _ in job.active]
+        pairs = weight_copies(job.weights_buffer(), pieces, params)
         with self._writes_lock:
             after = list(self._writes_after)
         with phase("zero_shard::h2d"):

@@ -34,6 +34,7 @@ DTensor of shape ``()``. Global norms count it on the mesh's first rank.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -127,6 +128,7 @@ def plan_buckets(
     units: Sequence[int] | None = None,
     *,
     cut: int | None = None,
+    groups: Sequence[int] | None = None,
 ) -> list[BucketLayout]:
     """Packs parameters, in order, into buckets of at most ``bucket_bytes`` (unsharded, padded).
 
@@ -135,7 +137,10 @@ def plan_buckets(
     whole: a unit that does not fit in what is left of a bucket starts a new one, and a unit
     spread over several buckets shares none of them with the next unit. So a bucket holds whole
     units, or a part of one (see [Note: units] in ``_units.py``). Parameter ``cut`` starts a
-    bucket whatever the sizes (``offload_start``).
+    bucket whatever the sizes (``offload_start``). Inside a bucket the parameters go by
+    ``groups`` (their param groups), in order within each: the pieces of one CPU chunk (one
+    param group) then lie back to back in the bucket's buffers and move in a few copies, not one
+    a param, between the norms and biases of a group of their own.
     """
     if bucket_bytes < 1:
         raise AssertionError(f"expected a positive bucket size, got {bucket_bytes}")
@@ -143,19 +148,21 @@ def plan_buckets(
     unit_bytes = _unit_bytes(sizes, dtypes, world_size, units)
     buckets: list[BucketLayout] = []
     indices: list[int] = []
-    offsets: list[int] = []
     used = 0  # aligned elements of one segment so far
     dtype: torch.dtype | None = None
     mid_unit = False  # the open bucket began inside a unit that started in an earlier bucket
 
     def close() -> None:
-        if indices:
-            replicated = tuple(
-                offset
-                for index, offset in zip(indices, offsets, strict=True)
-                if specs[index].replicated
-            )
-            buckets.append(BucketLayout(tuple(indices), tuple(offsets), used, dtype, replicated))
+        if not indices:
+            return
+        members = indices if groups is None else sorted(indices, key=lambda i: groups[i])
+        offsets = list(itertools.accumulate((sizes[i] for i in members[:-1]), initial=0))
+        replicated = tuple(
+            offset
+            for index, offset in zip(members, offsets, strict=True)
+            if specs[index].replicated
+        )
+        buckets.append(BucketLayout(tuple(members), tuple(offsets), used, dtype, replicated))
 
     for index, (size, param_dtype) in enumerate(zip(sizes, dtypes, strict=True)):
         unit_starts = units is None or index == 0 or units[index] != units[index - 1]
@@ -169,11 +176,10 @@ def plan_buckets(
                 split = mid_unit or held + unit_bytes[index] > bucket_bytes
             if split:
                 close()
-                indices, offsets, used = [], [], 0
+                indices, used = [], 0
                 mid_unit = not unit_starts
         dtype = param_dtype
         indices.append(index)
-        offsets.append(used)
         used += size
     close()
     return buckets

@@ -386,7 +386,9 @@ def build_buckets(
     specs = [shard_spec(local.shape, rank, world_size) for local in locals_]
     dtypes = [p.dtype for p in params]
     cut = offload_start([local.numel() for local in locals_], offload_fraction)
-    layouts = plan_buckets(specs, dtypes, world_size, bucket_bytes, units, cut=cut)
+    layouts = plan_buckets(
+        specs, dtypes, world_size, bucket_bytes, units, cut=cut, groups=group_indices
+    )
     sharded: list[ShardedParam] = [None] * len(params)  # type: ignore[list-item]
     buckets = []
     for bucket_index, layout in enumerate(layouts):

@@ -1,13 +1,14 @@
-"""The grads' copies into a chunk's staging (``grad_copies`` in optimizers/_host_step.py): pieces
-whose grads lie back to back in one buffer go in one copy, and staging ends as the copies piece
-by piece leave it, whatever the layout."""
+"""The grads' copies into a chunk's staging and the new weights' copies into the params
+(``grad_copies`` and ``weight_copies`` in optimizers/_host_step.py): pieces whose grads (params)
+lie back to back in one buffer go in one copy, and staging (the params) end as the copies piece
+by piece leave them, whatever the layout."""
 
 from __future__ import annotations
 
 import torch
 
 from offload import CopyPair
-from optimizers._host_step import grad_copies
+from optimizers._host_step import grad_copies, weight_copies
 from optimizers._records import Piece
 from optimizers._split import PieceSpec
 
@@ -82,3 +83,25 @@ def test_a_piece_cut_at_its_start_continues_the_run_of_the_one_before() -> None:
     pairs = grad_copies(staging, late, grads)
     _apply(pairs)
     assert len(pairs) == 2 and torch.equal(staging, torch.cat([buffer[:16], buffer[28:48]]))
+
+
+def test_weights_go_back_into_shards_of_one_buffer_in_one_copy_and_elsewhere_piece_by_piece() -> (
+    None
+):
+    shards = torch.zeros(64)  # a bucket's shard buffer: three params' shards, a gap of 4
+    params = [shards[0:10], shards[10:30], shards[34:50], torch.zeros(8)]  # the last its own
+    pieces = _pieces([10, 15, 16, 8], [0, 5, 0, 0])  # the second's tail from element 5
+    weights = torch.randn(sum(p.spec.numel for p in pieces))
+    pairs = weight_copies(weights, pieces, params)
+    assert len(pairs) == 4  # a cut start, a gap and another buffer each end a run
+    _apply(pairs)
+    want = [torch.zeros(64), torch.zeros(8)]
+    params_want = [want[0][0:10], want[0][10:30], want[0][34:50], want[1]]
+    for piece, param in zip(pieces, params_want, strict=True):
+        piece.of_param(param).copy_(piece.in_chunk(weights))
+    assert torch.equal(shards, want[0]) and torch.equal(params[3], want[1])
+    whole = _pieces([10, 20, 4], [0, 0, 0])  # back to back in both: one copy
+    weights = torch.randn(34)
+    pairs = weight_copies(weights, whole, [shards[0:10], shards[10:30], shards[30:34]])
+    _apply(pairs)
+    assert len(pairs) == 1 and torch.equal(shards[:34], weights)
