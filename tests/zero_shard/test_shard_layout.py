@@ -110,6 +110,19 @@ def test_a_bucket_starts_where_the_offloaded_share_does() -> None:
     ]
 
 
+def test_a_bucket_holds_its_params_by_param_group() -> None:
+    world = 2
+    specs = [shard_spec((n,), 0, world) for n in [64, 4, 64, 4, 64, 4]]  # weight, norm, ...
+    groups = [0, 1, 0, 1, 0, 1]
+    buckets = plan_buckets(specs, [torch.float32] * 6, world, 1 << 20, groups=groups)
+    assert [b.param_indices for b in buckets] == [(0, 2, 4, 1, 3, 5)]
+    # Each shard (32 of 64 elements; 2 of 4, padded to 32 to align) right after the one before.
+    assert buckets[0].offsets == (0, 32, 64, 96, 128, 160)
+    # Buckets are cut by size in the params' order first, then ordered inside.
+    small = plan_buckets(specs, [torch.float32] * 6, world, 1100, groups=groups)
+    assert [b.param_indices for b in small] == [(0, 2, 1, 3), (4, 5)]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_pack_and_unpack_round_trip(world: int) -> None:
     shapes = [(7, 15), (3,), (2, 5), (5, 0), (0, 4)]
