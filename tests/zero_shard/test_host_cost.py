@@ -13,7 +13,9 @@ of ``L`` and of ``2 L`` blocks in one bucket, bf16. What grows with the params i
 - backward: the two autograd hooks of each param and the reduction's ``take`` / ``release``;
   beyond torch's own ops, one aten op per param at most (a grad's slot in the buffer): the
   reduction packs a bucket of real models' shapes with one chunked copy, not a cut per param;
-- forward: the wait hook of each module.
+- forward: the wait hook of each module;
+- at fraction 0.5, the copies of the CPU's share to the host and back: a few a chunk (one param
+  group), not one a param (at one rank, the new weights go into separate params: a copy each).
 
 A per-param call or op added to a step makes the larger model's count exceed these.
 """
@@ -169,6 +171,50 @@ def _count(num_blocks: int) -> tuple[dict[str, int], int, int, int, int, int]:
     return per_step, ops.count // NUM_STEPS, listed, added_ops, num_params, num_modules
 
 
+def _copies(num_blocks: int) -> tuple[int, int]:
+    """Per step at fraction 0.5, weight decay on the matrices only (two param groups, as users
+    train): the copies of grads to the host and of new weights back, as issued (one a run of
+    pieces back to back)."""
+    import zero_shard
+    from optimizers import _host_step, _staging
+
+    model = _model(num_blocks)
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = zero_shard.wrap(
+        torch.optim.AdamW(groups, lr=1e-2),
+        model,
+        offload=zero_shard.OffloadPolicy(fraction=0.5, num_threads=1, host_staging="per_chunk"),
+    )
+    counts = collections.Counter()
+
+    def counted(function: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def count(*args: Any) -> Any:
+            pairs = function(*args)
+            counts[name] += len(pairs) if counts["on"] else 0
+            return pairs
+
+        return count
+
+    grad_copies, weight_copies = _host_step.grad_copies, _host_step.weight_copies
+    _host_step.grad_copies = _staging.grad_copies = counted(grad_copies, "to host")
+    _host_step.weight_copies = counted(weight_copies, "from host")
+    try:
+        x = _input()
+        for step in range(2 + NUM_STEPS):
+            counts["on"] = step >= 2
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish_param_sync()
+    finally:
+        _host_step.grad_copies = _staging.grad_copies = grad_copies
+        _host_step.weight_copies = weight_copies
+    return counts["to host"] // NUM_STEPS, counts["from host"] // NUM_STEPS
+
+
 def _case_per_bucket(rank: int, world_size: int) -> None:
     small, small_ops, small_listed, small_backward, small_params, small_modules = _count(6)
     large, large_ops, large_listed, large_backward, large_params, large_modules = _count(12)
@@ -190,6 +236,13 @@ def _case_per_bucket(rank: int, world_size: int) -> None:
     shown = f"{small_backward} -> {large_backward} beyond torch's, +{added_params} params"
     bound = BACKWARD_OPS_PER_PARAM * added_params + SLACK
     assert large_backward - small_backward <= bound, f"aten ops of backward: {shown}"
+    # The CPU's share: a few copies a chunk each way, however many params it holds (the new
+    # weights into one rank's params, separate tensors, go a copy each).
+    small_copies, large_copies = _copies(6), _copies(12)
+    shown = f"{small_copies} -> {large_copies} copies to and from the host per step"
+    assert large_copies[0] == small_copies[0] <= 4, shown
+    if world_size > 1:
+        assert large_copies[1] == small_copies[1] <= 4, shown
 
 
 CASES = {"per_bucket": _case_per_bucket}
