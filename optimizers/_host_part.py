@@ -167,7 +167,7 @@ def _checked_staging(
 class HostPart:
     """fp32 main weights, grads and state of the CPU's share, and the pipeline that steps them."""
 
-    chunks: list[HostChunk]  # in parameter order
+    chunks: list[HostChunk]  # in the order the forward needs them (``plan_split``)
     engine: CopyEngine
     staging: Staging  # its buffers and the order of the copies through them
     threads: ThreadBudget | None  # None when nothing is offloaded

@@ -7,8 +7,8 @@ means waiting for its CPU step and making the current stream wait for its H2D co
 the chunk (bounded staging); otherwise it is queued only here (see [Note: staging ring]).
 ``HybridDeviceOptimizer.step()`` completes every chunk before it returns. ``launch_step()`` returns
 at once instead, and the caller completes the chunks it needs when it needs them (``wait_for``),
-the rest later (``wait``): with the chunks in parameter order, the next forward's first layers can
-run while the worker steps the last ones. Chunks complete strictly in the order the worker runs
+the rest later (``wait``): with the chunks in the order the forward needs them, its first layers
+can run while the worker steps the last ones. Chunks complete strictly in the order the worker runs
 them, so one H2D event (the H2D stream runs in order) covers every chunk completed so far. Chunks
 may be completed from more than one thread (a caller's thread that gathers the new weights as they
 come, while a state dict on the main thread settles the step): a lock keeps them in order, and each

@@ -101,7 +101,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         need_order: every param index over all param groups (as in ``state_dict()``), in the
             order the forward needs the params (a model's order); default, index order. The CPU
             takes the last params of this order (their grads come first in backward, and their
-            weights are needed last), and steps their chunks in it. Param groups that list the
+            weights are needed last); :meth:`launch_step` steps their chunks in it, :meth:`step`
+            the last first. Param groups that list the
             norms of every layer apart put the first layers' norms last in index order: pass
             the model's order then.
         **optimizer_kwargs: ``optimizer_cls``'s constructor arguments (lr, betas, weight_decay,
@@ -433,26 +434,25 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ``state_dict``, ``load_state_dict``, ``reload_model_params`` and ``param_state`` complete
         it first. The CPU share's params must not be read (no forward) before their chunks are
         completed, nor the grads written (no backward) before the whole step is.
-        ``grad_scale``, ``found_inf`` and ``grad_factor`` are as for :meth:`step`. With ``OffloadPolicy(delayed_update=True)`` past its warm-up the
-        step's ``delayed`` is True: its weights are for the next step, which completes it.
+        ``grad_scale``, ``found_inf`` and ``grad_factor`` are as for :meth:`step`. With
+        ``OffloadPolicy(delayed_update=True)`` past its warm-up the step's ``delayed`` is True:
+        its weights are for the next step, which completes it.
         See [Note: deferred host step] in ``optimizers/_host_step.py``.
         """
-        if need_order is not None:
-            need_order = self._checked_order(need_order)
-        return self._launch(
-            grad_scale, found_inf, grad_factor, need_order=need_order or self._need_order
-        )
+        order = self._need_order if need_order is None else self._checked_order(need_order)
+        return self._launch(grad_scale, found_inf, grad_factor, need_order=order)
 
-    def _checked_order(self, need_order: Sequence[int] | None) -> list[int]:
+    def _checked_order(self, need_order: Iterable[int] | None) -> list[int]:
         num_params = sum(len(group["params"]) for group in self.param_groups)
         if need_order is None:
             return list(range(num_params))
-        if sorted(need_order) != list(range(num_params)):
+        order = list(need_order)  # (a generator, read once)
+        if sorted(order) != list(range(num_params)):
             raise ValueError(
                 f"need_order must hold every param index 0..{num_params - 1} once, got "
-                f"{list(need_order)[:10]}{' ...' if len(need_order) > 10 else ''}"
+                f"{order[:10]}{' ...' if len(order) > 10 else ''}"
             )
-        return list(need_order)
+        return order
 
     def _launch(
         self,

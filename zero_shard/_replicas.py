@@ -254,7 +254,7 @@ class _Replicas(Kind):
         self._group = self.meshes.mesh.get_group() if self.meshes.mesh.size() > 1 else None
         # Buckets go in unit order (root first), then model order inside a unit: the next
         # forward needs the first buckets first ([Note: units]), and backward makes the last
-        # buckets' grads first.
+        # buckets' grads first. Inside a bucket, by param group (see plan_buckets).
         owner = self._plan.owner
         model_order = {id(p): place for place, p in enumerate(self.module.parameters())}
         ordered = sorted(trainable, key=lambda item: (owner[id(item[0])], model_order[id(item[0])]))

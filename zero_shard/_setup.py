@@ -296,6 +296,7 @@ def check_inputs(
             f"{key}={options[key]!r}" for key in ("stage", "bucket_mb", "nonfinite", "stale_params")
         ]
         shared.append(f"delayed_update={checked.delay is not None!r}")
+        shared.append(f"offload fraction={checked.policy.fraction!r}")  # (buckets start at it)
         shared.append(f"all_gather given: {all_gather is not None}")
         return (
             shared

@@ -493,6 +493,7 @@ def _load_plan(
             if f"optim.state.{key}.main_param" not in saved:
                 param_state.pop("main_param", None)
         _leave_out_params_saved_without_state(saved, state["optim"])
+        _leave_out_group_keys_saved_without(saved, state["optim"], optimizer.defaults)
         _leave_out_state_of_options_saved_off(saved, state["optim"])
         if isinstance(optimizer, ZeroShardOptimizer):
             records = optimizer._sharded
@@ -540,13 +541,28 @@ def _leave_out_params_saved_without_state(saved: Mapping[str, Any], optim: dict[
         del optim["state"][key]
 
 
+def _leave_out_group_keys_saved_without(
+    saved: Mapping[str, Any], optim: dict[str, Any], options: Mapping[str, Any]
+) -> None:
+    """A param group's keys that are no option of the optimizer's class (a scheduler's
+    ``initial_lr``, a key of the user's) and that the checkpoint's groups lack are not read, not
+    refused: the load sets the keys the checkpoint holds (a torch optimizer's ``load_state_dict``
+    drops the others, zero-shard's keeps them). A lacking option of the class is left for the
+    checks to refuse."""
+    for index, group in enumerate(optim["param_groups"]):
+        for key in [k for k in group if k != "params" and k not in options]:
+            if f"optim.param_groups.{index}.{key}" not in saved:
+                del group[key]
+
+
 def _leave_out_state_of_options_saved_off(saved: Mapping[str, Any], optim: dict[str, Any]) -> None:
     """State that this optimizer makes under an option the checkpoint was saved without (AdamW's
     ``max_exp_avg_sq`` under ``amsgrad=True``) loads none: the saved param groups' options
     replace this optimizer's, as torch's ``load_state_dict`` does, and they make no such state.
     Only where the checkpoint holds that state for no param, every other state it holds is of
-    this optimizer's kinds, and its param groups name every option this optimizer's do (the same
-    class): otherwise the checks refuse it."""
+    this optimizer's kinds, and its param groups name every option this optimizer's do. As for
+    torch, a class of the same options and state loads too (Adam's checkpoint into AdamW, whose
+    groups then take Adam's ``decoupled_weight_decay=False``); others are refused."""
     options = {
         key.split(".", 3)[3]
         for key in saved

@@ -253,6 +253,10 @@ def params_that_differ_between_ranks(rank: int, world: int) -> None:
     model = make_model()
     with pytest.raises(ValueError, match=r"bucket_mb=256.0 on rank 0, but bucket_mb=1.0 on rank 1"):
         zero_shard.wrap(adamw(model), model, bucket_mb=256.0 if rank == 0 else 1.0)
+    # A fraction of each rank's own (by its host's memory, say): a bucket starts at its share.
+    fraction = OffloadPolicy(fraction=0.25 if rank == 0 else 0.5)
+    with pytest.raises(ValueError, match=r"fraction=0.25 on rank 0, but offload fraction=0.5"):
+        zero_shard.wrap(adamw(model), model, offload=fraction)
 
 
 @case
