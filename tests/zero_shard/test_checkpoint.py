@@ -366,20 +366,30 @@ def a_fresh_wrapper_loads_a_torch_optimizers_checkpoint(rank: int, world: int) -
         torch.testing.assert_close(param.detach(), expected.detach(), **PARAM_TOL, msg=name)
 
 
+def saved_after_two_steps(
+    rank: int, world: int, name: str, frozen: str | None = None
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, Path]:
+    """Two steps of zero-shard (fraction 0.5) and of torch AdamW on the whole batch, the module
+    ``frozen`` (a name) frozen in both; zero-shard's saved as ``name``. Returns (model, reference,
+    its optimizer, the checkpoint's path)."""
+    model, ref = make_model(), make_model()
+    for net in (model, ref) if frozen else ():
+        getattr(net, frozen).requires_grad_(False)
+    opt, ref_opt = zero_shard.wrap(adamw(model), model, offload=policy(0.5)), adamw(ref)
+    train(model, opt, rank, world, range(2))
+    for step in range(2):
+        step_reference(ref, ref_opt, *global_batch(step))
+    path = folder() / name
+    zero_shard.checkpoint.save(path, model=model, optimizer=opt)
+    return model, ref, ref_opt, path
+
+
 def a_param_frozen_when_saved_loads_no_state_as_in_torch(rank: int, world: int) -> None:
     # Fine-tuning in phases: `inp` frozen (still in the optimizer's groups) while the rest
     # trains, saved; then unfrozen, and the checkpoint loaded into an optimizer that has taken a
     # step already. `inp` had no state when saved: it loads none and starts afresh, as torch's
     # load_state_dict leaves it, against torch AdamW on the whole batch.
-    model, ref = make_model(), make_model()
-    for net in (model, ref):
-        net.inp.requires_grad_(False)
-    opt, ref_opt = zero_shard.wrap(adamw(model), model, offload=policy(0.5)), adamw(ref)
-    train(model, opt, rank, world, range(2))
-    for step in range(2):
-        step_reference(ref, ref_opt, *global_batch(step))
-    path = folder() / "frozen_when_saved"
-    zero_shard.checkpoint.save(path, model=model, optimizer=opt)
+    model, ref, ref_opt, path = saved_after_two_steps(rank, world, "frozen_when_saved", "inp")
     saved = ref_opt.state_dict()
     resumed, resumed_opt = build(fraction=0.5, seed=1)
     ref_opt = adamw(ref)
@@ -405,13 +415,7 @@ def saved_without_amsgrad_loads_into_amsgrad_as_in_torch(rank: int, world: int) 
     # A checkpoint of AdamW without amsgrad, loaded into an optimizer built with amsgrad=True:
     # the saved options replace the new ones (amsgrad off), as torch's load_state_dict does, and
     # training goes on as torch's.
-    model, ref = make_model(), make_model()
-    opt, ref_opt = zero_shard.wrap(adamw(model), model, offload=policy(0.5)), adamw(ref)
-    train(model, opt, rank, world, range(2))
-    for step in range(2):
-        step_reference(ref, ref_opt, *global_batch(step))
-    path = folder() / "without_amsgrad"
-    zero_shard.checkpoint.save(path, model=model, optimizer=opt)
+    _, ref, ref_opt, path = saved_after_two_steps(rank, world, "without_amsgrad")
     resumed = make_model(seed=1)
     amsgrad = torch.optim.AdamW(param_groups(resumed), lr=LR, amsgrad=True)
     resumed_opt = zero_shard.wrap(amsgrad, resumed, offload=policy(0.5))
