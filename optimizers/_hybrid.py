@@ -102,9 +102,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             order the forward needs the params (a model's order); default, index order. The CPU
             takes the last params of this order (their grads come first in backward, and their
             weights are needed last); :meth:`launch_step` steps their chunks in it, :meth:`step`
-            the last first. Param groups that list the
-            norms of every layer apart put the first layers' norms last in index order: pass
-            the model's order then.
+            the last first. Param groups that list the norms of every layer apart put the first
+            layers' norms last in index order: pass the model's order then.
         **optimizer_kwargs: ``optimizer_cls``'s constructor arguments (lr, betas, weight_decay,
             initial_accumulator_value...). The sub-optimizers of both devices are built with them,
             so the trajectory is ``optimizer_cls``'s. Implementation flags (``foreach``,
@@ -149,7 +148,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         *,
         offload_fraction: float | None = None,
         policy: OffloadPolicy | None = None,
-        need_order: Sequence[int] | None = None,
+        need_order: Iterable[int] | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         check_elementwise(optimizer_cls)

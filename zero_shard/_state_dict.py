@@ -423,7 +423,7 @@ def check_saved_optimizer(path: Path, saved: dict[str, Any], optim_state: dict[s
         if lacking:
             raise ValueError(
                 f"the checkpoint at {path} has no option {lacking} in param group {index}, which "
-                f"this optimizer's class has: it was saved by another optimizer class (or "
+                "this optimizer's class has: it was saved by another optimizer class (or "
                 "another torch version's). Load it into an optimizer of the class that saved it"
             )
     for fqn, param_state in optim_state["state"].items():
