@@ -29,6 +29,7 @@ import torch
 
 from offload import ThreadBudget
 
+from ._elementwise import torch_class_run_as_is
 from ._policy import CpuKernel
 from ._split import ChunkSpec
 
@@ -192,10 +193,9 @@ def fused_kernel_applies(cls: type, group: dict[str, Any], dtype: torch.dtype) -
     """Whether the kernel computes exactly what ``cls`` would for this group and model dtype."""
     if dtype not in (torch.bfloat16, torch.float32):
         return False
-    if not issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
-        return False
-    base = torch.optim.AdamW if issubclass(cls, torch.optim.AdamW) else torch.optim.Adam
-    if cls.step is not base.step:
+    # A subclass that changes the step, or the state its first step makes, is stepped as it says.
+    adams = (torch.optim.AdamW, torch.optim.Adam)
+    if torch_class_run_as_is(cls, adams, ("step", "_init_group")) is None:
         return False
     return unmet_option(group) is None
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ._step_hooks import step_unhooked
+from ._step_hooks import step_unhooked, unhooked
 
 __all__ = [
     "IMPL_KEYS",
@@ -20,6 +20,7 @@ __all__ = [
     "implementation_kwargs",
     "probe_state_keys",
     "step_sub_optimizer",
+    "torch_class_run_as_is",
 ]
 
 # Every element of these optimizers' update depends only on the same element of the param, grad
@@ -49,11 +50,22 @@ _FUSED_DEVICES: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
 IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
-def _elementwise_base(cls: type) -> type[torch.optim.Optimizer] | None:
-    for base in _ELEMENTWISE:
-        if issubclass(cls, base) and cls.step is base.step:
+def torch_class_run_as_is(
+    cls: type, bases: Sequence[type], methods: Sequence[str] = ("step",)
+) -> type | None:
+    """The first of ``bases`` that ``cls`` subclasses without changing ``methods`` (each the
+    base's own function; ``step`` without torch's step-hook wrapper), or ``None``."""
+    for base in bases:
+        if issubclass(cls, base) and all(
+            unhooked(getattr(cls, name, None)) is unhooked(getattr(base, name, None))
+            for name in methods
+        ):
             return base
     return None
+
+
+def _elementwise_base(cls: type) -> type[torch.optim.Optimizer] | None:
+    return torch_class_run_as_is(cls, _ELEMENTWISE)
 
 
 def check_elementwise(cls: Any) -> None:
@@ -61,7 +73,9 @@ def check_elementwise(cls: Any) -> None:
 
     Accepted: torch's elementwise optimizers (Adam, AdamW, SGD, Adagrad, Adamax, NAdam, RAdam,
     RMSprop, Rprop, Adadelta, ASGD), subclasses of them that keep their ``step``, and any class
-    that declares ``_zero_shard_elementwise = True``.
+    that declares ``_zero_shard_elementwise = True``. Only torch's own classes have their state
+    made at construction (zeros, where their first step would make zeros); a subclass that
+    changes its ``step`` or ``_init_group`` makes its state itself, at its first step.
     """
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {cls!r}")
@@ -77,9 +91,22 @@ def check_elementwise(cls: Any) -> None:
 
 
 def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's defaults that its class's constructor accepts (lr, betas, ...)."""
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    """The optimizer's defaults that its class's constructor accepts (lr, betas, ...): its
+    class is built again over each device's and rank's share as ``cls(groups, **these)``."""
+    cls = type(optimizer)
+    signature = inspect.signature(cls.__init__)
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in signature.parameters}
+    try:
+        signature.bind(optimizer, [], **kwargs)
+    except TypeError as err:
+        name = cls.__qualname__
+        raise TypeError(
+            f"zero-shard builds {name} again over its own share of the params, as "
+            f"{name}(param_groups, **optimizer.defaults) (the defaults its constructor accepts), "
+            f"and that call fails: {err}. Give that constructor argument a default value, or "
+            "keep it in the defaults the constructor hands to torch.optim.Optimizer.__init__"
+        ) from err
+    return kwargs
 
 
 def implementation_kwargs(cls: type[torch.optim.Optimizer], device_type: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ._elementwise import StateKeys
+from ._elementwise import StateKeys, torch_class_run_as_is
 from ._records import ParamRecord, Piece, flat_param
 
 __all__ = [
@@ -70,10 +70,15 @@ def _keeps_state_of(optimizer: torch.optim.Optimizer, cls: type) -> bool:
 
 
 def _starts_zero(cls: type, group: dict[str, Any]) -> bool:
-    if issubclass(cls, _ZERO_INITIAL_STATE):
-        return True
-    # SGD's first step copies the grad into the buffer; zeros give the same only without dampening.
-    return issubclass(cls, torch.optim.SGD) and group.get("dampening", 0) == 0
+    # Only torch's own first step is known: a subclass that changes it (its `step`, or the state
+    # `_init_group` makes) makes its state itself, at the first step.
+    bases = (*_ZERO_INITIAL_STATE, torch.optim.SGD)
+    base = torch_class_run_as_is(cls, bases, ("step", "_init_group"))
+    if base is torch.optim.SGD:
+        # SGD's first step copies the grad into the buffer: zeros give the same only without
+        # dampening.
+        return group.get("dampening", 0) == 0
+    return base is not None
 
 
 def momentum_buffers(records: Iterable[ParamRecord], cls: type) -> set[int]:

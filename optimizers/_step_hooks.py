@@ -14,13 +14,26 @@ wrapper too, as in torch, where its hooks run twice a step.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["share_step_hooks", "step_unhooked"]
+__all__ = ["share_step_hooks", "step_unhooked", "unhooked"]
 
 # The code of torch's wrapper: every class's wrapped step runs it (a decorator that copied the
 # ``hooked`` mark with functools.wraps has code of its own, and is run as it is).
 _TORCH_WRAPPER = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+
+
+def unhooked(function: Any) -> Any:
+    """``function`` without torch's step-hook wrapper: a class's ``step`` is wrapped when its
+    first instance is built, so two classes run the same step where their unhooked ones are the
+    same function, whichever of them was built first."""
+    while getattr(function, "__code__", None) is _TORCH_WRAPPER and hasattr(
+        function, "__wrapped__"
+    ):
+        function = function.__wrapped__
+    return function
 
 
 def step_unhooked(optimizer: torch.optim.Optimizer) -> None:

@@ -634,7 +634,7 @@ def full_state_dict(optimizer: torch.optim.Optimizer, *, rank: int = 0) -> dict[
 
     Example::
 
-        state = zero_shard.checkpoint.full_state_dict(opt)
+        state = zero_shard.full_state_dict(opt)
         if dist.get_rank() == 0:
             torch.save(state, "optim.pt")
     """

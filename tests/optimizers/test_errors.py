@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from typing import Any
 
 import pytest
 import torch
 from _parity import groups_of, make_params
 
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
+from optimizers._cpu_kernel import fused_kernel_applies
 from optimizers._elementwise import OptimizerSpec
 from optimizers._fused_backends import build_sub_optimizer
 
@@ -49,6 +51,34 @@ def test_subclass_that_changes_step_is_refused_unless_marked() -> None:
         _zero_shard_elementwise = True
 
     HybridDeviceOptimizer(params(), Marked)
+
+
+def test_subclass_that_keeps_step_is_taken_whichever_class_was_built_first() -> None:
+    # torch wraps a class's step (its hooks) when its first instance is built: a subclass built
+    # before its base runs a wrapper of its own around the same step.
+    class Plain(torch.optim.AdamW):
+        pass
+
+    for cls in (Plain, torch.optim.AdamW):
+        cls(params(), lr=1e-3)
+        HybridDeviceOptimizer.wrap(Plain(params(), lr=1e-3))
+        group = torch.optim.AdamW(params()).param_groups[0]
+        assert fused_kernel_applies(Plain, group, torch.bfloat16)
+
+    class WarmAdamW(Plain):  # another first step: torch's, stepping its state as it makes it
+        def _init_group(self, *args: Any) -> Any:
+            return super()._init_group(*args)
+
+    assert not fused_kernel_applies(WarmAdamW, group, torch.bfloat16)
+
+
+def test_subclass_whose_constructor_needs_what_its_defaults_lack() -> None:
+    class Scaled(torch.optim.AdamW):
+        def __init__(self, params: Any, scale: float, lr: float = 1e-3) -> None:
+            super().__init__(params, lr=lr * scale)
+
+    with pytest.raises(TypeError, match=r"builds .*Scaled again .*'scale'.*default value"):
+        HybridDeviceOptimizer.wrap(Scaled(params(), 2.0))
 
 
 def test_not_an_optimizer_class() -> None:

@@ -196,6 +196,52 @@ def test_adagrad_initial_sum_comes_from_the_constructor_as_in_torch(fraction: fl
         assert_params_match(params, refs, f"step {step}")
 
 
+class SubclassedAdamW(torch.optim.AdamW):
+    """A subclass that changes nothing of the math (one for logging, say)."""
+
+
+class WarmAdam(torch.optim.Adam):
+    """Keeps torch's step, but its first step starts ``exp_avg_sq`` at 1."""
+
+    def _init_group(self, group: dict[str, Any], params: list[torch.Tensor], *rest: Any) -> Any:
+        fresh = [p for p in group["params"] if p.grad is not None and not self.state[p]]
+        found = super()._init_group(group, params, *rest)
+        for p in fresh:
+            self.state[p]["exp_avg_sq"].fill_(1.0)
+        return found
+
+
+class PrimedSGD(torch.optim.SGD):
+    """A step of its own (so marked elementwise) that makes each momentum buffer at 0.5."""
+
+    _zero_shard_elementwise = True
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.full_like(p, 0.5)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("cls", [SubclassedAdamW, WarmAdam, PrimedSGD])
+def test_subclasses_give_torchs_trajectory(cls: type, fraction: float) -> None:
+    # The state each class's own first step makes, not torch's base class's zeros.
+    kwargs = {"lr": 0.1, "momentum": 0.9} if issubclass(cls, torch.optim.SGD) else {"lr": 0.1}
+    params = make_params()
+    refs = fp32_copies(params)
+    ref_opt = cls(two_groups(refs, kwargs["lr"]), **kwargs)
+    opt = HybridDeviceOptimizer.wrap(
+        cls(two_groups(params, 0.1), **kwargs), policy=policy(fraction)
+    )
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"step {step}")
+    assert_state_matches(opt, ref_opt, params, refs)
+
+
 # -- 2. wrap() shares the param groups; LR schedulers ---------------------------------------------
 
 
