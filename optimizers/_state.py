@@ -5,6 +5,17 @@ the piece. Outwards (``state_dict``) each parameter shows one dict shaped like t
 with the parameter's shape, scalars such as ``step`` once. A parameter in one piece shows views of
 its live state; one cut in several (the piece straddling the accelerator/CPU split, or a param
 longer than a chunk) shows a CPU copy of the concatenation.
+
+[Note: state edits]
+torch users edit ``optimizer.state`` in place (``state[p]["exp_avg"].zero_()``), assign keys
+(``state[p]["step"] = ...``), assign or delete a param's whole dict, or clear it; each must reach
+the live state as in torch. A view of the live state takes in-place edits by itself. A copy
+(a param in several pieces, or state on another device) is handed out through ``StateEdits``,
+which keeps its version counter: before the state is next read or stepped, each copy whose
+counter moved is written back into the pieces it came from (``apply``). A copy read before a step
+and edited after it would undo that step if written back: it is refused instead. An assigned key
+(``ParamState``) or dict (``StateView.__setitem__``) is written into the pieces at once; a
+deleted dict or a cleared state makes the params start afresh at their next step, as torch's do.
 """
 
 from __future__ import annotations
