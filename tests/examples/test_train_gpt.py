@@ -218,7 +218,7 @@ def test_speculative_cpu_steps_give_the_run_without_them(
     # Buckets and chunks small enough that most chunks lie within buckets reduced before the
     # last (whose grads are copied to the host as backward goes on).
     flags = ("--offload-fraction", "1", "--host-staging", "per_chunk", "--chunk-numel", "4096",
-             "--bucket-mb", "0.25")  # fmt: skip
+             "--bucket-mb", "0.25", "--steps", "10", "--eval-every", "5")  # fmt: skip
     for clip, outcome in (("1.0", "redone"), ("100", "stood")):  # clipped early on; never
         plain = run_in_process(tmp_path / f"plain{clip}", *flags, "--clip", clip)
         speculative = run_in_process(tmp_path / f"spec{clip}", *flags, "--clip", clip,

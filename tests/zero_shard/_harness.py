@@ -7,6 +7,12 @@ any rank; every rank runs every case in the same order. A case that fails on som
 leave the others waiting in a collective: the gloo timeout (``TIMEOUT``) then fails them, and
 later cases may fail in turn: the first failure is the one to read. A spawn that outlives ``SPAWN_DEADLINE`` (a hang no
 collective timeout ends: a thread waiting forever) is killed, and its unfinished cases fail.
+
+The gloo ranks are forked from a server process that imported torch and the packages once
+(``forkserver``, started at the first spawn), not started afresh: a fresh interpreter importing
+torch takes seconds of the 2 cores per rank and spawn. Each rank takes the environment and the
+working directory of the test that spawns it (a fork has the server's), so a case sees what its
+test set, as with ``spawn``. NCCL ranks start afresh (``spawn``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessContext, ProcessException
 
 TIMEOUT = datetime.timedelta(seconds=90)
+PRELOAD = ["torch", "torch.distributed", "offload", "optimizers", "zero_shard"]
 SPAWN_DEADLINE = 420.0  # seconds; under pytest's own 600 s timeout
 
 Case = Callable[[int, int], None]  # (rank, world_size) -> None; raises on failure
@@ -48,7 +55,12 @@ def _worker(
     cases: list[tuple[str, Case]],
     out_dir: str,
     backend: str,
+    env: dict[str, str],
+    cwd: str,
 ) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1")
     if backend == "nccl":
@@ -78,12 +90,14 @@ def run_cases(
     None, or the failure's text."""
     with tempfile.TemporaryDirectory() as out_dir:
         items = list(cases.items())
+        if backend == "gloo":
+            mp.set_forkserver_preload(PRELOAD)  # (read when the server starts: the first spawn)
         context = mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), items, out_dir, backend),
+            args=(world_size, _free_port(), items, out_dir, backend, dict(os.environ), os.getcwd()),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver" if backend == "gloo" else "spawn",
         )
         ended = _join_before(context, time.monotonic() + SPAWN_DEADLINE)
         merged: dict[str, str | None] = dict.fromkeys(cases)
