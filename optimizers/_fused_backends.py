@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ._elementwise import IMPL_KEYS, OptimizerSpec, implementation_kwargs
+from ._elementwise import IMPL_KEYS, OptimizerSpec, implementation_kwargs, torch_class_run_as_is
 from ._policy import DeviceImpl
 from ._step_hooks import step_unhooked
 
@@ -184,8 +184,14 @@ def _build_fused_adam(
     impl: DeviceImpl, spec: OptimizerSpec, groups: list[dict[str, Any]]
 ) -> FusedAdamAdapter:
     cls = spec.cls
-    if not issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(f"device_impl={impl!r} implements Adam and AdamW only, got {cls.__name__}")
+    # FusedAdam computes torch's Adam/AdamW: not a subclass that changes its step or the state
+    # its first step makes.
+    adams = (torch.optim.AdamW, torch.optim.Adam)
+    if torch_class_run_as_is(cls, adams, ("step", "_init_group")) is None:
+        raise ValueError(
+            f"device_impl={impl!r} implements torch's Adam and AdamW only, got {cls.__name__}; "
+            "use device_impl='torch' (the class's own step)"
+        )
     module_name = _FUSED_ADAM_MODULES[impl]
     try:
         module = importlib.import_module(module_name)

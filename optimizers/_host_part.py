@@ -79,6 +79,7 @@ from ._speculation import (
     Speculation,
     SpeculationBackoff,
     SpeculationCounts,
+    raise_written,
     settle_speculation,
     speculate,
 )
@@ -191,6 +192,10 @@ class HostPart:
     #                                        step started
     _backoff: SpeculationBackoff  # whether this step's backward speculates (not right after
     #                               redone steps)
+    _live: list[weakref.ref]  # tensors that alias the state with counters of their own (see
+    #                           watch_live); kept while speculating is on
+    _live_since: list[tuple[weakref.ref, int]] | None  # their counters when this step's first
+    #                                                    speculation began; None: none began
 
     def __init__(
         self,
@@ -241,6 +246,7 @@ class HostPart:
         self.speculation_counts = SpeculationCounts()
         self._speculations = {}
         self._backoff = SpeculationBackoff()
+        self._live, self._live_since = [], None
         self._kept = None
         on_copied = None
         if speculative and kind == "per_chunk" and early_copies:
@@ -454,6 +460,8 @@ class HostPart:
             self.settle()  # (counts the step before: its outcome decides for this one)
         if not self._backoff.speculates():
             return
+        if self._live_since is None:  # the window in which a write cannot come first any more
+            self._live_since = [(ref, t._version) for ref in self._live if (t := ref()) is not None]
         earlier = self._speculations.pop(chunk.index, None)
         if earlier is not None and not earlier.future.cancel():
             # Its grads were given again: the worker undoes it first.
@@ -498,7 +506,28 @@ class HostPart:
         edited, loaded or reloaded first, or the grads cleared); ``loading``: a load replaces
         the state next (see ``Speculation.roll_back``)."""
         speculations, self._speculations = self._speculations, {}
+        self._live_since = None
         _roll_back_all(speculations.values(), loading=loading)
+
+    def watch_live(self, tensor: torch.Tensor) -> None:
+        """Watches ``tensor``, which aliases live state but moves a version counter of its own
+        (a DTensor over it: an in-place op on a DTensor moves its counter, not its local
+        tensor's), for writes while a step is speculated (see ``refuse_live_writes``)."""
+        if self._kept is not None:
+            self._live = [ref for ref in self._live if ref() is not None]
+            self._live.append(weakref.ref(tensor))
+
+    def refuse_live_writes(self) -> None:
+        """At the step, before anything is stepped: where a watched tensor was written since the
+        step's first speculation began, that write cannot come before the step any more; the
+        speculations are rolled back (the state as before the step, without the write) and this
+        raises, as for a write through the state itself ([Note: speculative host steps])."""
+        since, self._live_since = self._live_since, None
+        if since is None or not self._speculations:
+            return
+        if any((t := ref()) is not None and t._version != version for ref, version in since):
+            self.drop_speculations()
+            raise_written()
 
     def drop_unmet_speculations(self) -> None:
         """Rolls back the speculated steps of chunks whose group now asks for what the kernel

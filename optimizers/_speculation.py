@@ -19,7 +19,10 @@ the state's counters after the speculation is someone else's in-place write (thr
 from ``optimizer.state`` before backward). That write cannot come before the speculated step any
 more, so the step raises, the state put back as before the step without the write; a load about to
 take the state as written (a state dict filled in place) keeps the written tensors and puts back
-the rest. Reads and edits through ``optimizer.state`` during
+the rest. A tensor that aliases the state but keeps a counter of its own (a DTensor over it, as
+``zero_shard`` hands them out: an in-place op on a DTensor moves its counter, not its local
+tensor's) is watched by its own counter (``HostPart.watch_live``): written after the first
+speculation of a step, the step raises the same way before anything is stepped. Reads and edits through ``optimizer.state`` during
 the window roll the speculation back first, and go on as without it.
 
 Speculations the worker has not started when the step starts are cancelled: backward is over, so
@@ -48,6 +51,7 @@ __all__ = [
     "Speculation",
     "SpeculationBackoff",
     "SpeculationCounts",
+    "raise_written",
     "settle_speculation",
     "speculate",
 ]
@@ -138,7 +142,7 @@ class Speculation:
 
     def roll_back(self, *, loading: bool = False) -> None:
         """Undoes the speculated step, if one was taken. Where the state was written in place
-        since (see ``_raise_written``), a load about to take the state as it is (``loading``:
+        since (see ``raise_written``), a load about to take the state as it is (``loading``:
         filled in place, as ``dcp.load`` fills a state dict) keeps what was written and puts the
         rest back; otherwise the state goes back to before the step, and this raises."""
         if self.future is not None and self.future.cancel():
@@ -153,10 +157,10 @@ class Speculation:
             table.roll_back(keep_written=True)  # what was written is the load's
         else:
             table.roll_back()
-            _raise_written()
+            raise_written()
 
 
-def _raise_written() -> None:
+def raise_written() -> None:
     raise RuntimeError(
         "optimizer state was written in place (through a tensor read from optimizer.state "
         "before backward) while its CPU step was taken speculatively during backward "

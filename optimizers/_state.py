@@ -107,8 +107,9 @@ def momentum_buffers(records: Iterable[ParamRecord], cls: type) -> set[int]:
 
 def init_state(records: Iterable[ParamRecord], cls: type, state_keys: Sequence[StateKeys]) -> None:
     """Creates, for every piece without state, the state its optimizer would create at its first
-    step, where that state is known to start at zero (``_ZERO_INITIAL_STATE``; SGD without
-    dampening). Other optimizers create their state at the first step, as in torch.
+    step, where that state is known to start at zero (torch's own first step of a class of
+    ``_ZERO_INITIAL_STATE``, or of SGD without dampening: see ``_starts_zero``). Other optimizers
+    create their state at the first step, as in torch.
 
     ``state_keys[g]`` is the state kept per param in the user's param group ``g``.
     """

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from optimizers import OffloadPolicy, check_elementwise, check_param_kind
+from optimizers import OffloadPolicy, check_elementwise, check_param_kind, constructor_defaults
 
 from ._aliases import check_disjoint
 from ._fsdp import (
@@ -65,6 +65,7 @@ def check_options(
     stale_params: Any,
 ) -> OffloadPolicy:
     check_elementwise(type(optimizer))
+    constructor_defaults(optimizer)  # refuses a class it cannot build again, before any change
     if offload is None:
         offload = OffloadPolicy(fraction=0.0)
     elif not isinstance(offload, OffloadPolicy):

@@ -145,7 +145,8 @@ def sharded_state(
     a copy of the state (the hybrid's, or one on the mesh's device), the DTensor and its local
     tensor are watched for edits: an in-place op on a DTensor moves its own version counter, not
     its local tensor's, and one on ``to_local()`` the other way round ([Note: state edits] in
-    ``optimizers/_state.py``)."""
+    ``optimizers/_state.py``). Where it is the live state, the DTensor is watched for writes
+    while a step is speculated (``HybridDeviceOptimizer.watch_live``)."""
     param = sharded.shard
     local = hybrid.param_state(param, watch=False)
     copied = hybrid.state_is_copied(param)
@@ -158,6 +159,8 @@ def sharded_state(
                 token = object()  # the two alias each other
                 hybrid.hand_out(param, key, state[key], local=DTensor.to_local, token=token)
                 hybrid.hand_out(param, key, local_copy, token=token)  # edited via to_local()
+            else:  # the live state: its in-place ops move the DTensor's counter alone
+                hybrid.watch_live(state[key])
         else:
             state[key] = value
             if copied and torch.is_tensor(value):

@@ -14,6 +14,7 @@ from optimizers import HybridDeviceOptimizer, OffloadPolicy
 from optimizers._cpu_kernel import fused_kernel_applies
 from optimizers._elementwise import OptimizerSpec
 from optimizers._fused_backends import build_sub_optimizer
+from optimizers._step_hooks import unhooked
 
 
 def params() -> list[torch.nn.Parameter]:
@@ -53,17 +54,30 @@ def test_subclass_that_changes_step_is_refused_unless_marked() -> None:
     HybridDeviceOptimizer(params(), Marked)
 
 
-def test_subclass_that_keeps_step_is_taken_whichever_class_was_built_first() -> None:
-    # torch wraps a class's step (its hooks) when its first instance is built: a subclass built
-    # before its base runs a wrapper of its own around the same step.
+def test_subclass_that_keeps_step_is_taken_whichever_class_was_built_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch wraps a class's step (its hooks) when the first instance of it or of a class below
+    # it is built: a subclass built before its bases runs a wrapper of its own around the same
+    # step. As if no Adam had been built in this process yet:
+    adamw_step = torch.optim.AdamW.__dict__.get("step")
+    monkeypatch.setattr(torch.optim.Adam, "step", unhooked(torch.optim.Adam.step))
+    if adamw_step is not None:
+        monkeypatch.delattr(torch.optim.AdamW, "step")
+
     class Plain(torch.optim.AdamW):
         pass
 
-    for cls in (Plain, torch.optim.AdamW):
-        cls(params(), lr=1e-3)
-        HybridDeviceOptimizer.wrap(Plain(params(), lr=1e-3))
-        group = torch.optim.AdamW(params()).param_groups[0]
-        assert fused_kernel_applies(Plain, group, torch.bfloat16)
+    try:
+        for cls in (Plain, torch.optim.AdamW):
+            cls(params(), lr=1e-3)
+            assert "step" in cls.__dict__  # (its own wrapper)
+            HybridDeviceOptimizer.wrap(Plain(params(), lr=1e-3))
+            group = torch.optim.AdamW(params()).param_groups[0]
+            assert fused_kernel_applies(Plain, group, torch.bfloat16)
+    finally:
+        if adamw_step is None and "step" in torch.optim.AdamW.__dict__:
+            del torch.optim.AdamW.step  # (the wrapper made here)
 
     class WarmAdamW(Plain):  # another first step: torch's, stepping its state as it makes it
         def _init_group(self, *args: Any) -> Any:
@@ -144,6 +158,13 @@ def test_missing_fused_backend() -> None:
         build_sub_optimizer(OptimizerSpec.of(torch.optim.AdamW, {}), group, "cuda", "apex")
     with pytest.raises(ValueError, match="Adam and AdamW only, got SGD"):
         build_sub_optimizer(OptimizerSpec.of(torch.optim.SGD, {}), group, "cuda", "te")
+
+    class WarmAdam(torch.optim.Adam):  # a first step of its own: not FusedAdam's math
+        def _init_group(self, *args: Any) -> Any:
+            return super()._init_group(*args)
+
+    with pytest.raises(ValueError, match="Adam and AdamW only, got WarmAdam; use device_impl="):
+        build_sub_optimizer(OptimizerSpec.of(WarmAdam, {}), group, "cuda", "apex")
 
 
 def test_add_param_group_after_construction() -> None:

@@ -9,10 +9,11 @@ later cases may fail in turn: the first failure is the one to read. A spawn that
 collective timeout ends: a thread waiting forever) is killed, and its unfinished cases fail.
 
 The gloo ranks are forked from a server process that imported torch and the packages once
-(``forkserver``, started at the first spawn), not started afresh: a fresh interpreter importing
-torch takes seconds of the 2 cores per rank and spawn. Each rank takes the environment and the
-working directory of the test that spawns it (a fork has the server's), so a case sees what its
-test set, as with ``spawn``. NCCL ranks start afresh (``spawn``).
+(``forkserver``, started at the first spawn, with this process's ``sys.path``), not started
+afresh: a fresh interpreter importing torch takes seconds of the 2 cores per rank and spawn.
+Each rank takes the environment of the test that spawns it (a fork has the server's), so a case
+sees what its test set, as with ``spawn``, and checks that it runs the packages this process
+imported. NCCL ranks start afresh (``spawn``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -56,11 +58,14 @@ def _worker(
     out_dir: str,
     backend: str,
     env: dict[str, str],
-    cwd: str,
+    packages: dict[str, str | None],
 ) -> None:
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(cwd)
+    for name, path in packages.items():
+        here = getattr(sys.modules.get(name), "__file__", None)
+        if path is not None and here != path:
+            raise AssertionError(f"expected {name} from {path}, the rank imported {here}")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE="1")
     if backend == "nccl":
@@ -90,15 +95,26 @@ def run_cases(
     None, or the failure's text."""
     with tempfile.TemporaryDirectory() as out_dir:
         items = list(cases.items())
-        if backend == "gloo":
+        forked = backend == "gloo"
+        if forked:
             mp.set_forkserver_preload(PRELOAD)  # (read when the server starts: the first spawn)
-        context = mp.start_processes(
-            _worker,
-            args=(world_size, _free_port(), items, out_dir, backend, dict(os.environ), os.getcwd()),
-            nprocs=world_size,
-            join=False,
-            start_method="forkserver" if backend == "gloo" else "spawn",
-        )
+        packages = {name: getattr(sys.modules.get(name), "__file__", None) for name in PRELOAD}
+        with _server_path(forked):
+            context = mp.start_processes(
+                _worker,
+                args=(
+                    world_size,
+                    _free_port(),
+                    items,
+                    out_dir,
+                    backend,
+                    dict(os.environ),
+                    packages,
+                ),
+                nprocs=world_size,
+                join=False,
+                start_method="forkserver" if forked else "spawn",
+            )
         ended = _join_before(context, time.monotonic() + SPAWN_DEADLINE)
         merged: dict[str, str | None] = dict.fromkeys(cases)
         for rank in range(world_size):
@@ -110,6 +126,24 @@ def run_cases(
                     shown = f"rank {rank}:\n{failure}"
                     merged[name] = shown if merged[name] is None else f"{merged[name]}\n{shown}"
         return merged
+
+
+@contextlib.contextmanager
+def _server_path(forked: bool) -> Iterator[None]:
+    """While the fork server may start: this process's ``sys.path`` as its ``PYTHONPATH``, so
+    that it preloads the packages this process imports (it does not take ``sys.path`` itself)."""
+    if not forked:
+        yield
+        return
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def _join_before(context: ProcessContext, deadline: float) -> str:
