@@ -126,6 +126,7 @@ def _checked_staging(
     num_state_tensors: int,
     kernels: Sequence[CpuAdamKernel | None],
     speculative: bool,
+    early_copies: bool,
 ) -> StagingKind:
     """``staging`` with ``"auto"`` resolved (see ``choose_staging``), once the host is checked
     to hold the CPU share with it: fp32 main, fp32 grad where needed, optimizer state, staging,
@@ -139,7 +140,7 @@ def _checked_staging(
     kept_per_chunk = sum(
         spec.numel * (12 + spec.dtype.itemsize)
         for spec, kernel in zip(specs, kernels, strict=True)
-        if kernel is not None and speculative
+        if kernel is not None and speculative and early_copies
     )
     kind: StagingKind = "bounded" if staging == "auto" else staging  # (with nothing to stage)
     if staging == "auto" and specs:
@@ -222,7 +223,7 @@ class HostPart:
             for s in specs
         ]
         kind = _checked_staging(
-            staging, specs, num_state_tensors, kernels, speculative and early_copies
+            staging, specs, num_state_tensors, kernels, speculative, early_copies
         )
         self.engine = CopyEngine(device)
         self.threads = threads

@@ -417,3 +417,10 @@ def test_speculative_where_it_cannot_apply_warns_once() -> None:
     with pytest.warns(RuntimeWarning, match=r"speculative=True\) has no effect here"):
         opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy)
     assert not opt.speculates
+    # A delayed update keeps its weights in staging through the next backward: no early copies.
+    policy = OffloadPolicy(
+        fraction=1.0, host_staging="per_chunk", speculative=True, delayed_update=True
+    )
+    with pytest.warns(RuntimeWarning, match=r"speculative=True\) has no effect here"):
+        opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy)
+    assert not opt.speculates
