@@ -13,7 +13,9 @@ The gloo ranks are forked from a server process that imported torch and the pack
 afresh: a fresh interpreter importing torch takes seconds of the 2 cores per rank and spawn.
 Each rank takes the environment of the test that spawns it (a fork has the server's), so a case
 sees what its test set, as with ``spawn``, and checks that it runs the packages this process
-imported. NCCL ranks start afresh (``spawn``).
+imported. The ranks share the server's string-hash seed (a set of strings iterates alike on every
+rank, where separate interpreters may differ; the examples' torchrun tests start ranks afresh).
+NCCL ranks start afresh (``spawn``).
 """
 
 from __future__ import annotations
