@@ -53,15 +53,18 @@ IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 def torch_class_run_as_is(
     cls: type, bases: Sequence[type], methods: Sequence[str] = ("step",)
 ) -> type | None:
-    """The first of ``bases`` that ``cls`` subclasses without changing ``methods`` (each the
+    """The nearest of ``bases`` that ``cls`` subclasses without changing ``methods`` (each the
     base's own function; ``step`` without torch's step-hook wrapper), or ``None``."""
-    for base in bases:
-        if issubclass(cls, base) and all(
+    matches = [
+        base
+        for base in bases
+        if issubclass(cls, base)
+        and all(
             unhooked(getattr(cls, name, None)) is unhooked(getattr(base, name, None))
             for name in methods
-        ):
-            return base
-    return None
+        )
+    ]
+    return min(matches, key=cls.__mro__.index) if matches else None
 
 
 def _elementwise_base(cls: type) -> type[torch.optim.Optimizer] | None:

@@ -22,8 +22,9 @@ take the state as written (a state dict filled in place) keeps the written tenso
 the rest. A tensor that aliases the state but keeps a counter of its own (a DTensor over it, as
 ``zero_shard`` hands them out: an in-place op on a DTensor moves its counter, not its local
 tensor's) is watched by its own counter (``HostPart.watch_live``): written after the first
-speculation of a step, the step raises the same way before anything is stepped. Reads and edits through ``optimizer.state`` during
-the window roll the speculation back first, and go on as without it.
+speculation of a step, the step raises the same way, before anything is stepped. Reads and edits
+through ``optimizer.state`` during the window roll the speculation back first, and go on as
+without it.
 
 Speculations the worker has not started when the step starts are cancelled: backward is over, so
 the step's own work goes first (the one in progress finishes). A speculation is dropped (rolled
