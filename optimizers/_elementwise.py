@@ -95,21 +95,58 @@ def check_elementwise(cls: Any) -> None:
 
 def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's defaults that its class's constructor accepts (lr, betas, ...): its
-    class is built again over each device's and rank's share as ``cls(groups, **these)``."""
+    class is built again over each device's and rank's share as ``cls(groups, **these)``. A
+    class that cannot be built so, or that keeps a setting of its own (an attribute holding a
+    number, string or flag) that the build would not give back, is refused: its steps there
+    would run with another setting."""
     cls = type(optimizer)
+    name = cls.__qualname__
     signature = inspect.signature(cls.__init__)
     kwargs = {k: v for k, v in optimizer.defaults.items() if k in signature.parameters}
+    built_as = f"{name}(param_groups, **optimizer.defaults) (the defaults its constructor accepts)"
     try:
         signature.bind(optimizer, [], **kwargs)
     except TypeError as err:
-        name = cls.__qualname__
         raise TypeError(
-            f"zero-shard builds {name} again over its own share of the params, as "
-            f"{name}(param_groups, **optimizer.defaults) (the defaults its constructor accepts), "
+            f"zero-shard builds {name} again over its own share of the params, as {built_as}, "
             f"and that call fails: {err}. Give that constructor argument a default value, or "
             "keep it in the defaults the constructor hands to torch.optim.Optimizer.__init__"
         ) from err
+    if cls not in _ELEMENTWISE:  # (torch's own keep every setting in their defaults)
+        built = _settings(cls([torch.zeros(1)], **kwargs))
+        for key, value in _settings(optimizer).items():
+            if key in built and not _same(built[key], value):
+                raise TypeError(
+                    f"{name}.{key} is {value!r} in the optimizer given, but {built[key]!r} in "
+                    f"{built_as}, which zero-shard builds over its own share of the params: its "
+                    f"steps there would run with {key}={built[key]!r}. Keep {key!r} in the "
+                    "defaults the constructor hands to torch.optim.Optimizer.__init__ (a param "
+                    "group option), or set it on the class"
+                )
     return kwargs
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's public attributes holding plain values (numbers, strings, flags, tuples of
+    them), beside the defaults, state and groups every optimizer has."""
+    return {
+        key: value
+        for key, value in vars(optimizer).items()
+        if not key.startswith("_")
+        and key not in ("defaults", "state", "param_groups")
+        and _is_plain(value)
+    }
+
+
+def _is_plain(value: Any) -> bool:
+    plain = (bool, int, float, str, type(None))
+    return isinstance(value, plain) or (
+        isinstance(value, tuple) and all(isinstance(each, plain) for each in value)
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b or (a != a and b != b)  # (NaN equals NaN here)
 
 
 def implementation_kwargs(cls: type[torch.optim.Optimizer], device_type: str) -> dict[str, Any]:

@@ -95,6 +95,25 @@ def test_subclass_whose_constructor_needs_what_its_defaults_lack() -> None:
         HybridDeviceOptimizer.wrap(Scaled(params(), 2.0))
 
 
+def test_subclass_with_a_setting_its_defaults_lack_is_refused() -> None:
+    # Built again from its defaults over each share, it would step with init_sq=0.0 there.
+    class Hidden(torch.optim.Adam):
+        def __init__(self, params: Any, lr: float = 1e-3, init_sq: float = 0.0) -> None:
+            super().__init__(params, lr=lr)
+            self.init_sq = init_sq
+
+    with pytest.raises(TypeError, match=r"Hidden.init_sq is 4.0 .* but 0.0 .* Keep 'init_sq'"):
+        HybridDeviceOptimizer.wrap(Hidden(params(), init_sq=4.0))
+    HybridDeviceOptimizer.wrap(Hidden(params()))  # (the same as built again: taken)
+
+    class Kept(torch.optim.Adam):  # the setting in its defaults: built again with it
+        def __init__(self, params: Any, lr: float = 1e-3, init_sq: float = 0.0) -> None:
+            super().__init__(params, lr=lr)
+            self.defaults["init_sq"] = self.init_sq = init_sq
+
+    HybridDeviceOptimizer.wrap(Kept(params(), init_sq=4.0))
+
+
 def test_not_an_optimizer_class() -> None:
     with pytest.raises(TypeError, match="optimizer_cls must be a torch.optim.Optimizer subclass"):
         HybridDeviceOptimizer(params(), torch.nn.Linear)
