@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -385,7 +386,9 @@ def add_state_saved_beyond(
                 continue
             size = tuple(getattr(metadata, "size", (-1,)))
             dtype = getattr(getattr(metadata, "properties", None), "dtype", None)
-            if dtype is not None and size == ():  # a scalar (a 0-dim param's state too)
+            if isinstance(metadata, BytesStorageMetadata):  # an object (a Python number)
+                entry[key] = 0  # (DCP puts the saved object in its place)
+            elif dtype is not None and size == ():  # a scalar (a 0-dim param's state too)
                 entry[key] = torch.zeros((), dtype=dtype)
             elif dtype is not None and size == tuple(record.layout.shape):
                 zeros = torch.zeros(record.shard.shape, dtype=dtype)

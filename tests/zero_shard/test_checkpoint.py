@@ -13,6 +13,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -316,14 +317,39 @@ def momentum_on(opt: torch.optim.Optimizer) -> None:
     opt.param_groups[0]["momentum"] = 0.9  # a momentum warm-up, after wrap
 
 
+class SignMomentum(torch.optim.Optimizer):
+    """An elementwise class of a user's own: its state, made at the first step, holds a Python
+    number (saved by DCP as an object, not a tensor)."""
+
+    _zero_shard_elementwise = True
+
+    def __init__(self, params: Any, lr: float = 1e-2, beta: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(momentum=torch.full_like(p, 0.25), count=0)
+                state["count"] += 1
+                state["momentum"].mul_(group["beta"]).add_(p.grad.sign())
+                p.add_(state["momentum"], alpha=-group["lr"] / state["count"] ** 0.5)
+
+
 def state_made_at_the_first_step_is_restored(rank: int, world: int) -> None:
     # State a fresh optimizer has not made yet (made at a param's first step: SGD with
-    # dampening, NAdam; or by an option switched on after wrap) is read from the checkpoint,
-    # not left out: the resumed run is the uninterrupted one, bit for bit.
+    # dampening, NAdam, a class of the user's own with a Python number in its state; or by an
+    # option switched on after wrap) is read from the checkpoint, not left out: the resumed run
+    # is the uninterrupted one, bit for bit.
     runs = (
         (sgd_dampened_and_plain, None),
         (sgd_momentum_later, momentum_on),
         (lambda model: torch.optim.NAdam(model.parameters(), lr=1e-2), None),
+        (lambda model: SignMomentum(model.parameters()), None),
     )
     for index, (make_optimizer, after_wrap) in enumerate(runs):
         whole, whole_opt = build_with(make_optimizer, after_wrap, seed=0)
