@@ -136,6 +136,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _host: HostPart
     _state_keys: list[StateKeys]  # per param group: the state the optimizer keeps per param
     _zero_momentum: set[int]  # ids of SGD momentum buffers made at zeros, not stepped since
+    state_started: bool  # a torch optimizer in its place would hold state: a step was launched,
+    #                      state was loaded or written (the truth value of ``state``)
     _num_elements: tuple[int, int]  # elements on the accelerator, on the CPU
     _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over: its
     #                                                     group dicts are ours; None: not wrapped
@@ -176,6 +178,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._groups_at_build = GroupsAtBuild(self.param_groups)
         self._record_by_param = {record.param: record for record in self._records}
         self._edits = StateEdits()
+        self.state_started = False
         self.state = StateView(self._records, self)
 
     @property
@@ -488,6 +491,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # A delayed update past its warm-up: the updates applied so far are final here.
         delayed = self._delay is not None and self._delay.delays(self._host.num_updates)
         self._mark_stepped()
+        self.state_started = True
         self._sync_hyperparams()
         self._host.drop_unmet_speculations()  # before anything reads their step counts
         self._device.check_options()  # refuse before the CPU's share is handed to the worker
@@ -709,6 +713,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.wait_for_worker()
         self._edits.apply()
         write_state(record, key, value)
+        self.state_started = True
         if key == "momentum_buffer":  # the user's buffer now, not the zeros made at build
             self._zero_momentum -= momentum_buffers([record], self.optimizer_cls)
         if watch and torch.is_tensor(value):
@@ -723,6 +728,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for record in records:
             reset_state(record, self.optimizer_cls, self._state_keys[record.group_index])
         self._zero_momentum |= momentum_buffers(records, self.optimizer_cls)
+        if {id(record) for record in records} >= {id(record) for record in self._records}:
+            self.state_started = False  # optimizer.state.clear(): torch's is empty then
 
     def wait_for_worker(self) -> None:
         """Returns once no step in flight on the host's worker writes the state any more."""
@@ -793,6 +800,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         init_state(self._records, self.optimizer_cls, self._state_keys)
         self._zero_momentum = momentum_buffers(self._records, self.optimizer_cls) - loaded
         self._host.num_updates = state_step_count(self._records)
+        self.state_started = bool(saved_state)  # torch's state is what was loaded
 
 
 def _live_for_stale(record: ParamRecord, saved: dict[str, Any], stale: set[int]) -> dict[str, Any]:

@@ -177,6 +177,8 @@ def record_state(record: ParamRecord) -> dict[str, Any]:
 class StateOwner(Protocol):
     """What ``StateView`` reads and writes the state through (the hybrid optimizer)."""
 
+    state_started: bool  # a torch optimizer in its place would hold state (see StateView)
+
     def wait_for_worker(self) -> None:
         """Returns once no step in flight writes the state any more."""
 
@@ -340,6 +342,13 @@ class StateView(MutableMapping[torch.Tensor, dict[str, Any]]):
     and ``in`` it. Each read builds the dict afresh (``record_state``); edits in place, assigned
     keys, a dict assigned to a param and ``del``/``pop``/``clear`` reach the live state as in
     torch ([Note: state edits]).
+
+    Its truth value is a torch optimizer's: false until a step was launched or state was loaded
+    or written, though the state of torch's own step is made at construction. torch's
+    ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` read it to decide whether to
+    make a fresh optimizer's state by a step with zero grads at lr 0 (``_init_optim_state``);
+    without it, the state a first step makes (SGD with dampening, a user's class) would be
+    missing from the layout a checkpoint is loaded into, and not loaded.
     """
 
     def __init__(self, records: Sequence[ParamRecord], owner: StateOwner) -> None:
@@ -354,6 +363,9 @@ class StateView(MutableMapping[torch.Tensor, dict[str, Any]]):
             self._owner.read_state(record),
             lambda key, value: self._owner.write_state(record, key, value),
         )
+
+    def __bool__(self) -> bool:
+        return self._owner.state_started
 
     def __contains__(self, param: object) -> bool:
         record = self._records.get(param)  # type: ignore[call-overload]

@@ -243,6 +243,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
+            self._hybrid.state_started = True  # on every rank, whatever its shards hold
         for owner in previous:
             owner._retire()
         handles = self.kind.install(self, overlap=overlap)
@@ -609,6 +610,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             sharded.record_version()
         self._stale.all_reloaded()  # every rank loads every main weight here
         self._hybrid.load_state_dict(local)
+        # As for a torch optimizer, and alike on every rank (not from this rank's shards alone).
+        self._hybrid.state_started = bool(state_dict["state"])
         self.kind.after_step(None)  # the params become the loaded main weights, rounded
         self.finish_param_sync()
 

@@ -222,6 +222,14 @@ def restored_error(fqn: str) -> RuntimeError:
 
 
 def _read_error(released: ReleasedGrad, func: Any) -> RuntimeError:
+    if func is aten._amp_foreach_non_finite_check_and_unscale_.default:
+        return RuntimeError(
+            f"torch.amp.GradScaler unscaled the grad of {released.fqn!r}, which zero-shard has "
+            "taken into its sharded main grads and freed from the model: use "
+            "zero_shard.GradScaler(device_type) in its place (the same scale, unscale_, step and "
+            "update), which unscales the reduced grads and skips a step with infs or NaNs on every "
+            "rank alike; nothing was stepped"
+        )
     during_backward = ""
     if torch._C._current_graph_task_id() != -1:  # read by backward itself: a second reducer
         during_backward = (

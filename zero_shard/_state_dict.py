@@ -507,11 +507,15 @@ class ShardedStateView(MutableMapping):
     """``optimizer.state`` of a ZeroShardOptimizer: model param -> its state as DTensors, built
     on access (views of the live state where a shard is in one piece, else copies). Edits reach
     the state as in torch ([Note: state edits] in ``optimizers/_state.py``): in place, by key,
-    a dict assigned to a param, ``del``/``pop``/``clear``, and ``optimizer.state = {}``."""
+    a dict assigned to a param, ``del``/``pop``/``clear``, and ``optimizer.state = {}``. Its
+    truth value is a torch optimizer's, as the hybrid's ``StateView`` says."""
 
     def __init__(self, sharded: Sequence[ShardedParam], hybrid: HybridDeviceOptimizer) -> None:
         self._sharded = list(sharded)
         self._hybrid = weakref.ref(hybrid)
+
+    def __bool__(self) -> bool:
+        return self._hybrid().state_started
 
     def _record(self, param: object) -> ShardedParam | None:
         for record in self._sharded:

@@ -32,6 +32,7 @@ from _models import (
     param_groups,
     step_reference,
 )
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 import zero_shard
@@ -340,31 +341,66 @@ class SignMomentum(torch.optim.Optimizer):
                 p.add_(state["momentum"], alpha=-group["lr"] / state["count"] ** 0.5)
 
 
+def save_through_torch(
+    path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def load_through_torch(
+    path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    # The layout first, as torch's docs load: get_state_dict makes a fresh optimizer's state.
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
 def state_made_at_the_first_step_is_restored(rank: int, world: int) -> None:
     # State a fresh optimizer has not made yet (made at a param's first step: SGD with
     # dampening, NAdam, a class of the user's own with a Python number in its state; or by an
     # option switched on after wrap) is read from the checkpoint, not left out: the resumed run
-    # is the uninterrupted one, bit for bit.
+    # is the uninterrupted one, bit for bit. Through zero_shard.checkpoint, and through torch's
+    # get_state_dict / dcp / set_state_dict, which make a fresh optimizer's state by a step at
+    # lr 0 where its `state` is empty, as a fresh wrapper's reads.
     runs = (
         (sgd_dampened_and_plain, None),
         (sgd_momentum_later, momentum_on),
         (lambda model: torch.optim.NAdam(model.parameters(), lr=1e-2), None),
         (lambda model: SignMomentum(model.parameters()), None),
     )
+    routes = {
+        "zero_shard.checkpoint": (zero_shard.checkpoint.save, zero_shard.checkpoint.load),
+        "torch's get_state_dict / set_state_dict": (save_through_torch, load_through_torch),
+    }
     for index, (make_optimizer, after_wrap) in enumerate(runs):
         whole, whole_opt = build_with(make_optimizer, after_wrap, seed=0)
         train(whole, whole_opt, rank, world, range(6))
-        model, opt = build_with(make_optimizer, after_wrap, seed=0)
-        train(model, opt, rank, world, range(3))
-        path = folder() / f"first_step_state_{index}"
-        zero_shard.checkpoint.save(path, model=model, optimizer=opt)
-        resumed, resumed_opt = build_with(make_optimizer, after_wrap, seed=1)  # no state yet
-        zero_shard.checkpoint.load(path, model=resumed, optimizer=resumed_opt)
-        train(resumed, resumed_opt, rank, world, range(3, 6))
-        for (name, param), expected in zip(
-            resumed.named_parameters(), whole.parameters(), strict=True
-        ):
-            assert torch.equal(param.detach(), expected.detach()), (type(opt).__name__, name)
+        for route_index, (route, (save, load)) in enumerate(routes.items()):
+            model, opt = build_with(make_optimizer, after_wrap, seed=0)
+            train(model, opt, rank, world, range(3))
+            path = folder() / f"first_step_state_{index}_{route_index}"
+            save(path, model=model, optimizer=opt)
+            resumed, resumed_opt = build_with(make_optimizer, after_wrap, seed=1)  # no state yet
+            load(path, model=resumed, optimizer=resumed_opt)
+            train(resumed, resumed_opt, rank, world, range(3, 6))
+            for (name, param), expected in zip(
+                resumed.named_parameters(), whole.parameters(), strict=True
+            ):
+                where = (route, type(opt).__name__, index, name)
+                assert torch.equal(param.detach(), expected.detach()), where
+    # torch's state dict of a fresh torch optimizer steps it at lr 0 first (AdamW's step count is
+    # then 1): the same call on a fresh wrapper does the same, so both go on alike.
+    ref = make_model()
+    ref_opt = adamw(ref)
+    get_state_dict(ref, ref_opt)
+    model, opt = build(fraction=0.5)
+    get_state_dict(model, opt)
+    train(model, opt, rank, world, range(3))
+    for step in range(3):
+        step_reference(ref, ref_opt, *global_batch(step))
+    assert_params_close(model, ref, "after get_state_dict of fresh optimizers")
 
 
 def a_fresh_wrapper_loads_a_torch_optimizers_checkpoint(rank: int, world: int) -> None:

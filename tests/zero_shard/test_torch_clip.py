@@ -563,6 +563,28 @@ def ddp_and_fsdp2_grads_unscaled_by_the_scaler_then_clipped_by_torch(rank: int, 
         assert scaler.get_scale() == 2.0**11, f"{kind}: the overflow was not skipped"
 
 
+@case
+def torchs_grad_scaler_is_refused_naming_zero_shards(rank: int, world: int) -> None:
+    # torch.amp.GradScaler, as users bring it, unscales the model's .grad: zero-shard holds the
+    # reduced grads in its shards, so its unscale_ (and step, which unscales first) raises on
+    # every rank, naming zero_shard.GradScaler, with nothing stepped.
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    opt.finish_param_sync()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    for call in ("unscale_", "step"):
+        x, y = (local_slice(t, rank, world) for t in global_batch(0))
+        scaler.scale(mse(model(x), y)).backward()
+        with pytest.raises(RuntimeError, match=r"torch\.amp\.GradScaler.*zero_shard\.GradScaler"):
+            getattr(scaler, call)(opt)
+        opt.zero_grad()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    opt.finish_param_sync()
+    for before_param, param in zip(before, model.parameters(), strict=True):
+        assert torch.equal(before_param, param.detach()), "a step was taken"
+
+
 @pytest.fixture(scope="module", params=[1, 3])
 def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
     with warnings.catch_warnings():
