@@ -110,7 +110,7 @@ def describe_run(device: torch.device) -> dict[str, Any]:
 def init_distributed(device_type: str) -> torch.device:
     """Joins torchrun's process group, or makes one of this process alone; returns the device.
 
-    ``"cuda"``: NCCL (NVLink multicast off unless ``NCCL_NVLS_ENABLE`` is set: the lent machines
+    ``"cuda"``: NCCL (NVLink multicast off unless ``NCCL_NVLS_ENABLE`` is set: the GPU machines
     do not support it) on the GPU of ``LOCAL_RANK``; ``"cpu"``: gloo.
     """
     if "RANK" not in os.environ:

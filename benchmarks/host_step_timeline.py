@@ -26,7 +26,7 @@ other row is set against the samples just before and after it (``interleaved``):
 is iteration / (backward + floor) for the exact step and iteration / max(forward + backward,
 floor) for a delayed update (``-- --delayed-update``), the project's bounds (targets 1.10 and
 1.15; docs/benchmarks/host_step_timeline.md).
-The host's memory speed moves by up to 1.7x within seconds on the lent hosts, so a floor
+The host's memory speed moves by up to 1.7x within seconds on the GPU machines' hosts, so a floor
 measured after the run (as ``e2e_gpt.py`` does) can be off by as much; samples seconds apart from
 the step they bound are the fair measure.
 

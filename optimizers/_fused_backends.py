@@ -10,7 +10,7 @@ written from TransformerEngine's ``transformer_engine/pytorch/optimizers/fused_a
 ``apex/optimizers/fused_adam.py`` with ``csrc/multi_tensor_adam.cu`` (004da4ed): parity with
 torch's Adam/AdamW, state dicts across offload fractions, refusals; on the CPU, and through the
 CUDA device path on a GPU (the doubles' torch ops standing for the kernels). What is not: the
-real packages and their CUDA kernels never ran (neither is installed in CI or on the lent GPUs).
+real packages and their CUDA kernels never ran (neither is installed in CI or on the GPU machines).
 """
 
 from __future__ import annotations

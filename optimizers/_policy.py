@@ -52,8 +52,9 @@ class OffloadPolicy:
             offloaded first. Default 1.0.
         pin_memory: stage the host copies in pinned memory (fast, asynchronous copies). If
             pinning fails, pageable memory is used with a warning. Default True.
-        num_threads: CPU threads for the CPU optimizer on this rank; ``None`` picks usable
-            cores / ranks on this host (torchrun's ``OMP_NUM_THREADS=1`` is overridden).
+        num_threads: CPU threads for the CPU optimizer on this rank; ``None``: the
+            ``OMP_NUM_THREADS`` you set, else usable cores / ranks on this host (torchrun's own
+            ``OMP_NUM_THREADS=1`` does not count).
         chunk_numel: elements per pipelined chunk: the copy of chunk k+1, the CPU step of chunk k
             and the copy back of chunk k-1 overlap. Each chunk is at most one call of the CPU
             kernel, whose threads may have gone to sleep since the last one: fewer, larger chunks
@@ -84,7 +85,7 @@ class OffloadPolicy:
             a forward does not (it runs on the lagging weights by design); reading the state
             (``opt.state``) waits for the CPU step but keeps the lag. Under ``zero_shard.wrap``
             only for a plain model that zero-shard shards (not DDP, not FSDP2), on one process
-            for now. Default False.
+            only. Default False.
         delayed_update_warmup: with ``delayed_update=True``, the first this many updates are
             exact (each one's weights reach the params before the next forward) and the delay
             starts after them, as the ZeRO-Offload paper warms up before its delayed update: the

@@ -36,7 +36,7 @@ for a deferred multiply, apply the factors pending. fp16 grads that still carry 
 (``zero_shard.GradScaler``'s unscale) give their unscaled norms, and a clamp's bounds are scaled
 alike. ``p.grad.data`` and ``p.grad.detach()`` are placeholders for the same grad (logging's
 ``p.grad.data.norm(2)``; ``p.grad.data.zero_()`` zeroes ``p.grad``). Anything else on a
-placeholder (reading values, elementwise math with it) raises, as before.
+placeholder (reading values, elementwise math with it) raises (see [Note: released grads]).
 
 [Note: clip at the step]
 The grads of a plain model are zero-shard's own (the params hold placeholders, see [Note:
@@ -60,7 +60,7 @@ reduction (another backward), a second clip, a norm or a clamp of a placeholder,
 unscale, ``main_grad``, and a step that does not take them. After a step that took them, that
 multiply in place first waits until the step reads the grads no more
 (``HostStep.wait_grads_read``). DDP's and FSDP2's grads are the model's own, which
-users may read after the clip: there the clip multiplies them at once, as before.
+users may read after the clip: there the clip multiplies them at once, as torch's does.
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ def _check_gather_options(
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if delay is not None and world_size > 1:
         raise ValueError(
-            f"OffloadPolicy(delayed_update=True) runs on one process for now, got "
+            f"OffloadPolicy(delayed_update=True) runs on one process only, got "
             f"{world_size}: at more ranks the update in flight would have to be "
             "gathered by calls that some ranks make alone (finish_param_sync, a module's "
             "state_dict). Use delayed_update=False, or one process"

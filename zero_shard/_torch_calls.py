@@ -5,8 +5,8 @@
 ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (and ``get_state_dict`` /
 ``set_state_dict``) take an optimizer's ``state_dict()`` to be torch's: params numbered by their
 position over the param groups. They rename the numbers to FQNs through a table that maps both
-ways (FQN <-> position), so the FQN keys of the wrapper's state dict were renamed back to numbers,
-and such a result loaded nowhere. Called from there, the wrapper numbers its params as torch does
+ways (FQN <-> position), so FQN keys in the wrapper's state dict would be renamed back to
+numbers, and such a result would load nowhere. Called from there, the wrapper numbers its params as torch does
 (``keyed_by_position``); torch then names them by FQN, so that its result is the wrapper's own
 state dict (``full_state_dict=True``: that one gathered), and loads into either optimizer.
 
@@ -23,7 +23,7 @@ The functions pass nothing that says who calls, so the caller is told by its fra
 private ``_get_optim_state_dict`` calls ``state_dict()``, from ``_load_optim_state_dict`` for the
 layout of a load. Checked on torch 2.13 only; the two names are the same in torch's source from
 2.2 on. Under a torch that renames them the frames match nothing and the wrapper gives its own
-state dict, keyed by FQN, as before.
+state dict, keyed by FQN, which torch's functions then renumber and which loads nowhere.
 """
 
 from __future__ import annotations

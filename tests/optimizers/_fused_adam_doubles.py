@@ -1,6 +1,6 @@
 """Test doubles of apex's and TransformerEngine's FusedAdam, in pure torch, on any device.
 
-Neither package can be installed in CI or on the lent GPU machines. Each double is written here
+Neither package can be installed in CI or on the GPU machines. Each double is written here
 (no upstream code copied) from the upstream source its docstring names, and behaves as that
 source in every respect zero-shard's adapter (optimizers/_fused_backends.py) depends on: the
 constructor's signature and refusals, where ``step`` lives (one count per param group), which

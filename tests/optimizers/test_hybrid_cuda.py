@@ -1,4 +1,4 @@
-"""HybridDeviceOptimizer on a CUDA GPU: parity, a race test and GPU memory. Run on the lent GPU
+"""HybridDeviceOptimizer on a CUDA GPU: parity, a race test and GPU memory. Run on the GPU
 machines (docs/gpu-tests.md); skipped without CUDA."""
 
 from __future__ import annotations

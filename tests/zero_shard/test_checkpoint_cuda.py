@@ -1,8 +1,8 @@
 """Checkpoints on 2 GPUs with NCCL: saved with half the optimizer state on the GPU and half in
 host memory, loaded at other offload fractions, stages and world sizes and compared with
 uninterrupted training; where the loaded state lives; async saves beside NCCL training. The CPU
-(gloo) versions of these cases are in test_checkpoint.py. Run on the lent nvidia-h200-x2
-machine (docs/gpu-tests.md); skipped with fewer than 2 GPUs.
+(gloo) versions of these cases are in test_checkpoint.py. Run on a machine with 2 GPUs
+(docs/gpu-tests.md); skipped with fewer than 2 GPUs.
 
 Two spawns: the cases at 2 ranks (the save first), then one process loading the same checkpoint.
 They share a folder through ZERO_SHARD_TEST_DIR, set before the processes are spawned.
@@ -320,7 +320,7 @@ CASES_AT_ONE = {"resume_on_one_gpu": resume_on_one_gpu}  # after the save at two
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
     if torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} GPUs; runs on the lent nvidia-h200-x2")
+        pytest.skip(f"needs {WORLD} GPUs; runs on a machine with 2 GPUs")
     os.environ["ZERO_SHARD_TEST_DIR"] = str(tmp_path_factory.mktemp("cuda_checkpoints"))
     results = run_cases(CASES_AT_TWO, WORLD, backend="nccl")
     results.update(run_cases(CASES_AT_ONE, 1, backend="nccl"))

@@ -115,7 +115,7 @@ def inductor_matches_eager_torch(rank: int, world: int) -> None:
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, str | None]:
     if WORLD == 0:
-        pytest.skip("needs a GPU; runs on the lent GPU machines")
+        pytest.skip("needs a GPU; runs on the GPU machines")
     return run_cases(CASES, WORLD, backend="nccl")
 
 

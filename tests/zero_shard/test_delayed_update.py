@@ -1,5 +1,5 @@
 """The one-step delayed update (``OffloadPolicy(delayed_update=True)``), on one CPU process
-(gloo; the delayed update runs on one process for now) and its refusals at two.
+(gloo; the delayed update runs on one process only) and its refusals at two.
 
 The reference is the delayed update written out with torch AdamW in one process on the whole
 batch: the model's params P give the grads; at each step the master copy M's last update reaches
@@ -280,7 +280,7 @@ def refuses_ddp_and_fsdp2(rank: int, world: int) -> None:
 
 def refuses_more_processes(rank: int, world: int) -> None:
     model = make_model()
-    with pytest.raises(ValueError, match="runs on one process for now, got 2"):
+    with pytest.raises(ValueError, match="runs on one process only, got 2"):
         zero_shard.wrap(adamw(model), model, offload=delayed())
 
 

@@ -3,7 +3,7 @@ Hugging Face models whose forward reads params outside the module that owns them
 forwards and saves, and writes or loads right after ``step()``. Each case trains against
 single-process torch AdamW on the same global batch and compares the loss every step and the
 params after every forward (which waited for them), at the default buckets and at one param per
-bucket; cases that must hang without the fix rely on the harness's timeouts."""
+bucket; cases that would hang if the waits were missing rely on the harness's timeouts."""
 
 from __future__ import annotations
 

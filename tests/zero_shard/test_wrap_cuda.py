@@ -1,6 +1,6 @@
 """zero_shard.wrap on the GPUs there are (up to 4) with NCCL: parity with single-process torch
 AdamW, bf16 and fp16 runs, and a race test of the overlapped reduce-scatter and all-gather. Run
-on the lent GPU machines (docs/gpu-tests.md);
+on the GPU machines (docs/gpu-tests.md);
 skipped without a GPU."""
 
 from __future__ import annotations
@@ -434,7 +434,7 @@ def back_to_back_shards_packed_in_one_copy_as_param_by_param(rank: int, world: i
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, str | None]:
     if WORLD == 0:
-        pytest.skip("needs a GPU; runs on the lent GPU machines")
+        pytest.skip("needs a GPU; runs on the GPU machines")
     return run_cases(CASES, WORLD, backend="nccl")
 
 
