@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -60,6 +61,8 @@ from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 from ._step_hooks import share_step_hooks
 
 __all__ = ["HybridDeviceOptimizer", "MemoryReport"]
+
+logger = logging.getLogger("zero_shard")
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over: its
     #                                                     group dicts are ours; None: not wrapped
     _groups_at_build: GroupsAtBuild  # the groups and params the buffers are laid out for
+    _param_versions: list[int] | None  # each param's _version once step() or a load last wrote
+    #                                    it; None: not taken (no step yet, or by launch_step, or a
+    #                                    delayed update's weights still to land)
+    _logged_written: bool  # the reload of written params was logged
 
     def __init__(
         self,
@@ -179,6 +186,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._record_by_param = {record.param: record for record in self._records}
         self._edits = StateEdits()
         self.state_started = False
+        self._param_versions = None
+        self._logged_written = False
         self.state = StateView(self._records, self)
 
     @property
@@ -398,13 +407,42 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._reload_written_params()
         # Last params first: backward made their grads first.
         pending = self._launch(grad_scale, found_inf, grad_factor, need_order=None)
         if pending.delayed:
             pending.wait_grads_copied()  # completed by the next step, or a state dict's settle
+            self._param_versions = None
         else:
-            pending.wait()
+            pending.wait()  # the new weights' copies into the params are queued: counted now
+            self._note_param_versions()
         return loss
+
+    def _note_param_versions(self) -> None:
+        self._param_versions = [record.param._version for record in self._records]
+
+    def _reload_written_params(self) -> None:
+        """Params written since ``step()`` or a load last wrote them (a weight constraint such as
+        ``p.clamp_()`` after the step, model weights loaded after the optimizer's state) are
+        stepped from as they are, as torch steps them: their main weights are reloaded from them
+        first (``reload_model_params``; an fp32 param stepped on the accelerator is its own main
+        weight). A write through ``.data`` moves no version counter and is not seen."""
+        versions = self._param_versions
+        if versions is None:
+            return
+        records = self._records
+        written = [r.param for r, v in zip(records, versions, strict=True) if r.param._version != v]
+        if not written:
+            return
+        if not self._logged_written:
+            self._logged_written = True
+            logger.warning(
+                "zero-shard: %d params of a HybridDeviceOptimizer were written since its last "
+                "step; their fp32 main weights were reloaded from them (a low-precision param "
+                "that holds its main weights' rounding keeps them)",
+                len(written),
+            )
+        self.reload_model_params(written)
 
     @property
     def step_in_flight(self) -> bool:
@@ -597,8 +635,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         weights' rounding, every element, keeps its main weights (weights swapped out for an
         evaluation and back lose no precision).
 
-        Call it after loading model weights into the params (fine-tuning from a model-only
-        checkpoint); otherwise the next step would continue from the old main weights.
+        :meth:`step` does it for the params written since it or a load last wrote them (their
+        version counters moved: a weight load, ``p.clamp_()``); call it where a write bypassed
+        the counters (through ``.data``) or before :meth:`launch_step`, which does not check;
+        otherwise the next step would continue from the old main weights.
         """
         self._host.settle()
         indices = None
@@ -801,6 +841,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._zero_momentum = momentum_buffers(self._records, self.optimizer_cls) - loaded
         self._host.num_updates = state_step_count(self._records)
         self.state_started = bool(saved_state)  # torch's state is what was loaded
+        self._note_param_versions()  # the loaded main weights are in the params
 
 
 def _live_for_stale(record: ParamRecord, saved: dict[str, Any], stale: set[int]) -> dict[str, Any]:

@@ -487,9 +487,18 @@ def reset_state(record: ParamRecord, cls: type, keys: StateKeys) -> None:
 
 
 def check_saved_state(record: ParamRecord, saved: dict[str, Any]) -> None:
-    """Raises ``ValueError`` if a saved tensor does not fit the parameter."""
+    """Raises ``ValueError`` if a saved tensor does not fit the parameter, ``TypeError`` if it
+    is a tensor subclass (a DTensor of a sharded state dict): the state is kept in plain
+    tensors, which the CPU kernel reads by address."""
     shape = record.param.shape
     for key, value in saved.items():
+        if torch.is_tensor(value) and type(value) is not torch.Tensor:
+            raise TypeError(
+                f"saved state {key!r} of param {record.index} is a {type(value).__name__}, not a "
+                "plain tensor (the state dict of zero_shard.wrap's optimizer holds each rank's "
+                "shards as DTensors): load plain tensors, such as zero_shard.full_state_dict(opt) "
+                "gives on rank 0"
+            )
         if torch.is_tensor(value) and value.dim() > 0 and value.shape != shape:
             raise ValueError(
                 f"saved state {key!r} of param {record.index} has shape {tuple(value.shape)}, "

@@ -380,6 +380,54 @@ def test_dtensor_params_point_to_zero_shard_wrap(one_process_group: None) -> Non
     check_param_kind(param, "param 'fc.weight'")  # zero_shard's check takes FSDP2's DTensors
 
 
+def test_a_sharded_state_dict_is_refused_before_anything_changes(one_process_group: None) -> None:
+    # The state dict of zero_shard.wrap's optimizer holds DTensors: loaded into the hybrid (whose
+    # CPU kernel reads its state by address) it is refused, naming the plain one to load.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    params = make_params()
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(0.5), lr=1e-2)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["exp_avg"] = distribute_tensor(torch.ones(SHAPES[0]), mesh, [Shard(0)])
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(TypeError, match=r"'exp_avg' of param 0 is a DTensor.*full_state_dict"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    for index, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][index][key]))
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("write", ["clamp after each step", "weights loaded after the state"])
+def test_params_written_between_steps_are_stepped_from_as_in_torch(
+    write: str, fraction: float
+) -> None:
+    # torch steps from the params as they are: a weight constraint after the step, or model
+    # weights loaded after the optimizer's state, must reach the CPU share's fp32 main weights
+    # too (they are the params themselves only on the accelerator).
+    params, refs = make_params(), make_params()
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(fraction), lr=0.1)
+    ref_opt = torch.optim.AdamW(refs, lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        step_both(opt, ref_opt, params, refs, gen)
+        if write == "clamp after each step":
+            with torch.no_grad():
+                for param in (*params, *refs):
+                    param.clamp_(-0.5, 0.5)
+        elif step == 1:  # a resume: the optimizer's state first, then the model's weights
+            loaded = [torch.randn(p.shape, generator=gen) for p in params]
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            with torch.no_grad():
+                for param, ref, value in zip(params, refs, loaded, strict=True):
+                    param.copy_(value)
+                    ref.copy_(value)
+        assert_params_match(params, refs, f"{write}, fraction {fraction}, step {step}")
+
+
 # -- 4. optimizer.state ----------------------------------------------------------------------------
 
 
