@@ -224,14 +224,15 @@ def _check_buffers(main: torch.Tensor, staging: torch.Tensor, state: dict[str, A
         ("exp_avg_sq", state["exp_avg_sq"]),
     ):
         if (
-            tensor.dtype != torch.float32
+            type(tensor) is not torch.Tensor  # a subclass's data_ptr() is not its elements'
+            or tensor.dtype != torch.float32
             or not tensor.is_contiguous()
             or tensor.numel() != numel
             or tensor.device.type != "cpu"
         ):
             raise AssertionError(
-                f"expected {name} as a contiguous fp32 CPU tensor of {numel} elements, got "
-                f"{tensor.dtype}, {tuple(tensor.shape)} on {tensor.device}"
+                f"expected {name} as a contiguous fp32 CPU tensor of {numel} elements, got a "
+                f"{type(tensor).__name__} {tensor.dtype}, {tuple(tensor.shape)} on {tensor.device}"
             )
     if (
         staging.dtype not in (torch.bfloat16, torch.float32)
