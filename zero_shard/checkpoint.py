@@ -4,9 +4,12 @@
 ``save`` writes into ``<path>.partial`` (cleared first), and only when every rank's data and
 DCP's metadata are written does rank 0 add a completion marker and move it into place:
 ``<path>`` becomes ``<path>.previous``, ``<path>.partial`` becomes ``<path>``, and
-``<path>.previous`` is removed. A crash at any point leaves the last complete checkpoint loadable:
-at ``<path>``, or at ``<path>.previous`` during the instant between the two renames (``load``
-falls back to it). A directory without the marker is refused: its save did not finish.
+``<path>.previous`` is removed. No complete checkpoint is removed before a newer one is at
+``<path>``, so a crash or a failed rename at any point leaves the last complete checkpoint
+loadable: at ``<path>``, or, where ``<path>`` is missing, at ``<path>.partial`` (marked complete,
+not moved into place) or ``<path>.previous`` (moved aside), the newer first; ``load`` falls back
+to it, and the next ``save`` moves a complete ``<path>.partial`` into place before it writes. A
+directory without the marker is refused: its save did not finish.
 A save that fails (a write on any rank, or the commit on rank 0) fails on every rank alike, and
 an ``async_save``'s failure is raised again, on every rank, by the next ``save``, ``async_save``
 or ``load``: no rank is left waiting for another in a collective. Each call first waits for every
@@ -219,6 +222,8 @@ def _prepare(
     def prepare() -> T:
         _finish_pending()
         if _rank() == 0:
+            if not final.exists() and (partial / _MARKER).exists():
+                os.replace(partial, final)  # complete, not moved into place: the newest
             shutil.rmtree(partial, ignore_errors=True)  # a save that crashed before
             partial.parent.mkdir(parents=True, exist_ok=True)
         return stage()
@@ -234,9 +239,11 @@ def _commit(final: Path, partial: Path, previous: Path) -> None:
         return
     info = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     (partial / _MARKER).write_text(json.dumps(info))
-    shutil.rmtree(previous, ignore_errors=True)
-    if final.exists():
+    if (final / _MARKER).exists():  # the last complete one moves aside; an older one goes first
+        shutil.rmtree(previous, ignore_errors=True)
         os.replace(final, previous)
+    else:  # none at `final`: `previous` (if complete) is the last one until `partial` is in place
+        shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     shutil.rmtree(previous, ignore_errors=True)
 
@@ -262,8 +269,8 @@ def _commit_on_every_rank(
         raise error
     if failures[0] is not None:
         raise RuntimeError(
-            f"rank 0 could not move the checkpoint into place at {final} ({failures[0]}); the "
-            "last complete checkpoint is still there"
+            f"rank 0 could not move the checkpoint into place at {final} ({failures[0]}); no "
+            "complete checkpoint was removed, and load() finds the newest"
         )
 
 
@@ -441,14 +448,18 @@ def _resolve(path: str | os.PathLike) -> Path:
     final, partial, previous = _paths(path)
     if (final / _MARKER).exists():
         return final
-    if not final.exists() and (previous / _MARKER).exists():
-        warnings.warn(
-            f"{final} is missing but {previous} is complete (a save was interrupted between "
-            "its two renames); loading that",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return previous
+    fallbacks = (
+        (partial, "marked complete but not moved into place"),
+        (previous, "moved aside by a save interrupted before its last rename"),
+    )
+    for fallback, why in fallbacks if not final.exists() else ():
+        if (fallback / _MARKER).exists():  # the newer first
+            warnings.warn(
+                f"{final} is missing but {fallback} is complete ({why}); loading that",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return fallback
     if final.exists():
         raise IncompleteCheckpointError(
             f"{final} has no completion marker ({_MARKER}): its save did not finish. Load an "
@@ -644,7 +655,10 @@ def load(
     """Loads a checkpoint written by ``save`` (at any world size or offload fraction) into
     ``model``, ``optimizer`` and its LR ``scheduler`` (saved with ``save(..., scheduler=...)``;
     refused, before anything changes, where the checkpoint has none), in place; returns the
-    ``extra`` dict. Collective.
+    ``extra`` dict. Collective. The extra is unpickled and the scheduler's state loaded before
+    the model and the optimizer: where either fails (a class the extra holds does not import
+    here, a scheduler of another class) every rank raises ``ValueError`` and the model and the
+    optimizer are left as they were.
 
     Refuses a checkpoint whose save did not finish (``IncompleteCheckpointError``), and one of
     another model (``ValueError`` naming the FQNs: missing, unknown, or of other shapes) before
@@ -665,14 +679,42 @@ def load(
     """
     _meet("load")
     state, optim_state = _read_checked(path, model, optimizer, scheduler)
-    # The model first: the optimizer's load then takes the params as they are and sets them to
+    # What may fail without touching the model or the optimizer goes first, failing on every
+    # rank alike: the extra unpickled, the scheduler's state loaded.
+    extra = on_every_rank(
+        lambda: _load_extra_and_scheduler(state, scheduler), mesh=None, device=_device(model)
+    )
+    # The model next: the optimizer's load then takes the params as they are and sets them to
     # its main weights (loading the model after would mark every param as changed under it).
     _load_model(model, optimizer, state["model"])
     if optimizer is not None and optim_state is not None:
         optimizer.load_state_dict(optim_state)
-    if scheduler is not None:
-        scheduler.load_state_dict(pickle.loads(state["scheduler"]))
     rng_key = f"rng_rank{_rank()}"
     if restore_rng and rng_key in state:
         _set_rng_state(state[rng_key])
-    return pickle.loads(state["extra"]) if "extra" in state else {}
+    return extra
+
+
+def _load_extra_and_scheduler(
+    state: Mapping[str, Any], scheduler: LRScheduler | None
+) -> dict[str, Any]:
+    """The checkpoint's ``extra``, unpickled, with its scheduler state loaded into ``scheduler``;
+    raises ``ValueError`` naming the cause where either fails."""
+    try:
+        extra = pickle.loads(state["extra"]) if "extra" in state else {}
+    except Exception as err:
+        raise ValueError(
+            f"the checkpoint's extra does not unpickle here ({type(err).__name__}: {err}): "
+            "load it where the classes it holds import (one defined in the saving script's "
+            "__main__ does not), or save plain values in extra; nothing was loaded"
+        ) from err
+    if scheduler is not None:
+        try:
+            scheduler.load_state_dict(pickle.loads(state["scheduler"]))
+        except Exception as err:
+            raise ValueError(
+                f"the checkpoint's scheduler state does not load into a "
+                f"{type(scheduler).__name__} ({type(err).__name__}: {err}): pass a scheduler of "
+                "the class it was saved from; the model and the optimizer were not loaded"
+            ) from err
+    return extra

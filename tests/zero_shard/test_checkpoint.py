@@ -267,6 +267,21 @@ def halving(step: int) -> float:
     return 0.5**step
 
 
+class SavedConfig:
+    """A value of the user's in a checkpoint's extra, pickled by reference to its class."""
+
+
+def local_state_tensors(opt: zero_shard.ZeroShardOptimizer) -> list[torch.Tensor]:
+    """This rank's part of every state tensor, copied."""
+    state = opt.state_dict()["state"]
+    values = [v for fqn in sorted(state) for _, v in sorted(state[fqn].items())]
+    return [
+        (v.to_local() if isinstance(v, DTensor) else v).clone()
+        for v in values
+        if torch.is_tensor(v)
+    ]
+
+
 def train_scheduled(model, opt, scheduler, rank: int, world: int, steps: range) -> None:  # type: ignore[no-untyped-def]
     for step in steps:
         train(model, opt, rank, world, range(step, step + 1))
@@ -292,6 +307,27 @@ def a_scheduler_saved_with_the_checkpoint_resumes_its_schedule(rank: int, world:
     assert all(
         torch.equal(a, b.detach()) for a, b in zip(before, resumed.parameters(), strict=True)
     )
+    # A scheduler of another class, and an extra whose class does not import where it is loaded
+    # (defined in the saving script's __main__): refused before the model or optimizer change.
+    other = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    zero_shard.checkpoint.save(folder() / "step_scheduled", model=model, optimizer=opt,
+                               scheduler=other, extra={"config": SavedConfig()})  # fmt: skip
+    state_before = local_state_tensors(resumed_opt)
+    with pytest.raises(ValueError, match="scheduler state does not load into a LambdaLR"):
+        zero_shard.checkpoint.load(folder() / "step_scheduled", model=resumed,
+                                   optimizer=resumed_opt, scheduler=resumed_schedule)  # fmt: skip
+    saved_config = globals().pop("SavedConfig")
+    try:
+        with pytest.raises(ValueError, match="extra does not unpickle here"):
+            zero_shard.checkpoint.load(folder() / "step_scheduled", model=resumed,
+                                       optimizer=resumed_opt)  # fmt: skip
+    finally:
+        globals()["SavedConfig"] = saved_config
+    assert all(
+        torch.equal(a, b.detach()) for a, b in zip(before, resumed.parameters(), strict=True)
+    )
+    state_after = local_state_tensors(resumed_opt)
+    assert all(torch.equal(a, b) for a, b in zip(state_before, state_after, strict=True))
     zero_shard.checkpoint.load(
         path, model=resumed, optimizer=resumed_opt, scheduler=resumed_schedule
     )
@@ -656,6 +692,75 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused:" in done.stdout and "did not finish" in done.stdout
     assert IncompleteCheckpointError.__mro__[1] is RuntimeError
+
+
+FAILED_RENAMES = textwrap.dedent(
+    """
+    import os, sys, warnings
+    import torch, torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    from _models import adamw, make_model
+    import zero_shard
+    from zero_shard import checkpoint
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model)
+    path = {path!r}
+    replace = os.replace
+
+    def commits_fail(src, dst):  # the commit's last rename fails (EIO), nothing else
+        if sys._getframe(1).f_code.co_name == "_commit" and str(src).endswith(".partial"):
+            raise OSError(5, "Input/output error")
+        return replace(src, dst)
+
+    def load_step():
+        fresh = make_model(seed=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            extra = checkpoint.load(path, model=fresh, optimizer=zero_shard.wrap(adamw(fresh), fresh))
+        return extra["step"], [str(w.message) for w in caught]
+
+    checkpoint.save(path, model=model, optimizer=opt, extra={{"step": 1}})
+    for step in (2, 3):  # two failed commits in a row: the newest complete save still loads
+        os.replace = commits_fail
+        try:
+            checkpoint.save(path, model=model, optimizer=opt, extra={{"step": step}})
+        except OSError:
+            pass
+        else:
+            raise AssertionError("the commit did not fail")
+        finally:
+            os.replace = replace
+        loaded, warned = load_step()
+        assert loaded == step, (step, loaded)
+        assert any("marked complete but not moved into place" in w for w in warned), warned
+    checkpoint.save(path, model=model, optimizer=opt, extra={{"step": 4}})
+    loaded, warned = load_step()
+    assert loaded == 4 and not warned, (loaded, warned)
+    assert not os.path.exists(path + ".partial") and not os.path.exists(path + ".previous")
+    print("ok")
+    """
+)
+
+
+def test_failed_commits_in_a_row_keep_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    # The commit's last rename fails twice in a row (an I/O error): each time the newest complete
+    # save stays loadable (load falls back to it, with a warning), none is removed before a newer
+    # one is in place, and the next save puts everything back in order.
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = FAILED_RENAMES.format(
+        tests=str(Path(__file__).parent), port=port, path=str(tmp_path / "ckpt")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
 ASYNC_SAVE_THEN_DESTROY = textwrap.dedent(
