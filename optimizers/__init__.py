@@ -8,7 +8,7 @@ from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
 from ._speculation import SpeculationCounts
-from ._state import ParamState
+from ._state import ParamState, check_saved_keys
 from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 from ._step_hooks import share_step_hooks
 
@@ -22,6 +22,7 @@ __all__ = [
     "SpeculationCounts",
     "check_elementwise",
     "check_param_kind",
+    "check_saved_keys",
     "constructor_defaults",
     "load_state_dict_with_hooks",
     "scale_grads_",

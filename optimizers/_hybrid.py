@@ -46,6 +46,7 @@ from ._split import DeviceSplit, ParamInfo, plan_split
 from ._state import (
     StateEdits,
     StateView,
+    check_saved_keys,
     check_saved_state,
     init_state,
     load_main,
@@ -817,6 +818,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for record, saved_id in pairs:
             if saved_id in saved_state and not record.ignored:
                 check_saved_state(record, saved_state[saved_id])
+        check_saved_keys(saved_state, [group["params"] for group in state_dict["param_groups"]])
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({key: value for key, value in saved.items() if key != "params"})
         self._sync_hyperparams()

@@ -37,6 +37,7 @@ __all__ = [
     "StateOwner",
     "StateView",
     "assign_state",
+    "check_saved_keys",
     "check_saved_state",
     "gather_main",
     "gather_state",
@@ -505,6 +506,30 @@ def check_saved_state(record: ParamRecord, saved: dict[str, Any]) -> None:
                 f"but the param has shape {tuple(record.param.shape)}: the checkpoint is of "
                 "another model or another parameter order"
             )
+
+
+def check_saved_keys(
+    saved_state: Mapping[Any, Mapping[str, Any]], groups: Sequence[Sequence[Any]]
+) -> None:
+    """Raises ``ValueError`` where params of one group were saved with different state keys
+    (``main_param`` aside): one lacks a key the others have (a state dict cut or edited by hand),
+    which the step would find missing only after stepping the others. ``groups``: each group's
+    saved param ids."""
+    for index, ids in enumerate(groups):
+        keys = {
+            pid: frozenset(key for key in saved_state[pid] if key != "main_param")
+            for pid in ids
+            if saved_state.get(pid)
+        }
+        if len(set(keys.values())) <= 1:
+            continue
+        every = frozenset().union(*keys.values())
+        pid, held = next((pid, held) for pid, held in keys.items() if held != every)
+        raise ValueError(
+            f"the saved state of param {pid!r} (param group {index}) lacks {sorted(every - held)}, "
+            "which other params of its group have: the state dict is incomplete. Load a whole "
+            "one; nothing was loaded"
+        )
 
 
 def scatter_state(

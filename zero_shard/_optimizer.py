@@ -22,6 +22,7 @@ from optimizers import (
     MemoryReport,
     OffloadPolicy,
     SpeculationCounts,
+    check_saved_keys,
     constructor_defaults,
     load_state_dict_with_hooks,
     share_step_hooks,
@@ -617,6 +618,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _checked_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         check_saved_groups(state_dict, self._group_fqns)
+        check_saved_keys(state_dict["state"], [g["params"] for g in state_dict["param_groups"]])
         check_origin(state_dict["state"], _origin())
         return self._local_state_dict(state_dict["state"])
 

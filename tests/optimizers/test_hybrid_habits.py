@@ -401,6 +401,25 @@ def test_a_sharded_state_dict_is_refused_before_anything_changes(one_process_gro
 
 
 @pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_state_dict_missing_a_key_of_its_group_is_refused_at_load(fraction: float) -> None:
+    # One param's state lacks a key its group's other params have (a state dict cut by hand):
+    # refused at the load, before anything changes; the step would have stepped the others
+    # before finding it missing.
+    params = make_params()
+    opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy(fraction), lr=1e-2)
+    step_both(opt, torch.optim.AdamW(make_params()), params, make_params(), torch.Generator())
+    saved = copy.deepcopy(opt.state_dict())
+    del saved["state"][2]["exp_avg_sq"]
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"param 2 \(param group 0\) lacks \['exp_avg_sq'\]"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    for index, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][index][key]))
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
 @pytest.mark.parametrize("write", ["clamp after each step", "weights loaded after the state"])
 def test_params_written_between_steps_are_stepped_from_as_in_torch(
     write: str, fraction: float

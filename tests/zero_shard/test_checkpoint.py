@@ -565,6 +565,16 @@ def bad_checkpoints_are_refused(rank: int, world: int) -> None:
     state["state"]["inp.weight"]["exp_avg"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match=r"'inp.weight' has shape \(3, 3\)"):
         opt.load_state_dict(state)
+    # A param's state without a key its group's other params have: refused at the load (the
+    # step would find it missing only after stepping the others, at fraction 0.5).
+    model, opt = build(fraction=0.5)
+    train(model, opt, rank, world, range(1))
+    before = local_state_tensors(opt)
+    state = opt.state_dict()
+    del state["state"]["out.bias"]["exp_avg_sq"]
+    with pytest.raises(ValueError, match=r"'out.bias' \(param group 1\) lacks \['exp_avg_sq'\]"):
+        opt.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(before, local_state_tensors(opt), strict=True))
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         zero_shard.checkpoint.load(folder() / "nothing here", model=model, optimizer=opt)
 
