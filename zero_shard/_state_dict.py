@@ -565,6 +565,7 @@ class ShardedStateView(MutableMapping):
     def clear(self) -> None:
         hybrid = self._hybrid()
         hybrid.reset_param_state([r.shard for r in self._sharded if r.shard in hybrid.state])
+        hybrid.state_started = False  # torch's is empty now; alike on every rank (not by shards)
 
     def replace(self, value: Mapping[Any, Any]) -> None:
         """``optimizer.state = value``: an empty mapping drops every param's state (see

@@ -450,6 +450,26 @@ def optimizer_state_edited_the_ways_torch_users_edit_it(rank: int, world: int) -
     assert all(float(opt.state[p]["step"]) == 0 for p in model.parameters())
     with pytest.raises(TypeError, match="only be replaced by an empty dict"):
         opt.state = {model.inp.weight: {}}
+    # Cleared after steps, the state reads as empty on every rank (whatever its shards hold), as
+    # torch's does: torch's get_optimizer_state_dict then steps both at lr 0 alike, and they go on
+    # alike (a rank that read otherwise would leave the others in that step's collectives).
+    model, opt, ref, ref_opt = wrapped_and_torch(fraction=0.5)
+    for round_ in range(2):
+        for step in range(2 * round_, 2 * round_ + 2):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            step_reference(ref, ref_opt, x, y)
+        if round_ == 0:
+            opt.state.clear()
+            ref_opt.state.clear()
+            assert not opt.state and not ref_opt.state
+            get_optimizer_state_dict(model, opt)
+            get_optimizer_state_dict(ref, ref_opt)
+            assert opt.state and ref_opt.state
+    opt.finish_param_sync()
+    assert_params_close(model, ref, "state.clear(), then torch's get_optimizer_state_dict")
 
 
 @case
