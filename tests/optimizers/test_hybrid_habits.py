@@ -380,6 +380,13 @@ def test_dtensor_params_point_to_zero_shard_wrap(one_process_group: None) -> Non
     check_param_kind(param, "param 'fc.weight'")  # zero_shard's check takes FSDP2's DTensors
 
 
+def assert_same_state_dict(state_dict: dict[str, Any], expected: dict[str, Any]) -> None:
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            now = state_dict["state"][index][key]
+            assert torch.equal(torch.as_tensor(now), torch.as_tensor(value)), (index, key)
+
+
 def test_a_sharded_state_dict_is_refused_before_anything_changes(one_process_group: None) -> None:
     # The state dict of zero_shard.wrap's optimizer holds DTensors: loaded into the hybrid (whose
     # CPU kernel reads its state by address) it is refused, naming the plain one to load.
@@ -394,10 +401,7 @@ def test_a_sharded_state_dict_is_refused_before_anything_changes(one_process_gro
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(TypeError, match=r"'exp_avg' of param 0 is a DTensor.*full_state_dict"):
         opt.load_state_dict(saved)
-    after = opt.state_dict()
-    for index, state in before["state"].items():
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][index][key]))
+    assert_same_state_dict(opt.state_dict(), before)
 
 
 @pytest.mark.parametrize("fraction", FRACTIONS)
@@ -413,10 +417,7 @@ def test_a_state_dict_missing_a_key_of_its_group_is_refused_at_load(fraction: fl
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match=r"param 2 \(param group 0\) lacks \['exp_avg_sq'\]"):
         opt.load_state_dict(saved)
-    after = opt.state_dict()
-    for index, state in before["state"].items():
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][index][key]))
+    assert_same_state_dict(opt.state_dict(), before)
 
 
 @pytest.mark.parametrize("fraction", FRACTIONS)

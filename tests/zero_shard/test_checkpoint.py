@@ -626,20 +626,28 @@ def test_checkpoints(outcomes: dict[str, str | None], name: str) -> None:
     check_outcome(outcomes, name)
 
 
-KILLED_SAVE = textwrap.dedent(
+# One process and its group, a model and its wrapper, the checkpoint's path: what a script run in a
+# fresh interpreter starts with (its process group would outlive a test run here).
+ONE_PROCESS_PREAMBLE = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, warnings
     import torch, torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     sys.path.insert(0, {tests!r})
     from _models import adamw, make_model
     import zero_shard
+    from zero_shard import checkpoint
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
     dist.init_process_group("gloo", rank=0, world_size=1)
     model = make_model()
     opt = zero_shard.wrap(adamw(model), model)
     path = {path!r}
+    """
+)
+
+KILLED_SAVE = ONE_PROCESS_PREAMBLE + textwrap.dedent(
+    """
     zero_shard.checkpoint.save(path, model=model, optimizer=opt, extra={{"step": 1}})
     torch.save({{n: p.detach().clone() for n, p in model.named_parameters()}}, path + ".expected")
     with torch.no_grad():
@@ -704,20 +712,8 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path) 
     assert IncompleteCheckpointError.__mro__[1] is RuntimeError
 
 
-FAILED_RENAMES = textwrap.dedent(
+FAILED_RENAMES = ONE_PROCESS_PREAMBLE + textwrap.dedent(
     """
-    import os, sys, warnings
-    import torch, torch.distributed as dist
-    sys.path.insert(0, {tests!r})
-    from _models import adamw, make_model
-    import zero_shard
-    from zero_shard import checkpoint
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r})
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    model = make_model()
-    opt = zero_shard.wrap(adamw(model), model)
-    path = {path!r}
     replace = os.replace
 
     def commits_fail(src, dst):  # the commit's last rename fails (EIO), nothing else
