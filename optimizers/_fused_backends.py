@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ._elementwise import IMPL_KEYS, OptimizerSpec, implementation_kwargs, torch_class_run_as_is
+from ._kept_lists import keep_step_lists
 from ._policy import DeviceImpl
 from ._step_hooks import step_unhooked
 
@@ -219,4 +220,6 @@ def build_sub_optimizer(
     """
     if impl != "torch" and device_type != "cpu":
         return _build_fused_adam(impl, spec, groups)
-    return spec.build(groups, implementation_kwargs(spec.cls, device_type))
+    optimizer = spec.build(groups, implementation_kwargs(spec.cls, device_type))
+    keep_step_lists(optimizer)  # [Note: kept step lists]
+    return optimizer

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from ._elementwise import StateKeys, torch_class_run_as_is
+from ._kept_lists import forget_step_lists
 from ._records import ParamRecord, Piece, flat_param
 
 __all__ = [
@@ -484,6 +485,7 @@ def reset_state(record: ParamRecord, cls: type, keys: StateKeys) -> None:
                 if torch.is_tensor(value):
                     value.zero_()
         else:
+            forget_step_lists(piece.optimizer)
             piece.optimizer.state.pop(piece.main, None)
 
 
@@ -540,6 +542,7 @@ def scatter_state(
     ``elementwise_keys`` are shaped like the param: a 0-dim param's are 0-dim too, and become
     1-element tensors as its flat main weight is (the fused kernels want one layout)."""
     for piece in record.pieces:
+        forget_step_lists(piece.optimizer)  # they would hold the replaced tensors
         if saved is None:
             piece.optimizer.state.pop(piece.main, None)
             continue

@@ -8,7 +8,7 @@ thread) and the aten ops dispatched on the main thread, per phase of an iteratio
 of ``L`` and of ``2 L`` blocks in one bucket, bf16. What grows with the params is held to its bounds:
 
 - ``clip_grad_norm_``, ``step()`` and ``zero_grad()``: calls per bucket only (none per param),
-  and one aten op per param at most (the flat view of a fresh grad handed to torch's kernels);
+  torch's Adam ``_init_group`` (Python per param) not run, and one aten op per param at most (the flat view of a fresh grad handed to torch's kernels);
   the clip's ops take the grads per bucket (a multi-tensor op's list does not grow);
 - backward: the two autograd hooks of each param and the reduction's ``take`` / ``release``;
   beyond torch's own ops, one aten op per param at most (a grad's slot in the buffer): the
@@ -38,7 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = tuple(str(ROOT / package) + "/" for package in ("zero_shard", "optimizers", "offload"))
-PHASES = ("forward", "backward", "clip", "step", "zero_grad", "threads")
+TORCH_OPTIM = str(Path(torch.optim.__file__).parent) + "/"
+PHASES = ("forward", "backward", "clip", "step", "zero_grad", "threads", "torch_init_group")
 NUM_STEPS = 3  # counted, after 2 untimed steps
 SLACK = 8  # calls a step may vary by: a wait finds its gather done or not (threads)
 # The gather thread's calls count whatever the main thread does meanwhile (its phase is taken
@@ -81,9 +82,14 @@ class _Calls:
         self._main = threading.get_ident()
 
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and self.phase and frame.f_code.co_filename.startswith(OURS):
+        if event != "call" or not self.phase:
+            return
+        code = frame.f_code
+        if code.co_filename.startswith(OURS):
             main = threading.get_ident() == self._main
             self.counts[self.phase if main else "threads"] += 1
+        elif code.co_name == "_init_group" and code.co_filename.startswith(TORCH_OPTIM):
+            self.counts["torch_init_group"] += 1  # torch's Python per param
 
 
 class _Ops(TorchDispatchMode):
@@ -222,6 +228,8 @@ def _case_per_bucket(rank: int, world_size: int) -> None:
     shown = f"{small} -> {large} calls per step, +{added_params} params"
     for name in ("clip", "step", "zero_grad", "threads"):
         assert large[name] <= small[name] + SLACK, f"{name}: {shown}"
+    # The sub-optimizers' lists are kept from step to step ([Note: kept step lists]).
+    assert large["torch_init_group"] == small["torch_init_group"] == 0, shown
     bound = BACKWARD_CALLS_PER_PARAM * added_params + SLACK
     assert large["backward"] - small["backward"] <= bound, f"backward: {shown}"
     bound = FORWARD_CALLS_PER_MODULE * added_modules + SLACK
