@@ -17,8 +17,9 @@ before anything changes (``prepare_switched_on_state``).
 
 from __future__ import annotations
 
+import numbers
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "GroupsAtBuild",
     "check_first_momentum",
     "check_impl_flags",
+    "check_number_options",
     "check_wrapped_groups",
     "leave_kernel_where_unmet",
     "prepare_switched_on_state",
@@ -54,6 +56,53 @@ def check_impl_flags(groups: Sequence[dict[str, Any]]) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)) or torch.is_tensor(
+        value
+    )
+
+
+def _is_numbers(value: Any, like: Any) -> bool:
+    """Whether ``value`` is what an option whose default is ``like`` may hold: a number or a
+    tensor for a number, as many for a tuple of numbers (``betas``)."""
+    if isinstance(like, tuple):
+        return (
+            isinstance(value, (tuple, list))
+            and len(value) == len(like)
+            and all(isinstance(v, numbers.Real) or torch.is_tensor(v) for v in value)
+        )
+    return isinstance(value, numbers.Real) or torch.is_tensor(value)
+
+
+def check_number_options(groups: Sequence[dict[str, Any]], defaults: Mapping[str, Any]) -> None:
+    """Raises ``TypeError`` before anything is stepped where a group's option that the
+    optimizer's defaults give as a number (``lr``, ``eps``, ``betas``...) holds something else.
+
+    torch finds such a value (``lr`` read from a config as a string) inside its kernels, after
+    some params' step counts moved (every param's, in a fused kernel): fixed, the run goes on a
+    step count ahead. Checked at each step, as the groups are edited between steps."""
+    numeric = [
+        (key, like)
+        for key, like in defaults.items()
+        if _is_number(like)
+        or (isinstance(like, tuple) and like and all(_is_number(v) for v in like))
+    ]
+    for index, group in enumerate(groups):
+        for key, like in numeric:
+            value = group.get(key, like)
+            if not _is_numbers(value, like):
+                what = (
+                    "a number or a tensor"
+                    if not isinstance(like, tuple)
+                    else (f"{len(like)} numbers or tensors")
+                )
+                raise TypeError(
+                    f"param_groups[{index}][{key!r}] must be {what} (given {like!r} at "
+                    f"construction), got {value!r}; set a number (float(...)); nothing was "
+                    "stepped"
+                )
 
 
 class GroupsAtBuild:

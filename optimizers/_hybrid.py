@@ -34,6 +34,7 @@ from ._group_options import (
     GroupsAtBuild,
     check_first_momentum,
     check_impl_flags,
+    check_number_options,
     check_wrapped_groups,
     prepare_switched_on_state,
 )
@@ -504,6 +505,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         need_order: Sequence[int] | None,
     ) -> HostStep:
         check_wrapped_groups(self._groups_at_build, self.param_groups, self._wrapped_optimizer())
+        check_number_options(self.param_groups, self.defaults)
         self._host.refuse_live_writes()  # before anything is stepped
         if self._edits.pending:  # they land before the step: not after a speculated one
             self._host.drop_speculations()

@@ -627,6 +627,40 @@ def test_group_edits_reach_both_devices_as_in_torch(fraction: float) -> None:
 
 
 @pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize(
+    ("key", "bad"), [("lr", "1e-3"), ("betas", ("0.9", 0.99)), ("weight_decay", None)]
+)
+def test_an_option_that_is_no_number_is_refused_before_anything_changes(
+    key: str, bad: Any, fraction: float
+) -> None:
+    """An option read from a config as a string: torch raises inside its kernels, after step
+    counts moved (a fused kernel's, every param's), so that the run, once the option is fixed,
+    goes on a step count ahead. The hybrid refuses it before anything changes; fixed, it goes on
+    as torch's run that never had it."""
+    params = make_params()
+    refs = fp32_copies(params)
+    ref_opt = torch.optim.AdamW(two_groups(refs, 1e-2), lr=1e-2)
+    opt = HybridDeviceOptimizer(
+        two_groups(params, 1e-2), torch.optim.AdamW, policy=policy(fraction), lr=1e-2
+    )
+    gen = torch.Generator().manual_seed(1)
+    for step in range(NUM_STEPS):
+        if step == 2:
+            good = opt.param_groups[1][key]
+            opt.param_groups[1][key] = bad
+            before = copy.deepcopy(opt.state_dict())
+            weights = [p.detach().clone() for p in params]
+            with pytest.raises(TypeError, match=rf"param_groups\[1\]\['{key}'\] must be"):
+                step_both(opt, torch.optim.SGD(refs, lr=0.0), params, refs, gen)
+            assert_same_state_dict(opt.state_dict(), before)
+            assert all(torch.equal(p, w) for p, w in zip(params, weights, strict=True))
+            opt.param_groups[1][key] = good
+        step_both(opt, ref_opt, params, refs, gen)
+        assert_params_match(params, refs, f"step {step}")
+    assert_state_matches(opt, ref_opt, params, refs)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
 def test_named_parameters_as_in_torch(fraction: float) -> None:
     params = make_params()
     refs = fp32_copies(params)
