@@ -125,6 +125,11 @@ class Kind(Protocol):
     def end_window(self) -> None:
         pass
 
+    def holds_unstepped_grads(self) -> bool:
+        """Whether grads a backward reduced into zero-shard's own buffers wait for a step (the
+        model's ``.grad`` then holds placeholders); DDP's and FSDP2's stay in ``.grad``."""
+        return False
+
     def refresh_shards(self, records: Sequence[ShardedParam]) -> None:
         pass  # the shards are the params' memory
 

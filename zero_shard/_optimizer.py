@@ -89,6 +89,19 @@ def _fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32))
 
 
+def _refuse_between_backward_and_step(previous: list[ZeroShardOptimizer]) -> None:
+    """A wrap between a backward and its step: the backward's grads were reduced into the
+    buffers of the wrappers it replaces (the model's ``.grad`` holds their placeholders), and
+    the new one would step none of them. Raised before anything changes."""
+    if any(owner.kind.holds_unstepped_grads() for owner in previous):
+        raise RuntimeError(
+            "zero_shard.wrap came between a backward and its step(): that backward's grads were "
+            "reduced into the ZeroShardOptimizer this wrap would take the params over from, and "
+            "the new wrapper would step none of them. Call zero_grad() on the old wrapper (or "
+            "step() it) first and run the backward after wrapping; nothing changed"
+        )
+
+
 def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
@@ -182,6 +195,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         # A param takes one live wrapper (see _owners.py): this one takes over from the ones
         # before, whose last update reaches the params first; they retire once this one is built.
         previous = live_owners([param for param, _, _ in checked.trainable])
+        _refuse_between_backward_and_step(previous)
         for owner in previous:
             owner.finish_param_sync()
         self._retired = False
@@ -240,11 +254,20 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         overlap: bool,
     ) -> None:
         """Takes the wrapped optimizer's state and the params over (from ``previous`` wrappers
-        too), and installs the model hooks."""
+        too), and installs the model hooks. A previous wrapper of the same torch optimizer
+        holds its state (the wrap took it over, emptying ``optimizer.state``): that state
+        carries over to the params both hold, as a torch optimizer keeps its state."""
+        carried = []
         if optimizer.state:  # the wrapped optimizer stepped before: take its state over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
             self._hybrid.state_started = True  # on every rank, whatever its shards hold
+        else:  # read before they retire (the same on every rank: each wraps alike)
+            carried = [
+                owner._state_dict(TorchCall.NONE)
+                for owner in previous
+                if owner._wrapped() is optimizer
+            ]
         for owner in previous:
             owner._retire()
         handles = self.kind.install(self, overlap=overlap)
@@ -254,6 +277,23 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             sharded.record_version()
         claim([sharded.param for sharded in self._sharded], self)
         optimizer.state.clear()  # taken over: not held twice (a scheduler may keep it alive)
+        if carried:
+            self._load_carried_state(carried)
+
+    def _load_carried_state(self, carried: list[dict[str, Any]]) -> None:
+        """Loads the state (main weights included) that previous wrappers of the same torch
+        optimizer held for params this one holds too; the others keep their fresh state. The
+        group options are this wrapper's (they are the torch optimizer's)."""
+        fresh = self._state_dict(TorchCall.NONE)
+        mine = {fqn for group in fresh["param_groups"] for fqn in group["params"]}
+        found = False
+        for saved in carried:
+            for fqn, value in saved["state"].items():
+                if fqn in mine:
+                    fresh["state"][fqn] = value
+                    found = True
+        if found:
+            self._load_state_dict(fresh)
 
     @property
     def state(self) -> ShardedStateView:  # type: ignore[override]
@@ -307,8 +347,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if not self._building:
             raise NotImplementedError(
                 "ZeroShardOptimizer lays out its shards at wrap: add the param group to the torch "
-                "optimizer before wrapping it, or drop this wrapper, add it and wrap again: del "
-                "opt; torch_opt.add_param_group(...); opt = zero_shard.wrap(torch_opt, model)"
+                "optimizer before wrapping it, or add it there and wrap that optimizer again, "
+                "while this wrapper is alive and before the next backward: "
+                "torch_opt.add_param_group(...); opt = zero_shard.wrap(torch_opt, model) takes "
+                "the params and their state over from this wrapper"
             )
         super().add_param_group(param_group)
 
@@ -446,9 +488,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"the param_groups of the {owner} changed after wrap ({change}), and this "
                 "wrapper would not step them so: it lays out its shards at wrap. Put every param "
-                "in its group before wrapping, or drop this wrapper and wrap again after the "
-                "change: del opt; opt = zero_shard.wrap(torch_opt, model) (its optimizer state "
-                "starts afresh). Load state into the wrapper (opt.load_state_dict), not into "
+                "in its group before wrapping, or wrap the torch optimizer again after the "
+                "change, while this wrapper is alive and before the next backward: opt = "
+                "zero_shard.wrap(torch_opt, model) takes the params and their state over from "
+                "this wrapper. Load state into the wrapper (opt.load_state_dict), not into "
                 "torch_opt"
             )
         self._check_still_alone()
@@ -726,9 +769,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         raise RuntimeError(
             f"params {shown} had requires_grad=False when the optimizer was wrapped and have "
             "grads now: zero-shard sharded no state for them, and torch's optimizer would step "
-            "them. After unfreezing params, wrap a new optimizer over them (zero_shard.wrap("
-            "torch.optim.AdamW(model.parameters()), model) takes the params over from this one), "
-            "or set their .grad to None; nothing was stepped"
+            "them. Call opt.zero_grad() and wrap the torch optimizer again (opt = "
+            "zero_shard.wrap(torch_opt, model) takes the params and their state over from this "
+            "wrapper), then run the backward again; or set their .grad to None. Nothing was "
+            "stepped"
         )
 
     def _check_nonfinite(self) -> tuple[bool, torch.Tensor | None]:

@@ -81,6 +81,7 @@ from ._collectives import (
     write_replicated,
 )
 from ._gather import ParamGatherer
+from ._outside import average_outside_grads
 from ._released import GradWatch, PlaceholderRemoval, ReleasedGrad, Taken, forget_all
 from ._released_ops import DeferredClip, EarlyCopies
 
@@ -120,6 +121,8 @@ class GradReducer:
     _clip: DeferredClip | None  # factors pending on the grads a reduction may add to
     _early: EarlyCopies | None  # hands each reduced bucket on to the host's early copies
     _accumulators: list[Any]  # the params' grad accumulators (autograd nodes) the hooks are on
+    _outside: list[torch.Tensor]  # the model's params no bucket holds ([Note: params outside
+    #                               the optimizer] in _outside.py)
     num_changes: int  # reductions, and clears seen after one, so far: the grads changed if it did
     _finished_at: int  # num_changes when finish() last set the shards' grads
 
@@ -133,8 +136,10 @@ class GradReducer:
         gatherer: ParamGatherer,
         clip: DeferredClip | None,
         early: EarlyCopies | None,
+        outside: Sequence[torch.Tensor] = (),
     ) -> None:
         self.buckets = list(buckets)
+        self._outside = list(outside)
         self.enabled = True
         self.outer_unsynced = False
         self._group = group
@@ -269,6 +274,8 @@ class GradReducer:
         try:
             self._take_deferred()
             self._reduce_rest()
+            if self._group is not None and self._outside:
+                average_outside_grads(self._outside, self._group, self._device)
         finally:
             self._in_backward = False
 
@@ -539,6 +546,11 @@ class GradReducer:
         """A step took the reduced grads: the next ``finish`` reduces again unless a backward
         does first."""
         self._reduced_in_window = False
+
+    @property
+    def reduced_in_window(self) -> bool:
+        """Whether a reduction ran since the last step or ``zero_grad``."""
+        return self._reduced_in_window
 
 
 def _untouched(bucket: Bucket) -> bool:

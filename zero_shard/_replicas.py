@@ -489,9 +489,14 @@ class ReplicatedKind(_Replicas):
                 # Steps speculated from the copies take the wrapper's options as they are then.
                 sync = optimizer._sync_hybrid_groups if hybrid.speculates else None
                 early = EarlyCopies(hybrid, self.buckets, self._bucket_indices, sync)
+        held = {id(s.param) for s in self.sharded}
         self.reducer = GradReducer(
             self.buckets, self._group, stage=self._stage, device=self._device,
             gatherer=self.gatherer, clip=self.clip, early=early,
+            outside=[
+                p for p in self.module.parameters()
+                if id(p) not in held and not isinstance(p, DTensor)
+            ],
         )  # fmt: skip
         reducer = weakref.ref(self.reducer)
 
@@ -558,6 +563,12 @@ class ReplicatedKind(_Replicas):
 
     def end_window(self) -> None:
         self.reducer.end_window()
+
+    def holds_unstepped_grads(self) -> bool:
+        # (grads cleared through the model, model.zero_grad(), hold nothing any more)
+        return self.reducer.reduced_in_window and any(
+            s.param.grad is not None for s in self.sharded
+        )
 
 
 def _module_tensors(

@@ -208,22 +208,65 @@ def groups_changed_on_the_torch_optimizer_are_refused_until_wrapped_again(
     step_on_batch(model, opt, 0, rank, world)
     torch_opt.add_param_group({"params": list(model.out.parameters()), "lr": 2 * LR})
     refused_without_change(opt, model, 1, rank, world)
-    # The fix the error names: a new wrapper, with fresh state, trains every group; as torch
-    # AdamW built afresh over the same groups does.
-    del opt
-    opt = zero_shard.wrap(torch_opt, model, offload=offload(), bucket_mb=TINY_BUCKETS)
-    ref = make_model()
-    ref.load_state_dict(model.state_dict())
+
+
+@case
+def a_group_added_then_wrapped_again_trains_on_as_torchs_optimizer(rank: int, world: int) -> None:
+    # The fix the error names: the torch optimizer wrapped again while the wrapper lives takes
+    # the params and their state (main weights included) over, as torch's optimizer keeps its
+    # state through add_param_group.
+    model, ref = make_model(), make_model()
+    torch_opt, opt = wrapped_without_the_out_layer(model)
     ref_opt = torch.optim.AdamW(
-        [{"params": ref.inp.parameters()}, {"params": ref.mid.parameters(), "lr": LR / 2},
-         {"params": ref.out.parameters(), "lr": 2 * LR}],
+        [{"params": ref.inp.parameters()}, {"params": ref.mid.parameters(), "lr": LR / 2}],
         lr=LR,
-    )  # fmt: skip
-    for step in range(1, STEPS):
+    )
+    for step in range(STEPS + 1):
+        if step == 2:
+            for net, optimizer in ((model, torch_opt), (ref, ref_opt)):
+                net.zero_grad()
+                optimizer.add_param_group({"params": list(net.out.parameters()), "lr": 2 * LR})
+            opt = zero_shard.wrap(torch_opt, model, offload=offload(), bucket_mb=TINY_BUCKETS)
         step_on_batch(model, opt, step, rank, world)
         step_on_batch(ref, ref_opt, step, 0, 1)
         opt.finish_param_sync()
-        assert_params_close(model, ref, f"rewrapped, step {step}")
+        assert_params_close(model, ref, f"wrapped again at step 2, step {step}")
+    for name, param in model.named_parameters():
+        count = float(opt.state[param]["step"])
+        expected = float(ref_opt.state[ref.get_parameter(name)]["step"])
+        assert count == expected, f"{name}: step count {count}, torch's {expected}"
+
+
+@case
+def unfrozen_params_are_trained_after_the_fix_the_error_names(rank: int, world: int) -> None:
+    # Params frozen at wrap, in the optimizer's groups, unfrozen at step 2: the step refuses;
+    # wrapping again between the backward and the step is refused too (that backward's grads
+    # are the old wrapper's); the fix the errors name (zero_grad, wrap the torch optimizer
+    # again, backward again) gives torch's run, where unfreezing needs nothing.
+    model, ref = make_model(), make_model()
+    for net in (model, ref):
+        net.out.requires_grad_(False)
+    torch_opt = adamw(model)
+    opt = zero_shard.wrap(torch_opt, model, offload=offload(), bucket_mb=TINY_BUCKETS)
+    ref_opt = adamw(ref)
+    for step in range(STEPS + 1):
+        if step == 2:
+            for net in (model, ref):
+                net.out.requires_grad_(True)
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            with pytest.raises(RuntimeError, match="had requires_grad=False when the optimizer"):
+                opt.step()
+            before = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(RuntimeError, match="came between a backward and its step"):
+                zero_shard.wrap(torch_opt, model, offload=offload(), bucket_mb=TINY_BUCKETS)
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+            opt.zero_grad()
+            opt = zero_shard.wrap(torch_opt, model, offload=offload(), bucket_mb=TINY_BUCKETS)
+        step_on_batch(model, opt, step, rank, world)
+        step_on_batch(ref, ref_opt, step, 0, 1)
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"unfrozen at step 2, step {step}")
 
 
 def sgd(model: nn.Module, momentum: float, dampening: float) -> torch.optim.SGD:

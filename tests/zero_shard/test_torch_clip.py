@@ -19,6 +19,7 @@ import torch.distributed as dist
 from _harness import check_outcome, run_cases
 from _models import (
     LOSS_TOL,
+    LR,
     adamw,
     assert_params_close,
     global_batch,
@@ -561,6 +562,40 @@ def ddp_and_fsdp2_grads_unscaled_by_the_scaler_then_clipped_by_torch(rank: int, 
             scaler.update()
             opt.zero_grad()
         assert scaler.get_scale() == 2.0**11, f"{kind}: the overflow was not skipped"
+
+
+@case
+def params_left_out_of_the_optimizer_get_ddps_averaged_grads(rank: int, world: int) -> None:
+    # A trainable layer left out of the wrapped optimizer (fine-tuning the top layers without
+    # freezing the rest), read by torch's clip over model.parameters() and stepped by a plain
+    # torch SGD beside the wrapper: its grads are averaged over the ranks, as under DDP, so the
+    # clip's norm is torch's on every rank and its replicas stay equal ([Note: params outside
+    # the optimizer]). A second wrapper over it (it is claimed) is left to reduce it itself.
+    for fraction, second_wrapper in ((0.0, False), (0.5, False), (0.0, True)):
+        model, ref = make_model(), make_model()
+        optimizers, refs = [], []
+        for net, out in ((model, optimizers), (ref, refs)):
+            top = [*net.mid.parameters(), *net.out.parameters()]
+            out.append(torch.optim.AdamW(top, lr=LR, weight_decay=0.1))
+            out.append(torch.optim.SGD(net.inp.parameters(), lr=0.1, momentum=0.5))
+        optimizers[0] = zero_shard.wrap(optimizers[0], model, offload=offload(fraction))
+        if second_wrapper:
+            optimizers[1] = zero_shard.wrap(optimizers[1], model)
+        for step in range(3):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            mse(ref(x), y).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            where = f"fraction {fraction}, second wrapper {second_wrapper}, step {step}"
+            torch.testing.assert_close(norm, ref_norm, **LOSS_TOL, msg=where)
+            for optimizer in (*optimizers, *refs):
+                optimizer.step()
+                optimizer.zero_grad()
+            for optimizer in optimizers:
+                if isinstance(optimizer, zero_shard.ZeroShardOptimizer):
+                    optimizer.finish_param_sync()
+            assert_params_close(model, ref, where)
 
 
 @case
