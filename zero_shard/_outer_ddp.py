@@ -24,7 +24,8 @@ at wrap; with its sync off it broadcasts no buffers either, as zero-shard alone 
 built with ``static_graph=True`` is told its first backward's reduction of every grad was
 queued already. Only a DDP whose reduced params are all zero-shard's is quieted: a param
 another optimizer steps needs DDP's reduction, and keeps it (the placeholders then raise a
-clear error if DDP reads them). When the hook goes (the optimizer retired by a later wrap, or
+clear error if DDP reads them); params of the model stepped by two wrappers are all
+zero-shard's, and the hook of the wrapper holding DDP's first param quiets it. When the hook goes (the optimizer retired by a later wrap, or
 collected), the DDPs it quieted get their sync back. Compiled code leaves the check out: a
 compiled root under such a DDP meets that error.
 """
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from ._copies import mark_hook
+from ._owners import is_claimed
 
 __all__ = ["register_outer_ddp_check"]
 
@@ -125,7 +127,10 @@ class _QuietOuterDDP:
             return False
         ignored = ddp.parameters_to_ignore
         reduced = [p for n, p in inner.named_parameters() if p.requires_grad and n not in ignored]
-        owned = all(id(p) in self._param_ids for p in reduced)
+        # Several wrappers over disjoint params of the model (a policy's and a value head's
+        # optimizers): every param is zero-shard's, and the hook of the one holding DDP's first
+        # param quiets DDP for all of them.
+        owned = all(map(is_claimed, reduced)) and (not reduced or id(reduced[0]) in self._param_ids)
         if owned:
             logger.info(
                 "zero-shard: a DistributedDataParallel wraps the model after zero_shard.wrap "

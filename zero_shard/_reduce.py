@@ -197,6 +197,7 @@ class GradReducer:
                 handles.append(sharded.param.register_post_accumulate_grad_hook(ready))
                 mine.append(handles[-1].id)
         handles.append(PlaceholderRemoval([s.watch for b in self.buckets for s in b.params]))
+        handles.append(_Released(self._accumulators))
         return handles
 
     def forget_aborted_backward(self) -> None:
@@ -551,6 +552,19 @@ class GradReducer:
     def reduced_in_window(self) -> bool:
         """Whether a reduction ran since the last step or ``zero_grad``."""
         return self._reduced_in_window
+
+
+class _Released:
+    """A handle whose removal lets the grad accumulators go with the hooks: autograd reuses a
+    param's live accumulator, which keeps the param's shape of when it was made, so a param
+    given new data of another shape (HF's ``resize_token_embeddings`` sets ``weight.data``) and
+    taken over by a new wrapper would get the old one's."""
+
+    def __init__(self, accumulators: list[Any]) -> None:
+        self._accumulators = accumulators
+
+    def remove(self) -> None:
+        self._accumulators.clear()
 
 
 def _untouched(bucket: Bucket) -> bool:

@@ -1578,6 +1578,77 @@ def ddp_wrapped_after_wrap_trains_as_ddp(rank: int, world: int) -> None:
     assert_params_close(model, ref, "DDP after the optimizer was collected")
 
 
+class Embedded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+@case
+def an_embedding_resized_in_place_then_wrapped_again_trains_as_torch(rank: int, world: int) -> None:
+    # HF's resize_token_embeddings gives the embedding's param new data of another shape
+    # (weight.data = ...), then the user wraps a new optimizer while the old one is alive: the
+    # old wrapper's grad accumulator (kept with the param's old shape, which autograd reuses
+    # while it lives) goes with its hooks, so backward runs with the new shape, as in torch.
+    model, ref = Embedded(), Embedded()
+    opt = zero_shard.wrap(torch.optim.AdamW(model.parameters(), lr=LR), model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(STEPS):
+        if step == 2:
+            opt.finish_param_sync()
+            extra = torch.randn(2, 6, generator=torch.Generator().manual_seed(5))
+            for net in (model, ref):
+                net.emb.weight.data = torch.cat([net.emb.weight.data, extra])
+            opt = zero_shard.wrap(torch.optim.AdamW(model.parameters(), lr=LR), model)
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 13 if step >= 2 else 11, (12, 3), generator=gen)
+        y = torch.randn(12, 2, generator=gen)
+        mse(model(local_slice(ids, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref(ids), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.finish_param_sync()
+        assert_params_close(model, ref, f"resized at step 2, step {step}")
+
+
+@case
+def ddp_wrapped_after_two_wrappers_over_disjoint_params_trains_as_ddp(
+    rank: int, world: int
+) -> None:
+    # A policy's and a value head's optimizers (two classes) over one model, then a DDP around
+    # it, as accelerate.prepare(model, opt_a, opt_b) makes: every param is zero-shard's, so DDP's
+    # sync is turned off by the hook of the wrapper holding its first param.
+    model, ref = make_model(), make_model()
+    optimizers, refs = [], []
+    for net, out in ((model, optimizers), (ref, refs)):
+        body = [p for name, p in net.named_parameters() if not name.startswith("out.")]
+        out.append(torch.optim.AdamW(body, lr=LR, weight_decay=0.1))
+        out.append(torch.optim.SGD(net.out.parameters(), lr=0.1, momentum=0.5))
+    optimizers = [zero_shard.wrap(o, model, bucket_mb=TINY_BUCKETS) for o in optimizers]
+    ddp = nn.parallel.DistributedDataParallel(model)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)
+        mse(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        torch.testing.assert_close(norm, ref_norm, **LOSS_TOL)
+        for optimizer in (*optimizers, *refs):
+            optimizer.step()
+            optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.finish_param_sync()
+        assert_params_close(model, ref, f"two wrappers, then DDP, step {step}")
+
+
 @case
 def ddp_wrapped_after_wrap_refuses_reads_of_grads_inside_its_no_sync(rank: int, world: int) -> None:
     # Inside DDP's no_sync() DDP's grads are each rank's own until the backward that syncs;
