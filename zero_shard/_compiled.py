@@ -30,6 +30,12 @@ root's pre-hook of a plain model does besides (freeing the reduced grads that
 ``model.zero_grad()`` cleared, forgetting a backward that raised midway) then does not run
 before a compiled root's forward: the cleared grads stay until the next reduction rewrites
 them, and after a backward that raised, call ``opt.zero_grad()`` before going on.
+
+A compiled function that runs backward and ``step()`` itself (a whole train step) has Dynamo
+trace what its eager parts call too: the backward's grad hooks, ``step()``. Those do bucket work
+(copies into aliased buffers, the host's share) that inductor cannot trace; so ``step()``, a
+bucket's reduction and the end of backward run eagerly (``torch.compiler.disable``), and the
+per-param hooks, which only note a grad, stay traceable.
 """
 
 from __future__ import annotations

@@ -415,6 +415,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._clipped_marker = self.kind.grads_marker()
         return norm
 
+    @torch.compiler.disable  # a compiled train step runs it eagerly: see [Note: compiled models]
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Steps this rank's shards and gathers the new weights into the model's params.

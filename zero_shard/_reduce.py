@@ -270,6 +270,7 @@ class GradReducer:
         self._gatherer.finish()
         self._gatherer.wait_deferred_reads()
 
+    @torch.compiler.disable  # see [Note: compiled models] in _compiled.py
     def _end_backward(self) -> None:
         """Autograd callback: reduce the buckets this backward left, in order."""
         try:
@@ -350,6 +351,7 @@ class GradReducer:
         bucket.hold_grads(buffer)
 
     @torch.no_grad()
+    @torch.compiler.disable  # see [Note: compiled models] in _compiled.py
     def _reduce(self, bucket: Bucket) -> None:
         if self._clip is not None:  # this reduction may add to the grads held
             self._clip.apply()
