@@ -102,6 +102,13 @@ def _refuse_between_backward_and_step(previous: list[ZeroShardOptimizer]) -> Non
         )
 
 
+_NOT_COPIED = (
+    "a ZeroShardOptimizer cannot be copied or pickled: it holds the model's hooks, process "
+    "groups and this rank's shards. Save its state with opt.state_dict() (or "
+    "zero_shard.checkpoint.save) and load it into a new wrapper with opt.load_state_dict()"
+)
+
+
 def _remove_hooks(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
@@ -294,6 +301,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
                     found = True
         if found:
             self._load_state_dict(fresh)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(_NOT_COPIED)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ZeroShardOptimizer:
+        raise TypeError(_NOT_COPIED)
 
     @property
     def state(self) -> ShardedStateView:  # type: ignore[override]

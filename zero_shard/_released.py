@@ -247,7 +247,9 @@ def _read_error(released: ReleasedGrad, func: Any) -> RuntimeError:
         "torch.nn.utils.clip_grad_norm_, get_total_norm, clip_grads_with_norm_ and "
         "clip_grad_value_ work on it (every rank calls them), as do "
         "opt.clip_grad_norm_(max_norm); read a reduced grad with opt.main_grad(param), and "
-        "clear grads with opt.zero_grad(), model.zero_grad() or p.grad = None"
+        "clear grads with opt.zero_grad(), model.zero_grad() or p.grad = None. To train the "
+        "model with another optimizer, drop every reference to the ZeroShardOptimizer first (an "
+        "LR scheduler holds one too): its hooks go with it"
     )
 
 
