@@ -28,14 +28,15 @@ import torch
 __all__ = ["forget_step_lists", "keep_step_lists"]
 
 _GRAD = attrgetter("grad")
-_ADAM_INIT_GROUPS = {torch.optim.Adam._init_group, torch.optim.AdamW._init_group}
 
 
 def keep_step_lists(optimizer: torch.optim.Optimizer) -> None:
     """Gives ``optimizer`` a ``KeptLists`` in place of ``_init_group`` where its class runs torch's
     Adam step (Adam, AdamW, a subclass keeping both methods); else leaves it as it is."""
-    cls = type(optimizer)
-    if not isinstance(optimizer, torch.optim.Adam) or cls._init_group not in _ADAM_INIT_GROUPS:
+    # Read now, not at import: Dynamo's first compile replaces every torch optimizer class's
+    # _init_group with a wrapper of it.
+    torchs = (torch.optim.Adam._init_group, torch.optim.AdamW._init_group)
+    if not isinstance(optimizer, torch.optim.Adam) or type(optimizer)._init_group not in torchs:
         return
     optimizer._init_group = KeptLists(optimizer)  # type: ignore[method-assign]
 
