@@ -231,7 +231,9 @@ def clear_errors_and_warnings(rank: int, world: int) -> None:
             call()
     opt.finish_param_sync()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    # Unfrozen, then wrapped again (the new wrapper takes the params over): it trains.
+    # Unfrozen, then wrapped again as the error says (the refused backward's grads cleared
+    # first; the new wrapper takes the params over): it trains.
+    opt.zero_grad()
     opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
     mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
     opt.step()
