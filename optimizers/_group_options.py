@@ -59,9 +59,10 @@ def check_impl_flags(groups: Sequence[dict[str, Any]]) -> None:
 
 
 def _is_number(value: Any) -> bool:
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)) or torch.is_tensor(
-        value
-    )
+    """A number option's value (a flag's ``True`` is none)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Real) or torch.is_tensor(value)
 
 
 def _is_numbers(value: Any, like: Any) -> bool:
@@ -94,9 +95,9 @@ def check_number_options(groups: Sequence[dict[str, Any]], defaults: Mapping[str
             value = group.get(key, like)
             if not _is_numbers(value, like):
                 what = (
-                    "a number or a tensor"
-                    if not isinstance(like, tuple)
-                    else (f"{len(like)} numbers or tensors")
+                    f"{len(like)} numbers or tensors"
+                    if isinstance(like, tuple)
+                    else "a number or a tensor"
                 )
                 raise TypeError(
                     f"param_groups[{index}][{key!r}] must be {what} (given {like!r} at "

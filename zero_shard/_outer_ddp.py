@@ -24,9 +24,9 @@ at wrap; with its sync off it broadcasts no buffers either, as zero-shard alone 
 built with ``static_graph=True`` is told its first backward's reduction of every grad was
 queued already. Only a DDP whose reduced params are all zero-shard's is quieted: a param
 another optimizer steps needs DDP's reduction, and keeps it (the placeholders then raise a
-clear error if DDP reads them); params of the model stepped by two wrappers are all
-zero-shard's, and the hook of the wrapper holding DDP's first param quiets it. When the hook goes (the optimizer retired by a later wrap, or
-collected), the DDPs it quieted get their sync back. Compiled code leaves the check out: a
+clear error if DDP reads them). Where two wrappers share the model's params out, the hook of
+the one holding DDP's first param quiets it. When the hook goes (the optimizer retired by a
+later wrap, or collected), the DDPs it quieted get their sync back. Compiled code leaves the check out: a
 compiled root under such a DDP meets that error.
 """
 

@@ -197,7 +197,7 @@ class GradReducer:
                 handles.append(sharded.param.register_post_accumulate_grad_hook(ready))
                 mine.append(handles[-1].id)
         handles.append(PlaceholderRemoval([s.watch for b in self.buckets for s in b.params]))
-        handles.append(_Released(self._accumulators))
+        handles.append(_AccumulatorRelease(self._accumulators))
         return handles
 
     def forget_aborted_backward(self) -> None:
@@ -556,7 +556,7 @@ class GradReducer:
         return self._reduced_in_window
 
 
-class _Released:
+class _AccumulatorRelease:
     """A handle whose removal lets the grad accumulators go with the hooks: autograd reuses a
     param's live accumulator, which keeps the param's shape of when it was made, so a param
     given new data of another shape (HF's ``resize_token_embeddings`` sets ``weight.data``) and
