@@ -34,6 +34,7 @@ __all__ = [
     "check_number_options",
     "check_wrapped_groups",
     "leave_kernel_where_unmet",
+    "number_options",
     "prepare_switched_on_state",
     "snapshot_hyperparams",
 ]
@@ -77,21 +78,25 @@ def _is_numbers(value: Any, like: Any) -> bool:
     return isinstance(value, numbers.Real) or torch.is_tensor(value)
 
 
-def check_number_options(groups: Sequence[dict[str, Any]], defaults: Mapping[str, Any]) -> None:
-    """Raises ``TypeError`` before anything is stepped where a group's option that the
-    optimizer's defaults give as a number (``lr``, ``eps``, ``betas``...) holds something else.
+def number_options(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The options that ``defaults`` (the constructor's values) give as numbers (``lr``, ``eps``)
+    or tuples of numbers (``betas``), with those values: what ``check_number_options`` checks."""
+    return {
+        key: like
+        for key, like in defaults.items()
+        if _is_number(like) or (isinstance(like, tuple) and like and all(map(_is_number, like)))
+    }
+
+
+def check_number_options(groups: Sequence[dict[str, Any]], numeric: Mapping[str, Any]) -> None:
+    """Raises ``TypeError`` before anything is stepped where a group's option among ``numeric``
+    (see ``number_options``) holds something else.
 
     torch finds such a value (``lr`` read from a config as a string) inside its kernels, after
     some params' step counts moved (every param's, in a fused kernel): fixed, the run goes on a
     step count ahead. Checked at each step, as the groups are edited between steps."""
-    numeric = [
-        (key, like)
-        for key, like in defaults.items()
-        if _is_number(like)
-        or (isinstance(like, tuple) and like and all(_is_number(v) for v in like))
-    ]
     for index, group in enumerate(groups):
-        for key, like in numeric:
+        for key, like in numeric.items():
             value = group.get(key, like)
             if not _is_numbers(value, like):
                 what = (

@@ -36,6 +36,7 @@ from ._group_options import (
     check_impl_flags,
     check_number_options,
     check_wrapped_groups,
+    number_options,
     prepare_switched_on_state,
 )
 from ._host_part import HostPart
@@ -147,6 +148,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     _wrapped: weakref.ref[torch.optim.Optimizer] | None  # the optimizer wrap() took over: its
     #                                                     group dicts are ours; None: not wrapped
     _groups_at_build: GroupsAtBuild  # the groups and params the buffers are laid out for
+    _number_options: dict[str, Any]  # the options given as numbers, checked at each step
     _param_versions: list[int] | None  # each param's _version once step() or a load last wrote
     #                                    it; None: not taken (no step yet, or by launch_step, or a
     #                                    delayed update's weights still to land)
@@ -182,6 +184,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         defaults = optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults
         super().__init__(params, defaults)
         check_impl_flags(self.param_groups)
+        self._number_options = number_options(self.defaults)
         self._need_order = self._checked_order(need_order)
         self._build()
         self._groups_at_build = GroupsAtBuild(self.param_groups)
@@ -505,7 +508,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         need_order: Sequence[int] | None,
     ) -> HostStep:
         check_wrapped_groups(self._groups_at_build, self.param_groups, self._wrapped_optimizer())
-        check_number_options(self.param_groups, self.defaults)
+        check_number_options(self.param_groups, self._number_options)
         self._host.refuse_live_writes()  # before anything is stepped
         if self._edits.pending:  # they land before the step: not after a speculated one
             self._host.drop_speculations()
