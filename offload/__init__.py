@@ -7,6 +7,7 @@ from ._copy_engine import CopyEngine, CopyPair, copy_async
 from ._flag import HostFlag
 from ._gil import SwitchInterval, check_switch_interval, switch_interval
 from ._host_memory import available_after, check_host_memory, format_bytes, local_world_size
+from ._page_moves import PageTwin, anonymous_ranges, page_moves_available
 from ._phases import phase
 from ._pinned import HostBufferRequest, HostBuffers
 from ._streams import (
@@ -27,9 +28,11 @@ __all__ = [
     "HostBufferRequest",
     "HostBuffers",
     "HostFlag",
+    "PageTwin",
     "SwitchInterval",
     "ThreadBudget",
     "available_after",
+    "anonymous_ranges",
     "check_host_memory",
     "check_switch_interval",
     "copy_async",
@@ -37,6 +40,7 @@ __all__ = [
     "format_bytes",
     "intra_op_threads",
     "local_world_size",
+    "page_moves_available",
     "phase",
     "record_event",
     "resolve_thread_budget",

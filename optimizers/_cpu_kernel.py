@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from offload import ThreadBudget
+from offload import PageTwin, ThreadBudget, anonymous_ranges
 
 from ._elementwise import torch_class_run_as_is
 from ._policy import CpuKernel
@@ -35,7 +35,6 @@ from ._split import ChunkSpec
 
 __all__ = [
     "CpuAdamKernel",
-    "KeptPiece",
     "KernelPiece",
     "KernelTable",
     "fused_kernel_applies",
@@ -56,7 +55,7 @@ _FLAGS = (
 )
 _CACHE_ENV = "ZERO_SHARD_CACHE_DIR"
 _ENTRIES = tuple(
-    f"zero_shard_adam{mode}_{dtype}" for mode in ("", "_keep", "_from") for dtype in ("bf16", "f32")
+    f"zero_shard_adam{mode}_{dtype}" for mode in ("", "_from") for dtype in ("bf16", "f32")
 )
 
 
@@ -86,9 +85,9 @@ class _AdamPiece(ctypes.Structure):
         ("staging", ctypes.c_void_p),
         ("numel", ctypes.c_int64),
         ("args", _AdamArgs),
-        ("kept_param", ctypes.c_void_p),
-        ("kept_exp_avg", ctypes.c_void_p),
-        ("kept_exp_avg_sq", ctypes.c_void_p),
+        ("from_param", ctypes.c_void_p),
+        ("from_exp_avg", ctypes.c_void_p),
+        ("from_exp_avg_sq", ctypes.c_void_p),
         ("weights", ctypes.c_void_p),
     ]
 
@@ -104,16 +103,6 @@ class KernelPiece(NamedTuple):
     main: torch.Tensor
     staging: torch.Tensor
     state: dict[str, Any]
-
-
-class KeptPiece(NamedTuple):
-    """Where a speculative step keeps one piece's state from before it (fp32, the piece's numel
-    each) and writes its new weights (the staging's dtype), so that the grads stay in staging."""
-
-    main: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    weights: torch.Tensor
 
 
 def _cpu_signature() -> str:
@@ -318,28 +307,30 @@ class _Pointed(NamedTuple):
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor
-    kept: KeptPiece | None
+    weights: torch.Tensor | None  # speculative tables: where the new weights go
 
 
-def _check_kept(kept: KeptPiece, main: torch.Tensor, staging: torch.Tensor) -> None:
-    """The kept buffers are written through raw pointers too."""
-    numel = main.numel()
-    for name, tensor, dtype in (
-        ("kept main", kept.main, torch.float32),
-        ("kept exp_avg", kept.exp_avg, torch.float32),
-        ("kept exp_avg_sq", kept.exp_avg_sq, torch.float32),
-        ("weights", kept.weights, staging.dtype),
+class _Twins(NamedTuple):
+    """Where a speculative step writes one piece's new state, each moved into the live tensor
+    when the step stands (see [Note: page moves] in offload/_page_moves.py)."""
+
+    main: PageTwin
+    exp_avg: PageTwin
+    exp_avg_sq: PageTwin
+
+
+def _check_weights(weights: torch.Tensor, staging: torch.Tensor) -> None:
+    """The speculative step's weights are written through a raw pointer too."""
+    if (
+        weights.dtype != staging.dtype
+        or not weights.is_contiguous()
+        or weights.numel() != staging.numel()
+        or weights.device.type != "cpu"
     ):
-        if (
-            tensor.dtype != dtype
-            or not tensor.is_contiguous()
-            or tensor.numel() != numel
-            or tensor.device.type != "cpu"
-        ):
-            raise AssertionError(
-                f"expected {name} as a contiguous {dtype} CPU tensor of {numel} elements, got "
-                f"{tensor.dtype}, {tuple(tensor.shape)} on {tensor.device}"
-            )
+        raise AssertionError(
+            f"expected weights as a contiguous {staging.dtype} CPU tensor of {staging.numel()} "
+            f"elements, got {weights.dtype}, {tuple(weights.shape)} on {weights.device}"
+        )
 
 
 class KernelTable:
@@ -355,49 +346,55 @@ class KernelTable:
     replaces them).
 
     [Note: speculative kernel steps]
-    With ``kept`` buffers a step may be taken before its grad factor and verdict are known:
-    ``speculate`` steps as ``run`` would with no grad factor, writing the state before the step
-    to the kept buffers and the new weights to their own buffer, so the grads stay in staging.
-    Then ``holds`` says whether the step asked for in the end is that one (the coefficients of
-    every piece the same to the bit, so the results are too): it stands as it is; else ``redo``
-    takes it again from the kept state and the grads, as ``run`` would have from the start, or
-    ``roll_back`` copies the kept state back (a skipped step). Every path ends bit-identical to
-    ``run`` with the final arguments (tests/optimizers/test_cpu_kernel.py).
+    A speculative table (made with ``weights``) may take a step before its grad factor and
+    verdict are known: ``speculate`` steps as ``run`` would with no grad factor, but from the
+    live state into twins of it (``PageTwin``), the new weights into their own buffer, so the
+    live state, the step counts and the grads in staging are left as they were. Then ``holds``
+    says whether the step asked for in the end is that one (the coefficients of every piece the
+    same to the bit, so the results are too): ``commit`` moves the twins into the live state
+    (pages, not a copy: [Note: page moves] in offload/_page_moves.py) and advances the counts;
+    else ``redo`` takes the step again from the live state into the twins, with the final
+    arguments, and commits it, or ``roll_back`` forgets it (a skipped step). Every path ends
+    bit-identical to ``run`` with the final arguments (tests/optimizers/test_cpu_kernel.py). A
+    write to the live state after the speculation began (``written_since``) is in the state a
+    redo reads.
     """
 
     _kernel: CpuAdamKernel
     _function: Any  # the C entry point for the staging dtype, in place
-    _keep: Any  # the same, keeping the state before the step (kept tables only)
-    _from: Any  # the same, stepping from the kept state (kept tables only)
+    _from: Any  # the same, from the live state into the twins (speculative tables only)
     _entries: ctypes.Array  # one _AdamPiece per piece, pointers filled in
+    _entries_out: ctypes.Array | None  # the same for _from; None: not a speculative table
     _held: list[_Pointed]  # per piece
+    _twins: list[_Twins]  # per piece; empty: not a speculative table
     _counts: list[ctypes.c_float | ctypes.c_double]  # per piece: its step count, in place
     _speculated: list[tuple[float, ...]] | None  # each piece's coefficients of the speculated
     #                                              step; None: no step speculated
-    _counts_before: list[float]  # the step counts before the speculated step
-    _versions: tuple[int, ...]  # the state's version counters right after the speculation
+    _steps: list[float]  # the step counts the speculated step takes
+    _versions: tuple[int, ...]  # the state's version counters as the speculation began
 
     def __init__(
         self,
         kernel: CpuAdamKernel,
         pieces: Sequence[KernelPiece],
-        kept: Sequence[KeptPiece] | None = None,
+        weights: Sequence[torch.Tensor] | None = None,
     ) -> None:
         if not pieces:
             raise AssertionError("expected at least one piece for a kernel table")
-        if kept is not None and len(kept) != len(pieces):
-            raise AssertionError(f"expected {len(pieces)} kept pieces, got {len(kept)}")
+        if weights is not None and len(weights) != len(pieces):
+            raise AssertionError(f"expected {len(pieces)} weights buffers, got {len(weights)}")
         dtype = pieces[0].staging.dtype
-        self._held, self._counts = [], []
+        self._held, self._counts, self._twins = [], [], []
+        ranges = anonymous_ranges() if weights is not None else []
         for position, piece in enumerate(pieces):
             _check_buffers(piece.main, piece.staging, piece.state)
             if piece.staging.dtype != dtype:
                 raise AssertionError(
                     f"expected every staging in {dtype}, got {piece.staging.dtype}"
                 )
-            kept_piece = None if kept is None else kept[position]
-            if kept_piece is not None:
-                _check_kept(kept_piece, piece.main, piece.staging)
+            piece_weights = None if weights is None else weights[position]
+            if piece_weights is not None:
+                _check_weights(piece_weights, piece.staging)
             state = piece.state
             held = _Pointed(
                 piece.main,
@@ -405,18 +402,30 @@ class KernelTable:
                 state["exp_avg"],
                 state["exp_avg_sq"],
                 state["step"],
-                kept_piece,
+                piece_weights,
             )
             self._held.append(held)
             self._counts.append(_count_of(held.step))
+            if weights is not None:
+                self._twins.append(
+                    _Twins(*(PageTwin(t, ranges) for t in (held.main, held.exp_avg, held.exp_avg_sq)))
+                )
         self._kernel = kernel
         self._entries = (_AdamPiece * len(pieces))(*map(_entry, self._held))
+        self._entries_out = None
+        if weights is not None:
+            out = map(_entry_out, self._held, self._twins)
+            self._entries_out = (_AdamPiece * len(pieces))(*out)
         library, name = kernel.library, "bf16" if dtype == torch.bfloat16 else "f32"
         self._function = getattr(library, f"zero_shard_adam_{name}")
-        self._keep = getattr(library, f"zero_shard_adam_keep_{name}")
         self._from = getattr(library, f"zero_shard_adam_from_{name}")
         self._speculated = None
-        self._counts_before, self._versions = [], ()
+        self._steps, self._versions = [], ()
+
+    @property
+    def num_twin_bytes(self) -> int:
+        """Bytes the twins hold once written (a speculative table's)."""
+        return sum(twin.num_bytes for twins in self._twins for twin in twins)
 
     def backs(self, states: Sequence[dict[str, Any]]) -> bool:
         """Whether ``states`` (the pieces' state dicts, in order) hold the tensors it reads."""
@@ -438,24 +447,23 @@ class KernelTable:
         groups)."""
         # The counts this step takes, read before anything changes: a failure leaves them.
         steps = [count.value + 1.0 for count in self._counts]
-        self._call(self._function, self._args(group, steps, grad_scale, grad_factor))
+        self._call(self._function, self._entries, self._args(group, steps, grad_scale, grad_factor))
         self._advance(steps)
         self._speculated = None
 
     def speculate(
         self, group: dict[str, Any] | Sequence[dict[str, Any]], grad_scale: float | None = None
     ) -> None:
-        """A step as :meth:`run` takes it with no grad factor, the state before it kept and the
-        weights written to the kept pieces' ``weights`` (see [Note: speculative kernel steps])."""
-        self._require_kept()
-        before = [count.value for count in self._counts]
-        steps = [value + 1.0 for value in before]
+        """A step as :meth:`run` takes it with no grad factor, into the twins and the weights
+        buffers, the live state left as it is (see [Note: speculative kernel steps])."""
+        entries = self._require_speculative()
+        steps = [count.value + 1.0 for count in self._counts]
         args = self._args(group, steps, grad_scale, None)
-        self._call(self._keep, args)
-        self._advance(steps)
-        self._speculated = [_fields(each) for each in args]
-        self._counts_before = before
+        # Before the call: a write that lands while the kernel reads the state shows as one.
         self._versions = self.versions()
+        self._call(self._from, entries, args)
+        self._speculated = [_fields(each) for each in args]
+        self._steps = steps
 
     def versions(self) -> tuple[int, ...]:
         """The version counters of the state tensors it steps: the kernel writes through raw
@@ -467,9 +475,8 @@ class KernelTable:
         )
 
     def written_since(self) -> bool:
-        """Whether the state was written by another hand since the speculation."""
-        if self._speculated is None:
-            raise RuntimeError("no step was speculated: speculate() comes first")
+        """Whether the state was written by another hand since the speculation began."""
+        self._require_speculated()
         return self.versions() != self._versions
 
     def holds(
@@ -480,13 +487,11 @@ class KernelTable:
     ) -> bool:
         """Whether the speculated step is the step these arguments ask for: each piece's
         coefficients the same to the bit."""
-        if self._speculated is None:
-            raise RuntimeError("no step was speculated: speculate() comes first")
-        steps = [count.value for count in self._counts]  # (the speculated step's numbers)
+        speculated = self._require_speculated()
+        steps = [count.value + 1.0 for count in self._counts]
         args = self._args(group, steps, grad_scale, grad_factor)
         return all(
-            _fields(each) == speculated
-            for each, speculated in zip(args, self._speculated, strict=True)
+            _fields(each) == fields for each, fields in zip(args, speculated, strict=True)
         )
 
     def redo(
@@ -495,46 +500,39 @@ class KernelTable:
         grad_scale: float | None = None,
         grad_factor: float | None = None,
     ) -> None:
-        """The speculated step taken again from the kept state and the grads in staging, with
-        these arguments; the weights go to the kept pieces' ``weights``."""
-        if self._speculated is None:
-            raise RuntimeError("no step was speculated: speculate() comes first")
-        steps = [count.value for count in self._counts]
-        self._call(self._from, self._args(group, steps, grad_scale, grad_factor))
-        self._speculated = None
+        """The speculated step taken again from the live state and the grads in staging, with
+        these arguments, and committed; the weights go to the weights buffers."""
+        self._require_speculated()
+        entries = self._require_speculative()
+        steps = [count.value + 1.0 for count in self._counts]
+        self._call(self._from, entries, self._args(group, steps, grad_scale, grad_factor))
+        self._steps = steps
+        self.commit()
 
-    def roll_back(self, *, keep_written: bool = False) -> None:
-        """Undoes the speculated step: the kept state copied back, the counts as before it
-        (``keep_written``: not into the tensors someone else wrote since, a load's values)."""
-        if self._speculated is None:
-            raise RuntimeError("no step was speculated: speculate() comes first")
-        now = iter(self.versions())
-        then = iter(self._versions)
-        with torch.no_grad():
-            for held, before in zip(self._held, self._counts_before, strict=True):
-                kept = _kept_of(held)
-                pairs = ((held.main, kept.main), (held.exp_avg, kept.exp_avg),
-                         (held.exp_avg_sq, kept.exp_avg_sq), (held.step, None))  # fmt: skip
-                for (live, saved), version, speculated in zip(pairs, now, then, strict=False):
-                    if keep_written and version != speculated:
-                        continue
-                    if saved is None:
-                        _count_of(live).value = before  # (a count past 2**24 gains nothing)
-                    else:
-                        # Through an alias with a counter of its own: the state's counters say
-                        # whether someone else wrote it, and a group's pieces share theirs.
-                        _uncounted(live).copy_(saved)
+    def roll_back(self) -> None:
+        """Forgets the speculated step: it wrote nothing the live state or the counts hold."""
+        self._require_speculated()
         self._speculated = None
 
     def commit(self) -> None:
-        """The speculated step stands (``holds`` said so)."""
-        if self._speculated is None:
-            raise RuntimeError("no step was speculated: speculate() comes first")
+        """The speculated step stands (``holds`` said so): the twins are moved into the live
+        state and the counts advanced."""
+        self._require_speculated()
+        for twins in self._twins:
+            for twin in twins:
+                twin.move_into_live()
+        self._advance(self._steps)
         self._speculated = None
 
-    def _require_kept(self) -> None:
-        if any(held.kept is None for held in self._held):
-            raise AssertionError("expected kept buffers: a table made with kept=...")
+    def _require_speculated(self) -> list[tuple[float, ...]]:
+        if self._speculated is None:
+            raise RuntimeError("no step was speculated: speculate() comes first")
+        return self._speculated
+
+    def _require_speculative(self) -> ctypes.Array:
+        if self._entries_out is None:
+            raise AssertionError("expected a speculative table: one made with weights=...")
+        return self._entries_out
 
     def _args(
         self,
@@ -558,12 +556,12 @@ class KernelTable:
             args.append(each)
         return args
 
-    def _call(self, function: Any, args: Sequence[_AdamArgs]) -> None:
-        for entry, each in zip(self._entries, args, strict=True):
+    def _call(self, function: Any, entries: ctypes.Array, args: Sequence[_AdamArgs]) -> None:
+        for entry, each in zip(entries, args, strict=True):
             entry.args = each
-        if function(self._entries, len(self._entries), self._kernel.num_threads) != 0:
+        if function(entries, len(entries), self._kernel.num_threads) != 0:
             raise MemoryError(  # nothing was stepped
-                f"the CPU Adam kernel could not allocate its table of {len(self._entries)} pieces"
+                f"the CPU Adam kernel could not allocate its table of {len(entries)} pieces"
             )
 
     def _advance(self, steps: Sequence[float]) -> None:
@@ -571,27 +569,8 @@ class KernelTable:
             count.value = step  # rounded to the count's dtype, as torch's `step += 1` is
 
 
-def _uncounted(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s memory with a version counter of its own (writes through it move none of
-    ``tensor``'s)."""
-    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-    return alias.set_(
-        tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
-    )
-
-
-def _kept_of(held: _Pointed) -> KeptPiece:
-    if held.kept is None:
-        raise AssertionError("expected kept buffers")
-    return held.kept
-
-
 def _entry(held: _Pointed) -> _AdamPiece:
-    kept = held.kept
-    pointers = (0, 0, 0, 0) if kept is None else (
-        kept.main.data_ptr(), kept.exp_avg.data_ptr(), kept.exp_avg_sq.data_ptr(),
-        kept.weights.data_ptr(),
-    )  # fmt: skip
+    """In place: the live state read and written."""
     return _AdamPiece(
         held.main.data_ptr(),
         held.exp_avg.data_ptr(),
@@ -599,7 +578,28 @@ def _entry(held: _Pointed) -> _AdamPiece:
         held.staging.data_ptr(),
         held.main.numel(),
         _AdamArgs(),
-        *pointers,
+        0,
+        0,
+        0,
+        0,
+    )
+
+
+def _entry_out(held: _Pointed, twins: _Twins) -> _AdamPiece:
+    """From the live state (the entry's ``from_`` pointers, read) into the twins (written)."""
+    if held.weights is None:
+        raise AssertionError("expected a weights buffer for a speculative table")
+    return _AdamPiece(
+        twins.main.twin.data_ptr(),
+        twins.exp_avg.twin.data_ptr(),
+        twins.exp_avg_sq.twin.data_ptr(),
+        held.staging.data_ptr(),
+        held.main.numel(),
+        _AdamArgs(),
+        held.main.data_ptr(),
+        held.exp_avg.data_ptr(),
+        held.exp_avg_sq.data_ptr(),
+        held.weights.data_ptr(),
     )
 
 

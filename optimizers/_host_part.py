@@ -79,7 +79,6 @@ from ._speculation import (
     Speculation,
     SpeculationBackoff,
     SpeculationCounts,
-    raise_written,
     settle_speculation,
     speculate,
 )
@@ -455,7 +454,7 @@ class HostPart:
     def _speculate(self, chunk: HostChunk, staging: torch.Tensor, landed: Any) -> None:
         """Staging copied the chunk's grads early: the worker steps it now, speculatively, if it
         is on the kernel (see [Note: speculative host steps])."""
-        if self._kept is None or chunk.index not in self._kept.kept:
+        if self._kept is None or chunk.index not in self._kept.weights:
             return
         if self._backoff.decided is None and self._unsettled is not None and self._unsettled.done:
             self.settle()  # (counts the step before: its outcome decides for this one)
@@ -468,12 +467,11 @@ class HostPart:
             # Its grads were given again: the worker undoes it first.
             self._executor.submit(earlier.roll_back)
         speculation = Speculation(self._kept.weights[chunk.index])
-        kept = self._kept.kept[chunk.index]
         # The group's options as they are now, when the grads were given: what the step takes
         # unless they change before it (then it redoes the step).
         group = dict(chunk.optimizer.param_groups[0])
         speculation.future = self._executor.submit(
-            speculate, speculation, chunk, group, staging, kept, landed
+            speculate, speculation, chunk, group, staging, landed
         )
         self._speculations[chunk.index] = speculation
 
@@ -502,33 +500,31 @@ class HostPart:
             _roll_back_all(j.speculation or j.undo for j in jobs if j.speculation or j.undo)
             raise
 
-    def drop_speculations(self, *, loading: bool = False) -> None:
+    def drop_speculations(self) -> None:
         """Rolls back every step speculated since the last step started (the state is read,
-        edited, loaded or reloaded first, or the grads cleared); ``loading``: a load replaces
-        the state next (see ``Speculation.roll_back``)."""
+        edited, loaded or reloaded first, or the grads cleared)."""
         speculations, self._speculations = self._speculations, {}
         self._live_since = None
-        _roll_back_all(speculations.values(), loading=loading)
+        _roll_back_all(speculations.values())
 
     def watch_live(self, tensor: torch.Tensor) -> None:
         """Watches ``tensor``, which aliases live state but moves a version counter of its own
         (a DTensor over it: an in-place op on a DTensor moves its counter, not its local
-        tensor's), for writes while a step is speculated (see ``refuse_live_writes``)."""
+        tensor's), for writes while a step is speculated (see ``drop_written_speculations``)."""
         if self._kept is not None:
             self._live = [ref for ref in self._live if ref() is not None]
             self._live.append(weakref.ref(tensor))
 
-    def refuse_live_writes(self) -> None:
+    def drop_written_speculations(self) -> None:
         """At the step, before anything is stepped: where a watched tensor was written since the
-        step's first speculation began, that write cannot come before the step any more; the
-        speculations are rolled back (the state as before the step, without the write) and this
-        raises, as for a write through the state itself ([Note: speculative host steps])."""
+        step's first speculation began, the speculations may have read the state before that
+        write; they are dropped, and the step takes the state as written ([Note: speculative host
+        steps])."""
         since, self._live_since = self._live_since, None
         if since is None or not self._speculations:
             return
         if any((t := ref()) is not None and t._version != version for ref, version in since):
             self.drop_speculations()
-            raise_written()
 
     def drop_unmet_speculations(self) -> None:
         """Rolls back the speculated steps of chunks whose group now asks for what the kernel
@@ -570,7 +566,7 @@ class HostPart:
         """Forgets the kernel's tables: a loaded state dict is about to replace the state they
         point into, which they would otherwise keep alive until the next step rebuilt them."""
         self.settle()
-        self.drop_speculations(loading=True)
+        self.drop_speculations()
         for chunk in self.chunks:
             chunk.tables.clear()
             chunk.kept_table = None
@@ -606,12 +602,12 @@ class HostPart:
         self._backoff.settled(stood=stood)
 
 
-def _roll_back_all(speculations: Iterable[Speculation], *, loading: bool = False) -> None:
+def _roll_back_all(speculations: Iterable[Speculation]) -> None:
     """Rolls back each of ``speculations``; raises the first error once all were tried."""
     error = None
     for speculation in list(speculations):
         try:
-            speculation.roll_back(loading=loading)
+            speculation.roll_back()
         except BaseException as err:
             error = error or err
     if error is not None:

@@ -509,7 +509,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     ) -> HostStep:
         check_wrapped_groups(self._groups_at_build, self.param_groups, self._wrapped_optimizer())
         check_number_options(self.param_groups, self._number_options)
-        self._host.refuse_live_writes()  # before anything is stepped
+        self._host.drop_written_speculations()  # before anything is stepped
         if self._edits.pending:  # they land before the step: not after a speculated one
             self._host.drop_speculations()
         self._edits.apply()  # edits of state handed out land before the step reads it
@@ -725,8 +725,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def watch_live(self, tensor: torch.Tensor) -> None:
         """Watches ``tensor``, which aliases a param's live state but moves a version counter of
         its own (a DTensor over it): written between backward and the step while the step is
-        speculated (``OffloadPolicy(speculative=True)``), the step raises, as for a write
-        through the state itself ([Note: speculative host steps] in ``_speculation.py``)."""
+        speculated (``OffloadPolicy(speculative=True)``), the step drops its speculations and
+        reads the state as written ([Note: speculative host steps] in ``_speculation.py``)."""
         self._host.watch_live(tensor)
 
     def hand_out(

@@ -127,15 +127,14 @@ class OffloadPolicy:
             chunk. ``None`` leaves the interval alone. Default 0.0005.
         speculative: step each chunk on the single-pass kernel as soon as its grads are copied
             to the host during backward (``host_staging="per_chunk"``, no delayed update), before
-            the clip factor and the inf/NaN verdict are known; at the step the result stands, is
-            redone from the state kept from before it, or is rolled back (a skipped step): the
-            same bits as without it. Optimizer state written in place between backward and the
-            step through a tensor read from ``optimizer.state`` before backward is refused at the
-            step (the write cannot come first any more). Costs 12 bytes of host memory per
-            offloaded element for the kept state, plus the new weights' own buffer (2 bytes of
-            bf16, pinned); the host-memory check and ``memory_report()`` count them. Where it
-            cannot apply (bounded staging, a delayed update, no chunk on the kernel) it warns
-            once and the steps run as without it. Default False.
+            the clip factor and the inf/NaN verdict are known, into twins of its state; at the
+            step the result stands (the twins' pages are moved into the state, on Linux 5.7+;
+            copied elsewhere), is redone from the state, or is forgotten (a skipped step): the
+            same bits as without it, also where the state was written in place meanwhile. Costs
+            12 bytes of host memory per offloaded element for the twins, plus the new weights'
+            own buffer (2 bytes of bf16, pinned); the host-memory check and ``memory_report()``
+            count them. Where it cannot apply (bounded staging, a delayed update, no chunk on the
+            kernel) it warns once and the steps run as without it. Default False.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction

@@ -4,34 +4,34 @@
 With ``OffloadPolicy(speculative=True)``, a staging buffer per chunk and early grad copies (see
 [Note: early grad copies] in _early.py), a chunk on the single-pass kernel is stepped by the worker
 as soon as its grads have landed on the host, during backward, as if the step will stand with no
-clip factor and finite grads, at the hyperparameters its group holds then. The kernel keeps the
-chunk's state from before the step in the chunk's kept buffers and writes the new weights to a
-buffer of their own, so the grads stay in staging and nothing reaches the params ([Note:
-speculative kernel steps] in _cpu_kernel.py). When the step comes, the worker settles each such
-chunk first, with the step's real arguments: the speculated step stands where each piece's
-coefficients are the same to the bit (no clip factor, or one of exactly 1; the same lr, betas,
-eps, weight decay and grad scale); otherwise it is redone from the kept state and the grads, or,
-where the step is skipped (an inf or NaN), rolled back. Only then does its H2D copy go out. Each
-way, the state and weights are the bits of the step taken once at ``step()``.
+clip factor and finite grads, at the hyperparameters its group holds then. The kernel reads the
+live state and writes the new state to twins of it, and the new weights to a buffer of their own,
+so the live state, the step counts and the grads in staging stay as they were, and nothing reaches
+the params ([Note: speculative kernel steps] in _cpu_kernel.py). When the step comes, the worker
+settles each such chunk first, with the step's real arguments: the speculated step stands where
+each piece's coefficients are the same to the bit (no clip factor, or one of exactly 1; the same
+lr, betas, eps, weight decay and grad scale), and its twins are moved into the live state (their
+pages, not a copy: [Note: page moves] in offload/_page_moves.py); otherwise it is redone from the
+live state and the grads, or, where the step is skipped (an inf or NaN), forgotten. Only then does
+its H2D copy go out. Each way, the state and weights are the bits of the step taken once at
+``step()``.
 
-The kernel writes the state through raw pointers, which move no version counter: a change of
-the state's counters after the speculation is someone else's in-place write (through a tensor read
-from ``optimizer.state`` before backward). That write cannot come before the speculated step any
-more, so the step raises, the state put back as before the step without the write; a load about to
-take the state as written (a state dict filled in place) keeps the written tensors and puts back
-the rest. A tensor that aliases the state but keeps a counter of its own (a DTensor over it, as
-``zero_shard`` hands them out: an in-place op on a DTensor moves its counter, not its local
-tensor's) is watched by its own counter (``HostPart.watch_live``): written after the first
-speculation of a step, the step raises the same way, before anything is stepped. Reads and edits
-through ``optimizer.state`` during the window roll the speculation back first, and go on as
-without it.
+The kernel moves no version counter, so a change of the state's counters since the speculation
+began is someone else's in-place write (through a tensor read from ``optimizer.state``): the
+write is in the live state, and the step is redone from it, as torch's step would read it. A
+tensor that aliases the state but keeps a counter of its own (a DTensor over it, as ``zero_shard``
+hands them out: an in-place op on a DTensor moves its counter, not its local tensor's) is watched
+by its own counter (``HostPart.watch_live``): written after the first speculation of a step, the
+step drops its speculations and takes the CPU share at the step. Reads and edits through
+``optimizer.state`` during the window drop the speculations too (the counts they read are those
+before the step either way).
 
 Speculations the worker has not started when the step starts are cancelled: backward is over, so
-the step's own work goes first (the one in progress finishes). A speculation is dropped (rolled
-back, the step then taken as without it) wherever its chunk is not stepped from that early copy:
-its grads changed or were cleared since (the early copy does not serve), its group now asks for
-what the kernel lacks, or the state is read, edited, loaded or reloaded through the optimizer
-before the step (those see the state before the step, as in torch).
+the step's own work goes first (the one in progress finishes). A speculation is dropped (the step
+then taken as without it) wherever its chunk is not stepped from that early copy: its grads
+changed or were cleared since (the early copy does not serve), its group now asks for what the
+kernel lacks, or the state is read, edited, loaded or reloaded through the optimizer before the
+step.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch
 
 from offload import HostBufferRequest, HostBuffers, wait_event
 
-from ._cpu_kernel import KeptPiece, KernelPiece, KernelTable, unmet_option
+from ._cpu_kernel import KernelPiece, KernelTable, unmet_option
 from ._records import HostChunk
 
 __all__ = [
@@ -52,7 +52,6 @@ __all__ = [
     "Speculation",
     "SpeculationBackoff",
     "SpeculationCounts",
-    "raise_written",
     "settle_speculation",
     "speculate",
 ]
@@ -97,10 +96,10 @@ class SpeculationBackoff:
 
 
 class KeptChunks:
-    """Each kernel chunk's kept state (fp32: weight and both moments, host memory) and new
-    weights (model dtype, pinned: the H2D reads them), one set per chunk."""
+    """Each kernel chunk's new weights of a speculated step (model dtype, pinned: the H2D reads
+    them), and the size of the twins its state is speculated into (fp32: weight and both
+    moments; built with each chunk's speculative table, see [Note: page moves])."""
 
-    kept: dict[int, list[KeptPiece]]  # chunk index -> one per piece, in the chunk's order
     weights: dict[int, torch.Tensor]  # chunk index -> 1-D, the chunk's new weights
     num_bytes: int
     _buffers: HostBuffers
@@ -110,18 +109,9 @@ class KeptChunks:
         self._buffers = HostBuffers(
             [HostBufferRequest(c.spec.numel, c.spec.dtype) for c in on_kernel], pin=pin
         )
-        self.kept, self.weights = {}, {}
-        state_bytes = 0
-        for chunk, weights in zip(on_kernel, self._buffers.views, strict=True):
-            numel = chunk.spec.numel
-            state = torch.empty(3, numel, dtype=torch.float32)
-            state_bytes += state.numel() * state.element_size()
-            self.weights[chunk.index] = weights
-            self.kept[chunk.index] = [
-                KeptPiece(*(piece.in_chunk(row) for row in state), piece.in_chunk(weights))
-                for _, piece in chunk.pieces
-            ]
-        self.num_bytes = state_bytes + self._buffers.num_bytes
+        self.weights = {c.index: w for c, w in zip(on_kernel, self._buffers.views, strict=True)}
+        twin_bytes = sum(3 * c.spec.numel * 4 for c in on_kernel)
+        self.num_bytes = twin_bytes + self._buffers.num_bytes
 
 
 @dataclass
@@ -141,43 +131,27 @@ class Speculation:
             return None
         return self.table
 
-    def roll_back(self, *, loading: bool = False) -> None:
-        """Undoes the speculated step, if one was taken. Where the state was written in place
-        since (see ``raise_written``), a load about to take the state as it is (``loading``:
-        filled in place, as ``dcp.load`` fills a state dict) keeps what was written and puts the
-        rest back; otherwise the state goes back to before the step, and this raises."""
+    def roll_back(self) -> None:
+        """Forgets the speculated step, if one was taken (it wrote nothing the live state
+        holds)."""
         if self.future is not None and self.future.cancel():
             return  # (not started: it never runs)
         table = self.wait()
-        if table is None:
-            return
-        self.table = None
-        if not table.written_since():
+        if table is not None:
+            self.table = None
             table.roll_back()
-        elif loading:
-            table.roll_back(keep_written=True)  # what was written is the load's
-        else:
-            table.roll_back()
-            raise_written()
 
 
-def raise_written() -> None:
-    raise RuntimeError(
-        "optimizer state was written in place (through a tensor read from optimizer.state "
-        "before backward) while its CPU step was taken speculatively during backward "
-        "(OffloadPolicy(speculative=True)): the write cannot come before that step any more. The "
-        "state is as before the step, without the write. Write optimizer state before backward "
-        "or after step(), or set speculative=False"
-    )
-
-
-def _table(chunk: HostChunk, staging: torch.Tensor, kept: list[KeptPiece]) -> KernelTable:
-    """The chunk's kept table, built once and again where a loaded state replaced its state."""
+def _table(chunk: HostChunk, staging: torch.Tensor, weights: torch.Tensor) -> KernelTable:
+    """The chunk's speculative table, built once and again where a loaded state replaced its
+    state (its twins then follow the new state's addresses)."""
     table = chunk.kept_table
     states = [piece.state for _, piece in chunk.pieces]
     if table is None or not table.backs(states):
+        chunk.kept_table = None  # (its twins go before the new ones are made)
         pieces = [KernelPiece(p.main, p.in_chunk(staging), p.state) for _, p in chunk.pieces]
-        table = chunk.kept_table = KernelTable(chunk.kernel, pieces, kept=kept)
+        piece_weights = [p.in_chunk(weights) for _, p in chunk.pieces]
+        table = chunk.kept_table = KernelTable(chunk.kernel, pieces, weights=piece_weights)
     return table
 
 
@@ -186,33 +160,32 @@ def speculate(
     chunk: HostChunk,
     group: dict[str, Any],
     staging: torch.Tensor,
-    kept: list[KeptPiece],
     landed: Any,
 ) -> None:
     """Worker thread: steps the chunk from its grads in ``staging`` once ``landed`` (the early
     copy's event) completed, with ``group``'s options (the chunk's group as the grads were
-    given), keeping the state before the step; see [Note: speculative host steps]."""
+    given), into the twins of its state; see [Note: speculative host steps]."""
     if chunk.kernel is None or unmet_option(group) is not None:
         return
     wait_event(landed)
-    table = _table(chunk, staging, kept)
+    table = _table(chunk, staging, speculation.weights)
     table.speculate(group)
     speculation.table = table
 
 
 def settle_speculation(speculation: Speculation, chunk: HostChunk, skips: bool, **step: Any) -> str:
     """Worker thread, at the step: the speculated step stands, is redone with the step's
-    arguments (``grad_scale``, ``grad_factor``), or is rolled back where the step ``skips``.
-    Returns which: ``"stood"``, ``"redone"`` or ``"rolled back"``."""
+    arguments (``grad_scale``, ``grad_factor``) or from state written since, or is rolled back
+    where the step ``skips``. Returns which: ``"stood"``, ``"redone"`` or ``"rolled back"``."""
     table = speculation.table
     if table is None:
         raise AssertionError("expected a speculated step to settle")
-    if skips or table.written_since():
-        speculation.roll_back()  # (raises where it was written)
+    if skips:
+        speculation.roll_back()
         return "rolled back"
     group = chunk.optimizer.param_groups[0]
     try:
-        if table.holds(group, **step):
+        if not table.written_since() and table.holds(group, **step):
             table.commit()
             outcome = "stood"
         else:

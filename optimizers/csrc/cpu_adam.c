@@ -114,39 +114,15 @@ static inline void stream_fence(void) {
 #endif
 }
 
-/* Kept: as in place, but the state before the step is first copied to the kept buffers (block by
- * block: the update then reads it from cache) and the weights go to their own buffer, so the
- * grads stay in staging (a speculative step: committed as it is, or redone from what was kept). */
-#define ADAM_RANGE_KEEP(name, grad_t, add_l2, load_grad, store_weight)                         \
-    static void name(float *restrict param, float *restrict exp_avg,                          \
-                     float *restrict exp_avg_sq, float *restrict kept_param,                  \
-                     float *restrict kept_exp_avg, float *restrict kept_exp_avg_sq,           \
-                     const grad_t *restrict staging, grad_t *restrict weights, int64_t begin, \
-                     int64_t end, struct adam_args a) {                                       \
-        ADAM_LOCALS                                                                           \
-        stream_copy(kept_param + begin, param + begin, end - begin);                          \
-        stream_copy(kept_exp_avg + begin, exp_avg + begin, end - begin);                      \
-        stream_copy(kept_exp_avg_sq + begin, exp_avg_sq + begin, end - begin);                \
-        stream_fence();                                                                       \
-        for (int64_t i = begin; i < end; ++i) {                                               \
-            float grad = (load_grad) * grad_scale;                                            \
-            float weight = param[i], m = exp_avg[i], v = exp_avg_sq[i];                       \
-            ADAM_UPDATE(add_l2)                                                               \
-            param[i] = weight;                                                                \
-            exp_avg[i] = m;                                                                   \
-            exp_avg_sq[i] = v;                                                                \
-            store_weight;                                                                     \
-        }                                                                                     \
-    }
-
-/* From kept: the step taken from the kept state (the state before a speculative step) into the
- * live one, the weights to their own buffer. The live state is written whole, so it is streamed
- * out from a tile small enough for the first-level cache (no read of its lines first). */
+/* From: the step taken from one state (the live one, read only) into another (its twins: a
+ * speculative step, whose results become the live state only if the step stands), the weights
+ * to their own buffer, so the grads stay in staging. The new state is written whole, so it is
+ * streamed out from a tile small enough for the first-level cache (no read of its lines first). */
 #define FROM_TILE 512
 #define ADAM_RANGE_FROM(name, grad_t, add_l2, load_grad, store_weight)                         \
     static void name(float *restrict param, float *restrict exp_avg,                          \
-                     float *restrict exp_avg_sq, const float *restrict kept_param,            \
-                     const float *restrict kept_exp_avg, const float *restrict kept_exp_avg_sq, \
+                     float *restrict exp_avg_sq, const float *restrict from_param,            \
+                     const float *restrict from_exp_avg, const float *restrict from_exp_avg_sq, \
                      const grad_t *restrict staging, grad_t *restrict weights, int64_t begin, \
                      int64_t end, struct adam_args a) {                                       \
         ADAM_LOCALS                                                                           \
@@ -155,7 +131,7 @@ static inline void stream_fence(void) {
             const int64_t last = first + FROM_TILE < end ? first + FROM_TILE : end;           \
             for (int64_t i = first; i < last; ++i) {                                          \
                 float grad = (load_grad) * grad_scale;                                        \
-                float weight = kept_param[i], m = kept_exp_avg[i], v = kept_exp_avg_sq[i];    \
+                float weight = from_param[i], m = from_exp_avg[i], v = from_exp_avg_sq[i];    \
                 ADAM_UPDATE(add_l2)                                                           \
                 tile_param[i - first] = weight;                                               \
                 tile_exp_avg[i - first] = m;                                                  \
@@ -174,8 +150,8 @@ static inline void stream_fence(void) {
 #define STORE_BF16 staging[i] = float_to_bf16(weight)
 #define OUT_BF16 weights[i] = float_to_bf16(weight)
 #define LOAD_F32_FACTOR staging[i] * grad_factor
-/* Every variant: in place, kept and from kept; model dtype bf16 or fp32; L2 or not; a grad
- * factor or not. */
+/* Every variant: in place and from; model dtype bf16 or fp32; L2 or not; a grad factor or
+ * not. */
 #define ADAM_VARIANTS(kind, suffix, store_bf16, store_f32)                                     \
     kind(adam##suffix##_bf16, uint16_t, 0, LOAD_BF16, store_bf16)                             \
     kind(adam##suffix##_bf16_l2, uint16_t, 1, LOAD_BF16, store_bf16)                          \
@@ -186,7 +162,6 @@ static inline void stream_fence(void) {
     kind(adam##suffix##_f32_factor, float, 0, LOAD_F32_FACTOR, store_f32)                     \
     kind(adam##suffix##_f32_l2_factor, float, 1, LOAD_F32_FACTOR, store_f32)
 ADAM_VARIANTS(ADAM_RANGE, _range, STORE_BF16, staging[i] = weight)
-ADAM_VARIANTS(ADAM_RANGE_KEEP, _keep, OUT_BF16, weights[i] = weight)
 ADAM_VARIANTS(ADAM_RANGE_FROM, _from, OUT_BF16, weights[i] = weight)
 
 /* One piece of a chunk: its fp32 weight and moments, its staging slots, and its coefficients
@@ -196,8 +171,8 @@ struct adam_piece {
     void *staging;
     int64_t numel;
     struct adam_args args;
-    /* Kept and from kept only: the state before the step, and the weights' own buffer. */
-    float *kept_param, *kept_exp_avg, *kept_exp_avg_sq;
+    /* From only: the state read, and the weights' own buffer. */
+    const float *from_param, *from_exp_avg, *from_exp_avg_sq;
     void *weights;
 };
 
@@ -226,9 +201,9 @@ static inline int64_t piece_of_block(const int64_t *first_block, int64_t num_pie
 #define CALL_IN_PLACE(range, piece, grad_t, begin, end)                                       \
     range(piece->param, piece->exp_avg, piece->exp_avg_sq, (grad_t *)piece->staging, begin,  \
           end, piece->args)
-#define CALL_KEPT(range, piece, grad_t, begin, end)                                            \
-    range(piece->param, piece->exp_avg, piece->exp_avg_sq, piece->kept_param,                 \
-          piece->kept_exp_avg, piece->kept_exp_avg_sq, (const grad_t *)piece->staging,        \
+#define CALL_FROM(range, piece, grad_t, begin, end)                                            \
+    range(piece->param, piece->exp_avg, piece->exp_avg_sq, piece->from_param,                 \
+          piece->from_exp_avg, piece->from_exp_avg_sq, (const grad_t *)piece->staging,        \
           (grad_t *)piece->weights, begin, end, piece->args)
 #define ADAM_ENTRY(name, range, grad_t, call)                                                   \
     int name(const struct adam_piece *pieces, int64_t num_pieces, int num_threads) {           \
@@ -261,9 +236,6 @@ static inline int64_t piece_of_block(const int64_t *first_block, int64_t num_pie
 /* In place: grads in, weights out through the same staging slots (bf16 or fp32). */
 ADAM_ENTRY(zero_shard_adam_bf16, adam_range_bf16, uint16_t, CALL_IN_PLACE)
 ADAM_ENTRY(zero_shard_adam_f32, adam_range_f32, float, CALL_IN_PLACE)
-/* Kept: the state before the step to the kept buffers, the weights to their own buffer. */
-ADAM_ENTRY(zero_shard_adam_keep_bf16, adam_keep_bf16, uint16_t, CALL_KEPT)
-ADAM_ENTRY(zero_shard_adam_keep_f32, adam_keep_f32, float, CALL_KEPT)
-/* From kept: the step from the kept buffers into the live state, the weights to their own. */
-ADAM_ENTRY(zero_shard_adam_from_bf16, adam_from_bf16, uint16_t, CALL_KEPT)
-ADAM_ENTRY(zero_shard_adam_from_f32, adam_from_f32, float, CALL_KEPT)
+/* From: the step from the live state into its twins, the weights to their own buffer. */
+ADAM_ENTRY(zero_shard_adam_from_bf16, adam_from_bf16, uint16_t, CALL_FROM)
+ADAM_ENTRY(zero_shard_adam_from_f32, adam_from_f32, float, CALL_FROM)

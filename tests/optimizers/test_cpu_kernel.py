@@ -21,11 +21,11 @@ from _parity import (
     train_side_by_side,
 )
 
+from offload import page_moves_available
 from optimizers import HybridDeviceOptimizer, OffloadPolicy, _cpu_kernel
 from optimizers import _host_part as host_part
 from optimizers._cpu_kernel import (
     CpuAdamKernel,
-    KeptPiece,
     KernelPiece,
     KernelTable,
     load_cpu_adam,
@@ -194,13 +194,14 @@ def test_a_table_run_step_after_step_is_torch_fused_adamw() -> None:
 
 
 class _Twins:
-    """Two tables over equal pieces (sizes of a vector body, a tail, several blocks; Adam's L2
-    or AdamW's decay): one runs as the host step does today, one speculates; the same grads."""
+    """Two tables over equal pieces (sizes of a vector body, a tail, several blocks and one of
+    whole pages that move; Adam's L2 or AdamW's decay): one runs as the host step does without
+    speculation, one speculates; the same grads."""
 
     def __init__(self, cls: type, dtype: torch.dtype, seed: int) -> None:
         kernel = kernel_for(cls)
         gen = torch.Generator().manual_seed(seed)
-        sizes = [NUMEL, 5, 3 * 32768 + 7]
+        sizes = [NUMEL, 5, 3 * 32768 + 7, (3 << 20) + 11]
         mains = [torch.randn(n, generator=gen) for n in sizes]
         self.states = [
             [{"step": torch.tensor(0.0), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
@@ -209,10 +210,7 @@ class _Twins:
         ]  # fmt: skip
         self.mains = [[m.clone() for m in mains] for _ in range(2)]
         self.staging = [[torch.empty(n, dtype=dtype) for n in sizes] for _ in range(2)]
-        self.kept = [
-            KeptPiece(torch.empty(n), torch.empty(n), torch.empty(n), torch.empty(n, dtype=dtype))
-            for n in sizes
-        ]
+        self.weights = [torch.empty(n, dtype=dtype) for n in sizes]
         self.plain, self.speculative = (
             KernelTable(
                 kernel,
@@ -220,7 +218,7 @@ class _Twins:
                     KernelPiece(*p)
                     for p in zip(self.mains[i], self.staging[i], self.states[i], strict=True)
                 ],
-                kept=None if i == 0 else self.kept,
+                weights=None if i == 0 else self.weights,
             )
             for i in range(2)
         )
@@ -243,9 +241,9 @@ class _Twins:
         for plain, speculative in zip(self.live(0), self.live(1), strict=True):
             assert torch.equal(plain, speculative), where
         # The plain step's weights replaced its grads in staging; the speculative one's are in
-        # the kept pieces' own buffer.
-        for slot, kept in zip(self.staging[0], self.kept, strict=True):
-            assert torch.equal(slot, kept.weights), where
+        # their own buffers.
+        for slot, weights in zip(self.staging[0], self.weights, strict=True):
+            assert torch.equal(slot, weights), where
 
 
 @pytest.mark.parametrize(
@@ -258,9 +256,13 @@ def test_a_speculated_step_committed_redone_or_rolled_back_is_the_step_bit_for_b
 ) -> None:
     """[Note: speculative kernel steps]: each step is speculated before its arguments are known,
     then committed (the same arguments), redone (a clip's grad factor; the lr a scheduler
-    changed; a grad scale) or rolled back (a skipped step); the twin table steps with the final
-    arguments from the start. Every live tensor and every weight written is the same bits."""
+    changed; a grad scale; the state written in place after the speculation) or rolled back (a
+    skipped step); the twin table steps with the final arguments from the start. Every live
+    tensor and every weight written is the same bits, and each live tensor keeps its address (a
+    view taken before the steps reads the state after them)."""
     twins = _Twins(cls, dtype, seed=3)
+    views = [tensor.view(-1)[1:] for tensor in twins.live(1) if tensor.dim() > 0]
+    addresses = [tensor.data_ptr() for tensor in twins.live(1)]
     group = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": weight_decay}
     rounds = [  # what the step asks for in the end, against the speculated one
         ("commit", None, None, None),
@@ -270,33 +272,41 @@ def test_a_speculated_step_committed_redone_or_rolled_back_is_the_step_bit_for_b
         ("skip", None, None, None),
         ("scale", 0.5, None, None),
         ("commit", 0.5, None, None),
+        ("written", None, None, None),
+        ("commit", None, None, None),
     ]
     for step, (kind, scale, factor, lr) in enumerate(rounds):
         twins.new_grads()
         grads = [slot.clone() for slot in twins.staging[1]]
         before = [tensor.clone() for tensor in twins.live(1)]
         twins.speculative.speculate(group, grad_scale=0.5 if kind == "commit" and scale else None)
-        # The grads stay in staging; the state before the step is kept.
+        # The grads stay in staging; the live state and the counts are as before the step.
         assert all(torch.equal(a, b) for a, b in zip(twins.staging[1], grads, strict=True))
-        kept = [t for k in twins.kept for t in (k.main, k.exp_avg, k.exp_avg_sq)]
-        assert all(
-            torch.equal(k, b) for k, b in zip(kept, [t for i, t in enumerate(before) if i % 4 != 3],
-                                              strict=True)
-        )  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(twins.live(1), before, strict=True))
         final = dict(group, lr=lr) if lr is not None else group
         where = f"step {step}: {kind}"
         if kind == "skip":
             twins.speculative.roll_back()
             assert all(torch.equal(a, b) for a, b in zip(twins.live(1), before, strict=True)), where
             continue  # (the plain table takes no step)
+        if kind == "written":  # a moment rescaled in place after the speculation read it
+            for which in (0, 1):
+                twins.states[which][3]["exp_avg"].mul_(0.5)
+            assert twins.speculative.written_since()
         holds = twins.speculative.holds(final, grad_scale=scale, grad_factor=factor)
-        assert holds == (kind == "commit"), where
-        if holds:
+        assert holds == (kind in ("commit", "written")), where
+        if holds and kind == "commit":
             twins.speculative.commit()
         else:
             twins.speculative.redo(final, grad_scale=scale, grad_factor=factor)
         twins.plain.run(final, grad_scale=scale, grad_factor=factor)
         twins.assert_same(where)
+    assert [tensor.data_ptr() for tensor in twins.live(1)] == addresses
+    live = [tensor for tensor in twins.live(1) if tensor.dim() > 0]
+    assert all(torch.equal(view, t.view(-1)[1:]) for view, t in zip(views, live, strict=True))
+    assert any(twin.moves_pages for piece in twins.speculative._twins for twin in piece) == (
+        page_moves_available()
+    )
 
 
 def test_a_speculative_table_refuses_calls_out_of_order() -> None:
@@ -305,7 +315,7 @@ def test_a_speculative_table_refuses_calls_out_of_order() -> None:
     for call in (twins.speculative.commit, twins.speculative.roll_back):
         with pytest.raises(RuntimeError, match=r"speculate\(\) comes first"):
             call()
-    with pytest.raises(AssertionError, match="kept buffers"):
+    with pytest.raises(AssertionError, match="speculative table"):
         twins.plain.speculate(group)
 
 
