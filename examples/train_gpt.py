@@ -74,6 +74,7 @@ import zero_shard
 from offload import format_bytes, resolve_thread_budget
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SPECULATIVE = {"auto": "auto", "on": True, "off": False}  # --speculative -> OffloadPolicy's
 NUM_VAL_BATCHES = 4
 LAST_LOSS_WINDOW = 10  # "last loss" is the mean training loss over this many final steps
 RSS_WARMUP_STEPS = 10  # steady host RSS is taken over a process's steps after its first ten
@@ -266,7 +267,7 @@ def build(args: argparse.Namespace, ranks: Ranks) -> Trainer:
             delayed_update=args.delayed_update,
             delayed_update_warmup=args.delayed_update_warmup,
             host_staging=args.host_staging,
-            speculative=args.speculative,
+            speculative=SPECULATIVE[args.speculative],
             **options,
         )
         buckets = {} if args.bucket_mb is None else {"bucket_mb": args.bucket_mb}
@@ -537,8 +538,10 @@ def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     log.summary = summarize(log, args)
     log.summary["memory"] = measure_memory(trainer, ranks, rss_samples[RSS_WARMUP_STEPS:])
     log.summary["clipping"] = {"max_norm": args.clip, **dataclasses.asdict(CLIPPING[trainer.kind])}
-    if args.speculative and isinstance(trainer.optimizer, zero_shard.ZeroShardOptimizer):
-        log.summary["speculation"] = dataclasses.asdict(trainer.optimizer.speculation_counts)
+    if isinstance(trainer.optimizer, zero_shard.ZeroShardOptimizer):
+        counts = trainer.optimizer.speculation_counts
+        if counts.stood or counts.redone or args.speculative == "on":
+            log.summary["speculation"] = dataclasses.asdict(counts)
     if ranks.rank == 0:
         report(log, args)
     return log.to_json()
@@ -776,9 +779,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "per_chunk where the host keeps a quarter of its memory available)")  # fmt: skip
     add("--bucket-mb", type=float, metavar="MIB", help="zero-shard's bucket size (a reduction "
         "and a gather each); default: wrap's (256)")  # fmt: skip
-    add("--speculative", action="store_true", help="zero-shard steps each CPU chunk as its grads "
-        "reach the host during backward, keeping the state from before it; the step then "
-        "stands, or is redone or rolled back (exact; per_chunk staging)")  # fmt: skip
+    add("--speculative", choices=list(SPECULATIVE), default="auto", help="on: zero-shard steps "
+        "each CPU chunk as its grads reach the host during backward, into twins of its state; "
+        "the step then stands, or is redone or forgotten (exact; per_chunk staging). auto "
+        "(default): on where the host keeps a quarter of its memory available with it")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
     add("--delayed-update-warmup", type=int, default=0, metavar="STEPS", help="with "

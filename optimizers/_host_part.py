@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -88,6 +88,7 @@ from ._staging import (
     BoundedStaging,
     PerChunkStaging,
     Staging,
+    choose_speculation,
     choose_staging,
     staging_bytes,
 )
@@ -124,45 +125,56 @@ def _checked_staging(
     specs: Sequence[ChunkSpec],
     num_state_tensors: int,
     kernels: Sequence[CpuAdamKernel | None],
-    speculative: bool,
+    speculative: bool | Literal["auto"],
     early_copies: bool,
-) -> StagingKind:
-    """``staging`` with ``"auto"`` resolved (see ``choose_staging``), once the host is checked
-    to hold the CPU share with it: fp32 main, fp32 grad where needed, optimizer state, staging,
-    and the kept state of speculative steps (with a buffer per chunk)."""
+) -> tuple[StagingKind, bool]:
+    """``staging`` with ``"auto"`` resolved (see ``choose_staging``), and whether the steps
+    speculate (``speculative`` with ``"auto"`` resolved the same way), once the host is checked
+    to hold the CPU share with them: fp32 main, fp32 grad where needed, optimizer state,
+    staging, and the twins and weights of speculative steps (with a buffer per chunk)."""
     other_bytes = 0
     for spec, kernel in zip(specs, kernels, strict=True):
         per_element = 4 * (1 + num_state_tensors)
         per_element += 4 if _needs_grad_buffer(spec, kernel) else 0
         other_bytes += spec.numel * per_element
-    # The state speculative steps keep, with a buffer per chunk (see KeptChunks).
-    kept_per_chunk = sum(
+    # What speculative steps hold, with a buffer per chunk (see KeptChunks).
+    twin_bytes = sum(
         spec.numel * (12 + spec.dtype.itemsize)
         for spec, kernel in zip(specs, kernels, strict=True)
-        if kernel is not None and speculative and early_copies
+        if kernel is not None and speculative is not False and early_copies
     )
+    asked = twin_bytes if speculative is True else 0
     kind: StagingKind = "bounded" if staging == "auto" else staging  # (with nothing to stage)
     if staging == "auto" and specs:
-        per_chunk = other_bytes + staging_bytes("per_chunk", specs) + kept_per_chunk
+        per_chunk = other_bytes + staging_bytes("per_chunk", specs) + asked
         kind, reason = choose_staging(per_chunk)
         logger.info("zero-shard: host staging %r (host_staging='auto': %s)", kind, reason)
-    kept_bytes = kept_per_chunk if kind == "per_chunk" else 0
-    if speculative and not kept_bytes:
+    speculates = kind == "per_chunk" and twin_bytes > 0
+    if speculative == "auto" and speculates:
+        with_twins = other_bytes + staging_bytes(kind, specs) + twin_bytes
+        speculates, reason = choose_speculation(with_twins)
+        logger.info(
+            "zero-shard: speculative host steps %s (speculative='auto': %s)",
+            "on" if speculates else "off",
+            reason,
+        )
+    if speculative is True and not speculates:
         warnings.warn(
             "OffloadPolicy(speculative=True) has no effect here: it needs a staging buffer per "
             f"chunk (host_staging is {kind!r} here) and chunks on the single-pass Adam/AdamW "
-            "kernel, with no delayed update. Set host_staging='per_chunk', or speculative=False "
-            "to silence this",
+            "kernel, with no delayed update. Set host_staging='per_chunk', or speculative="
+            "'auto' to silence this",
             RuntimeWarning,
             stacklevel=4,
         )
+    kept_bytes = twin_bytes if speculates else 0
     check_host_memory(
         other_bytes + staging_bytes(kind, specs) + kept_bytes,
         what="the fp32 main weights, grads and optimizer state offloaded to the CPU"
-        + (" and the state kept by speculative steps" if kept_bytes else ""),
+        + (" and the state speculative steps write" if kept_bytes else ""),
         setting="the offload fraction" + (" (or set speculative=False)" if kept_bytes else ""),
     )
-    return kind
+    return kind, speculates
 
 
 class HostPart:
@@ -212,7 +224,7 @@ class HostPart:
         staging: HostStaging,
         switch_interval: float | None = None,
         early_copies: bool = False,
-        speculative: bool = False,
+        speculative: bool | Literal["auto"] = False,
     ) -> None:
         cls = optimizer_spec.cls
         kernels = [
@@ -221,7 +233,7 @@ class HostPart:
             else None
             for s in specs
         ]
-        kind = _checked_staging(
+        kind, speculates = _checked_staging(
             staging, specs, num_state_tensors, kernels, speculative, early_copies
         )
         self.engine = CopyEngine(device)
@@ -249,7 +261,7 @@ class HostPart:
         self._live, self._live_since = [], None
         self._kept = None
         on_copied = None
-        if speculative and kind == "per_chunk" and early_copies:
+        if speculates:
             self._kept = KeptChunks(self.chunks, pin=pin)
             on_copied = _weak_call(self, HostPart._speculate)
         if kind == "bounded":

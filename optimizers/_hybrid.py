@@ -595,7 +595,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     "give the param's grad, contiguous"
                 )
             flat[index] = grad.view(-1)
-        if self.policy.speculative and self.speculates:
+        if self.speculates:
             # The steps speculated from these grads take the groups' options as they are now
             # (a scheduler stepped since the last step), as the step will.
             self._sync_hyperparams()

@@ -126,15 +126,18 @@ class OffloadPolicy:
             may wait that long for a thread running Python (the next forward), chunk after
             chunk. ``None`` leaves the interval alone. Default 0.0005.
         speculative: step each chunk on the single-pass kernel as soon as its grads are copied
-            to the host during backward (``host_staging="per_chunk"``, no delayed update), before
-            the clip factor and the inf/NaN verdict are known, into twins of its state; at the
-            step the result stands (the twins' pages are moved into the state, on Linux 5.7+;
-            copied elsewhere), is redone from the state, or is forgotten (a skipped step): the
-            same bits as without it, also where the state was written in place meanwhile. Costs
-            12 bytes of host memory per offloaded element for the twins, plus the new weights'
-            own buffer (2 bytes of bf16, pinned); the host-memory check and ``memory_report()``
-            count them. Where it cannot apply (bounded staging, a delayed update, no chunk on the
-            kernel) it warns once and the steps run as without it. Default False.
+            to the host during backward (a plain model's, with ``host_staging="per_chunk"`` and
+            no delayed update), before the clip factor and the inf/NaN verdict are known, into
+            twins of its state; at the step the result stands (the twins' pages are moved into
+            the state, on Linux 5.7+; copied elsewhere), is redone from the state, or is
+            forgotten (a skipped step): the same bits as without it, also where the state was
+            written in place meanwhile. Costs 12 bytes of host memory per offloaded element for
+            the twins, plus the new weights' own buffer (2 bytes of bf16, pinned); the
+            host-memory check and ``memory_report()`` count them. ``"auto"`` (default): on where
+            it applies and the host keeps at least a quarter of its memory available with it (as
+            ``host_staging="auto"`` decides; the choice is logged, logger ``zero_shard``, INFO).
+            ``True``: on where it applies, and a warning where it cannot (bounded staging, a
+            delayed update, no chunk on the kernel, a DDP or FSDP2 model). Default ``"auto"``.
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
@@ -151,7 +154,7 @@ class OffloadPolicy:
     delayed_update_warmup: int = 0
     host_staging: HostStaging = "auto"
     gil_switch_interval: float | None = 0.0005
-    speculative: bool = False
+    speculative: bool | Literal["auto"] = "auto"
 
     @property
     def delay(self) -> DelayedUpdate | None:
@@ -167,9 +170,11 @@ class OffloadPolicy:
                 f"offload fraction must be in [0, 1] (0 = all on the accelerator, 1 = all on "
                 f"the CPU), got {fraction}"
             )
-        for name in ("pin_memory", "delayed_update", "speculative"):
+        for name in ("pin_memory", "delayed_update"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.speculative, bool) and self.speculative != "auto":
+            raise TypeError(f"speculative must be 'auto', True or False, got {self.speculative!r}")
         if self.delayed_update and fraction != 1.0:
             raise ValueError(
                 f"delayed_update=True delays the CPU's step, so it needs fraction=1.0 (everything "

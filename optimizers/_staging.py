@@ -57,6 +57,7 @@ __all__ = [
     "BoundedStaging",
     "PerChunkStaging",
     "Staging",
+    "choose_speculation",
     "choose_staging",
     "staging_bytes",
 ]
@@ -79,15 +80,27 @@ def choose_staging(per_chunk_bytes: int) -> tuple[StagingKind, str]:
     near what the host can hold gets bounded staging, and the same largest model fits. The rest
     of the process (the data loader, a checkpoint's copies, other models of an RL stack) keeps
     the quarter."""
-    after = available_after(per_chunk_bytes)
+    fits, reason = _keeps_free(per_chunk_bytes, "with a buffer per chunk")
+    return ("per_chunk" if fits else "bounded"), reason
+
+
+def choose_speculation(with_twins_bytes: int) -> tuple[bool, str]:
+    """``speculative="auto"``'s choice for a CPU share that needs ``with_twins_bytes`` of host
+    memory with the twins of speculative steps (14 bytes a bf16 element more), and why: on by
+    the rule of ``choose_staging``."""
+    return _keeps_free(with_twins_bytes, "with the twins of speculative steps")
+
+
+def _keeps_free(num_bytes: int, what: str) -> tuple[bool, str]:
+    after = available_after(num_bytes)
     if after is None:
-        return "bounded", "the host-memory check is off: its report is not trusted"
+        return False, "the host-memory check is off: its report is not trusted"
     available, total = after
     reason = (
         f"{format_bytes(max(available, 0))} of {format_bytes(total)} would be left available "
-        f"with a buffer per chunk (kept: {AUTO_STAGING_KEEPS_FREE:.0%})"
+        f"{what} (kept: {AUTO_STAGING_KEEPS_FREE:.0%})"
     )
-    return ("per_chunk" if available >= AUTO_STAGING_KEEPS_FREE * total else "bounded"), reason
+    return available >= AUTO_STAGING_KEEPS_FREE * total, reason
 
 
 def staging_bytes(kind: StagingKind, specs: Sequence[ChunkSpec]) -> int:

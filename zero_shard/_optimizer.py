@@ -222,16 +222,17 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             offload_fraction=policy.fraction, all_gather=all_gather,
         )  # fmt: skip
         self._sharded = self.kind.sharded
-        if policy.speculative and not self.kind.copies_grads_early:
-            warnings.warn(
-                "OffloadPolicy(speculative=True) has no effect for this model: its CPU steps "
-                "start from grads copied to the host as backward reduces them, which zero-shard "
-                "does for a plain model only (not under DDP or FSDP2). Set speculative=False to "
-                "silence this",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            policy = dataclasses.replace(policy, speculative=False)  # (no kept state held)
+        if policy.speculative is not False and not self.kind.copies_grads_early:
+            if policy.speculative is True:
+                warnings.warn(
+                    "OffloadPolicy(speculative=True) has no effect for this model: its CPU steps "
+                    "start from grads copied to the host as backward reduces them, which "
+                    "zero-shard does for a plain model only (not under DDP or FSDP2). Set "
+                    "speculative=False or 'auto' to silence this",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            policy = dataclasses.replace(policy, speculative=False)  # (no twins held)
         self._hybrid = self._make_hybrid(optimizer, policy)
         self._delay = checked.delay
         self._stale = StaleCheck(self.kind, self._hybrid, device=self._reduce_device)
