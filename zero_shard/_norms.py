@@ -126,7 +126,8 @@ def global_norm(
             term = torch.where(finite, term, torch.full_like(term, math.inf))
         if math.isinf(norm_type):
             # A MAX reduction may drop a NaN (gloo keeps the other rank's value); inf survives.
-            term = torch.nan_to_num(term, nan=math.inf)
+            # (nan_to_num's defaults would turn an inf itself into the largest finite float.)
+            term = torch.nan_to_num(term, nan=math.inf, posinf=math.inf)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         for group in groups:
             dist.all_reduce(term, op=op, group=group)
@@ -186,7 +187,9 @@ def param_norms(
             sign = (
                 1.0 if norm_type > 0 else -1.0
             )  # a flag the reduction keeps: 1 to a max, -1 to a min
-            both = torch.cat([terms.nan_to_num(nan=empty), terms.isnan().to(dtype) * sign])
+            # (nan_to_num's defaults would turn an inf into the largest finite float.)
+            values = terms.nan_to_num(nan=empty, posinf=math.inf, neginf=-math.inf)
+            both = torch.cat([values, terms.isnan().to(dtype) * sign])
             for group in groups:
                 dist.all_reduce(both, op=op, group=group)
             values, flags = both.split(len(grads))

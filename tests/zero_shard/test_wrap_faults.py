@@ -1,9 +1,10 @@
 """zero_shard.wrap on 2 CPU processes (gloo) where things go off the common path: ranks running
-different modules, fp16 mixed with fp32, a NaN on one rank under inf-norm clipping, a backward that
+different modules, fp16 mixed with fp32, a NaN or an inf on one rank under inf-norms, a backward that
 raises, and inputs that deserve a clear error."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -129,30 +130,61 @@ def fp16_and_fp32_grads_are_unscaled_once(rank: int, world: int) -> None:
 
 
 @case
-def nan_on_the_last_rank_under_inf_norm_clipping_skips_everywhere(rank: int, world: int) -> None:
-    model = make_model()
-    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
-    before = [p.detach().clone() for p in model.parameters()]
+def a_nonfinite_grad_on_the_last_rank_under_inf_norms_skips_everywhere(
+    rank: int, world: int
+) -> None:
+    # A NaN, inf or -inf in one grad element (the last rank's shard after the reduction), then
+    # an inf-norm: zero-shard's clip, torch's clip or total norm, torch's clip with
+    # error_if_nonfinite=True, or only a logged per-grad inf-norm. The norm is inf or NaN on
+    # every rank, as torch's, torch's check raises on every rank, and the step is skipped with
+    # the params as they were.
+    torch_clip = torch.nn.utils.clip_grad_norm_
+    norms: dict[str, Callable[[torch.nn.Module, Any], torch.Tensor | None]] = {
+        "opt.clip_grad_norm_": lambda model, opt: opt.clip_grad_norm_(1.0, norm_type=math.inf),
+        "torch clip": lambda model, opt: torch_clip(model.parameters(), 1.0, norm_type=math.inf),
+        "get_total_norm": lambda model, opt: torch.nn.utils.get_total_norm(
+            [p.grad for p in model.parameters()], norm_type=math.inf
+        ),
+        "logged p.grad.norm(inf)": lambda model, opt: model.inp.weight.grad.norm(math.inf),
+        "error_if_nonfinite": lambda model, opt: torch_clip(
+            model.parameters(), 1.0, norm_type=math.inf, error_if_nonfinite=True
+        ),
+    }
+    for bad in (math.nan, math.inf, -math.inf):
+        for name, norm_of in norms.items():
+            for fraction in (0.0, 0.5):
+                where = (bad, name, fraction)
+                model = make_model()
+                policy = OffloadPolicy(fraction=fraction, num_threads=1)
+                opt = zero_shard.wrap(adamw(model), model, offload=policy, bucket_mb=TINY_BUCKETS)
+                before = [p.detach().clone() for p in model.parameters()]
 
-    def poison(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        grad[-1, 0] = float("nan")  # the last row: the last rank's shard after the reduction
-        return grad
+                def poison(grad: torch.Tensor, bad: float = bad) -> torch.Tensor:
+                    grad = grad.clone()
+                    grad[-1, 0] = bad  # the last row: the last rank's shard after the reduction
+                    return grad
 
-    handle = model.inp.weight.register_hook(poison) if rank == 0 else None
-    x, y = global_batch(0)
-    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-    if handle is not None:
-        handle.remove()
-    norm = opt.clip_grad_norm_(1.0, norm_type=float("inf"))
-    assert not torch.isfinite(norm)  # on every rank, though only the last one holds the NaN
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opt.step()
-    opt.finish_param_sync()
-    assert opt.num_skipped_steps == 1
-    for old, new in zip(before, model.parameters(), strict=True):
-        assert torch.equal(old, new.detach())
+                handle = model.inp.weight.register_hook(poison) if rank == 0 else None
+                x, y = global_batch(0)
+                mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                if handle is not None:
+                    handle.remove()
+                if name == "error_if_nonfinite":
+                    with pytest.raises(RuntimeError, match="non-finite"):
+                        norm_of(model, opt)
+                else:
+                    norm = norm_of(model, opt)
+                    # (on every rank, though only the last one holds the element)
+                    assert not torch.isfinite(norm), (where, norm)
+                    if not math.isnan(bad):
+                        assert torch.isinf(norm), (where, norm)  # torch's: inf, not NaN
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    opt.step()
+                opt.finish_param_sync()
+                assert opt.num_skipped_steps == 1, where
+                for old, new in zip(before, model.parameters(), strict=True):
+                    assert torch.equal(old, new.detach()), where
 
 
 @case
