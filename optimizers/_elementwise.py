@@ -16,6 +16,7 @@ __all__ = [
     "OptimizerSpec",
     "StateKeys",
     "check_elementwise",
+    "check_wrappable",
     "constructor_defaults",
     "implementation_kwargs",
     "probe_state_keys",
@@ -69,6 +70,21 @@ def torch_class_run_as_is(
 
 def _elementwise_base(cls: type) -> type[torch.optim.Optimizer] | None:
     return torch_class_run_as_is(cls, _ELEMENTWISE)
+
+
+def check_wrappable(optimizer: Any) -> None:
+    """Raises unless ``optimizer`` is a torch optimizer of an elementwise class (see
+    ``check_elementwise``), naming the fix where it wraps one (accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        raise TypeError(
+            f"the optimizer given is a {type(optimizer).__name__} around a "
+            f"{type(inner).__name__}: zero-shard wraps the torch optimizer itself. Wrap it "
+            "before handing it to the library that wraps it (zero_shard.wrap(opt, model), then "
+            "accelerator.prepare(model, wrapped_opt, ...)), or pass its .optimizer"
+        )
+    check_elementwise(type(optimizer))
 
 
 def check_elementwise(cls: Any) -> None:

@@ -27,6 +27,7 @@ from ._elementwise import (
     OptimizerSpec,
     StateKeys,
     check_elementwise,
+    check_wrappable,
     constructor_defaults,
     probe_state_keys,
 )
@@ -250,6 +251,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             raise TypeError("the optimizer is already a HybridDeviceOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_wrappable(optimizer)  # (before its class is built again by constructor_defaults)
         saved = optimizer.state_dict() if optimizer.state else None
         hybrid = cls(
             optimizer.param_groups,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["share_step_hooks", "step_unhooked", "unhooked"]
+__all__ = ["has_step_post_hooks", "share_step_hooks", "step_unhooked", "unhooked"]
 
 # The code of torch's wrapper: every class's wrapped step runs it (a decorator that copied the
 # ``hooked`` mark with functools.wraps has code of its own, and is run as it is).
@@ -50,3 +50,13 @@ def share_step_hooks(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimi
     tables are shared (private attributes of ``torch.optim.Optimizer``, the same since torch 2.0)."""
     wrapper._optimizer_step_pre_hooks = wrapped._optimizer_step_pre_hooks
     wrapper._optimizer_step_post_hooks = wrapped._optimizer_step_post_hooks
+
+
+def has_step_post_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether torch runs post-hooks after ``optimizer``'s step: its own or global ones."""
+    from torch.optim import optimizer as torch_optimizer  # (the global table is private)
+
+    return bool(
+        getattr(optimizer, "_optimizer_step_post_hooks", None)
+        or getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+    )

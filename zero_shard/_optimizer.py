@@ -25,6 +25,7 @@ from optimizers import (
     check_saved_keys,
     constructor_defaults,
     load_state_dict_with_hooks,
+    has_step_post_hooks,
     share_step_hooks,
     state_dict_with_hooks,
 )
@@ -439,7 +440,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         pre-hooks wait for the params each unit reads. An error of the CPU step or of a gather
         then surfaces there. Until then the params may hold old or partly updated weights: code
         that reads or writes them in between (an EMA, a weight constraint) calls
-        :meth:`finish_param_sync` first. Raises if the wrapped torch optimizer's param groups
+        :meth:`finish_param_sync` first; step post-hooks (``register_step_post_hook`` on this
+        optimizer or the torch optimizer it wraps, or global ones) run after it has waited, as
+        they would after torch's step. Raises if the wrapped torch optimizer's param groups
         changed since wrap (``torch_opt.add_param_group``), before anything runs.
         """
         wrapped = self._wrapped()
@@ -488,6 +491,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._end_window()
             self.kind.end_window()
         self._skips.read(block=False)  # at once where the device is the CPU
+        if has_step_post_hooks(self):
+            # torch runs them as this returns, and they read the step's params (an EMA's
+            # update): the CPU's share and the gathers are waited for first.
+            self.finish_param_sync()
         return loss
 
     def _check_steppable(self, wrapped: torch.optim.Optimizer | None) -> None:

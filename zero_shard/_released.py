@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -300,8 +301,9 @@ def _on_reduced_grads(func: Any, bound: dict[str, Any]) -> Any:
         factor = bound["other"] if "other" in bound else bound["scalar"]
         if isinstance(factor, torch.Tensor) and factor.numel() != 1:
             raise NotImplementedError(
-                f"multiplying a released grad by a tensor of shape {tuple(factor.shape)} "
-                "(elementwise) is not supported: only by one number (a clip's factor)"
+                f"multiplying the released grad of {_first_fqn(grads)!r} by a tensor of shape "
+                f"{tuple(factor.shape)} (elementwise) is not supported: only by one number (a "
+                f"clip's factor). {_READ_MAIN_GRAD}"
             )
         for owner, _, indices in by_owner.values():
             owner.scale_(indices, factor)
@@ -316,6 +318,17 @@ def _on_reduced_grads(func: Any, bound: dict[str, Any]) -> Any:
     return bound["self"] if single else None
 
 
+_READ_MAIN_GRAD = (
+    "zero-shard reduced the grad over the ranks into its shards; read it with "
+    "opt.main_grad(param) (this rank's shard, as a DTensor; .full_tensor() for the whole grad) "
+    "and edit it there"
+)
+
+
+def _first_fqn(grads: Sequence[torch.Tensor]) -> str:
+    return next(g.fqn for g in grads if isinstance(g, ReleasedGrad))
+
+
 def _norms_of(
     func: Any,
     bound: dict[str, Any],
@@ -328,8 +341,9 @@ def _norms_of(
     norm_type, dtype = float(bound["ord"]), bound["dtype"]
     if bound.get("dim") is not None:
         raise NotImplementedError(
-            f"a norm of a released grad over dims {bound['dim']} is not supported: only over "
-            "all its elements (as torch's clipping takes it)"
+            f"a norm over dims {bound['dim']} of the released grad of {_first_fqn(grads)!r} is "
+            "not supported: only over all its elements (as torch's clipping takes it). "
+            f"{_READ_MAIN_GRAD}"
         )
     norms: list[torch.Tensor | None] = [None] * len(grads)
     for owner, positions, indices in owners:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from optimizers import OffloadPolicy, check_elementwise, check_param_kind, constructor_defaults
+from optimizers import OffloadPolicy, check_param_kind, check_wrappable, constructor_defaults
 
 from ._aliases import check_disjoint
 from ._fsdp import (
@@ -64,7 +64,7 @@ def check_options(
     nonfinite: Any,
     stale_params: Any,
 ) -> OffloadPolicy:
-    check_elementwise(type(optimizer))
+    check_wrappable(optimizer)
     constructor_defaults(optimizer)  # refuses a class it cannot build again, before any change
     if offload is None:
         offload = OffloadPolicy(fraction=0.0)

@@ -40,6 +40,32 @@ def test_non_elementwise_class(cls: type) -> None:
         HybridDeviceOptimizer(params(), cls, lr=1e-3)
 
 
+def test_non_elementwise_optimizer_wrapped_is_refused_as_such() -> None:
+    """Muon builds only over 2-D params: wrapping one is refused for what it is (its class is not
+    elementwise), before zero-shard builds its class again over a probe param."""
+    matrices = [torch.nn.Parameter(torch.randn(4, 6)) for _ in range(2)]
+    with pytest.raises(NotImplementedError, match="Muon is not a known elementwise"):
+        HybridDeviceOptimizer.wrap(torch.optim.Muon(matrices, lr=1e-3))
+
+
+class _Wrapping(torch.optim.Optimizer):
+    """What accelerate's AcceleratedOptimizer is: a torch optimizer around one."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+
+def test_an_optimizer_around_a_torch_optimizer_is_refused_naming_the_order() -> None:
+    inner = torch.optim.AdamW(params(), lr=1e-3)
+    with pytest.raises(TypeError, match=r"_Wrapping around a AdamW.*before handing it"):
+        HybridDeviceOptimizer.wrap(_Wrapping(inner))
+
+
 def test_subclass_that_changes_step_is_refused_unless_marked() -> None:
     class Custom(torch.optim.AdamW):
         def step(self, closure=None):  # type: ignore[override]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,13 @@ def non_elementwise_optimizer(rank: int, world: int) -> None:
             NotImplementedError, match=rf"{cls.__name__} is not a known elementwise"
         ):
             zero_shard.wrap(cls(model.parameters()), model)
+    # accelerate's AcceleratedOptimizer around the torch optimizer (wrapped after prepare)
+    accelerated = types.new_class("AcceleratedOptimizer", (torch.optim.Optimizer,))
+    outer = accelerated.__new__(accelerated)
+    outer.optimizer = torch.optim.AdamW(model.parameters())
+    outer.param_groups, outer.defaults = outer.optimizer.param_groups, outer.optimizer.defaults
+    with pytest.raises(TypeError, match=r"AcceleratedOptimizer around a AdamW.*prepare"):
+        zero_shard.wrap(outer, model)
 
 
 class WithEmbedding(nn.Module):

@@ -2045,6 +2045,54 @@ def step_hooks_run_once_around_the_step_as_torch_runs_them(rank: int, world: int
             handle.remove()
 
 
+@case
+def step_post_hooks_read_the_params_the_step_wrote(rank: int, world: int) -> None:
+    # An EMA kept by a step post-hook (on the torch optimizer, on the wrapper, or global), read
+    # from the model's params: torch runs the hook once the step is done, so it reads the
+    # step's weights. The CPU's share and the gathers would otherwise still be in flight.
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    for fraction, where in itertools.product((0.0, 0.5, 1.0), ("torch_opt", "wrapper", "global")):
+        model, ref = make_model(), make_model()
+        torch_opt, ref_opt = adamw(model), adamw(ref)
+        emas = {}
+
+        def ema_of(net: nn.Module) -> Callable[..., None]:
+            def update(*_: Any) -> None:
+                for name, param in net.named_parameters():
+                    value = param.detach().float().clone()
+                    previous = emas.get((net, name))
+                    emas[net, name] = value if previous is None else 0.9 * previous + 0.1 * value
+
+            return update
+
+        opt = zero_shard.wrap(torch_opt, model, offload=offload(fraction), bucket_mb=TINY_BUCKETS)
+        ref_opt.register_step_post_hook(ema_of(ref))
+        handle = None
+        if where == "global":
+            hook = ema_of(model)
+            handle = register_optimizer_step_post_hook(
+                lambda o, *args: hook() if o is opt else None
+            )
+        else:
+            (torch_opt if where == "torch_opt" else opt).register_step_post_hook(ema_of(model))
+        try:
+            for step in range(3):
+                x, y = global_batch(step)
+                mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                opt.step()
+                opt.zero_grad()
+                step_reference(ref, ref_opt, x, y)
+                for name, _ in model.named_parameters():
+                    torch.testing.assert_close(
+                        emas[model, name], emas[ref, name], **PARAM_TOL,
+                        msg=f"fraction {fraction}, hook on {where}, step {step}: {name}",
+                    )  # fmt: skip
+        finally:
+            if handle is not None:
+                handle.remove()
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda world: f"world{world}")
 def outcomes(request: pytest.FixtureRequest) -> dict[str, str | None]:
     return run_cases(CASES, request.param)
