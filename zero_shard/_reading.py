@@ -160,11 +160,18 @@ def read_whole(
     what was read before anything live is written: the whole staged copy, or the live state
     with the checkpoint's values of its entries other than tensors (param groups, pickled
     extras) in their place. A read that fails on any rank fails on every rank (DCP shares the
-    failures): it raises ``DamagedCheckpointError`` there, before anything live is written."""
+    failures): it raises ``DamagedCheckpointError`` there, before anything live is written
+    (``KeyboardInterrupt`` where a rank's read was interrupted)."""
     try:
         return _read_whole(state, path, metadata, device, check)
     except dcp.CheckpointException as err:
         errors = {rank: f[0] if isinstance(f, tuple) else f for rank, f in err.failures.items()}
+        interrupted = [e for e in errors.values() if isinstance(e, KeyboardInterrupt)]
+        if interrupted:  # Ctrl-C: not a damaged checkpoint (nothing was loaded either way)
+            raise KeyboardInterrupt(
+                "the load was interrupted; nothing was loaded: the model and optimizer are as "
+                "they were"
+            ) from err
         failures = "; ".join(
             f"rank {rank}: {type(error).__name__}: {error}"
             for rank, error in sorted(errors.items())

@@ -271,6 +271,15 @@ def check_saved_groups(state_dict: Any, group_fqns: Sequence[Sequence[str]]) -> 
                 f"missing {missing[:5]}, unknown {extra[:5]}, repeated {repeated[:5]} (another "
                 "model, or another param-group setup)"
             )
+        if "lr" not in saved:
+            # torch's set_optimizer_state_dict hands a group over without its options where the
+            # groups were split otherwise when it was saved; torch's optimizer then fails at its
+            # step, and keeping this one's options would train at other hyperparameters.
+            raise ValueError(
+                f"param group {index} of the state dict holds no options (no 'lr'; it holds "
+                f"{sorted(saved)[:6]}): it was saved with the params split into other param "
+                "groups. Load it into an optimizer with the param groups it was saved with"
+            )
     known = {fqn for fqns in group_fqns for fqn in fqns}
     unknown = sorted(set(state_dict["state"]) - known)
     if unknown:

@@ -106,6 +106,16 @@ def _paths(path: str | os.PathLike) -> tuple[Path, Path, Path]:
     )
 
 
+def _unwrapped(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The ZeroShardOptimizer inside an optimizer that wraps one (accelerate's
+    ``AcceleratedOptimizer``, which ``accelerator.prepare`` returns and a ``TrainerCallback`` is
+    handed); any other optimizer as it is."""
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(optimizer, ZeroShardOptimizer) and isinstance(inner, ZeroShardOptimizer):
+        return inner
+    return optimizer
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -289,7 +299,8 @@ def save(
         path: the checkpoint directory; an earlier checkpoint there is replaced only once this
             one is complete.
         model: the model (plain, DDP-wrapped or FSDP2).
-        optimizer: a ZeroShardOptimizer (or any optimizer whose state dict DCP can save).
+        optimizer: a ZeroShardOptimizer, or an optimizer around one (accelerate's
+            ``AcceleratedOptimizer``), or any optimizer whose state dict DCP can save.
         scheduler: the optimizer's LR scheduler (``torch.optim.lr_scheduler``): its state dict
             is saved, and ``load(..., scheduler=...)`` restores it.
         extra: picklable values saved from rank 0 (a step counter, a data-loader position),
@@ -300,6 +311,7 @@ def save(
     instead (on every rank), and saves nothing. A rank that waits longer than the process
     group's timeout for the others to call ``save`` too raises ``RuntimeError`` saying so.
     """
+    optimizer = _unwrapped(optimizer)
     group = _meet("save")
     final, partial, previous, _ = _prepare(path, _device(model), lambda: None)
     dcp.save(_state(model, optimizer, extra, scheduler), checkpoint_id=str(partial))
@@ -427,6 +439,7 @@ def async_save(
     flight then fails, and with no later save to raise it, it is reported at exit.
     """
     global _pending
+    optimizer = _unwrapped(optimizer)
     group = _meet("async_save")
     # The snapshot reuses the last one's buffers: _prepare waits for its write first.
     final, partial, previous, snapshot = _prepare(
@@ -677,6 +690,7 @@ def load(
     first, as ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` does, and
     loaded. An ``async_save`` still writing is waited for first (its failure raises here).
     """
+    optimizer = _unwrapped(optimizer)
     _meet("load")
     state, optim_state = _read_checked(path, model, optimizer, scheduler)
     # What may fail without touching the model or the optimizer goes first, failing on every

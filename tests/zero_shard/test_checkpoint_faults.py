@@ -411,6 +411,57 @@ def the_first_save_on_rank_0_alone_raises_there(rank: int, world: int) -> None:
     save_on_rank_0_alone(rank, world, "alone_first")
 
 
+def an_interrupted_load_raises_keyboardinterrupt_and_changes_nothing(rank: int, world: int) -> None:
+    # Ctrl-C while rank 0 reads: DCP shares the failure; every rank raises KeyboardInterrupt (not
+    # DamagedCheckpointError: nothing is damaged), and nothing was loaded.
+    save_good_checkpoint(rank, world)
+    model, opt = build(seed=1)
+    train(model, opt, range(2), rank, world)
+    before = snapshot(model, opt)
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    reader = dcp.FileSystemReader
+    patch = mock.patch.object(reader, "read_data", interrupted) if rank == 0 else None
+    with contextlib.ExitStack() as stack:
+        if patch is not None:
+            stack.enter_context(patch)
+        with pytest.raises(KeyboardInterrupt, match="nothing was loaded"):
+            checkpoint.load(folder(world) / "good", model=model, optimizer=opt)
+    assert_same(snapshot(model, opt), before, "right after the interrupted load", EXACT)
+
+
+class AroundOptimizer(torch.optim.Optimizer):
+    """What accelerate's AcceleratedOptimizer is (``accelerator.prepare`` returns one, and a
+    ``TrainerCallback`` is handed one): a torch optimizer around the one it was given."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+def an_optimizer_around_the_wrapper_saves_and_loads_as_the_wrapper(rank: int, world: int) -> None:
+    model, opt = build(seed=0)
+    train(model, opt, range(3), rank, world)
+    saved = snapshot(model, opt)
+    path = folder(world) / "around"
+    checkpoint.save(path, model=model, optimizer=AroundOptimizer(opt), extra={"step": 3})
+    other, other_opt = build(seed=1)
+    extra = checkpoint.load(path, model=other, optimizer=AroundOptimizer(other_opt))
+    assert extra == {"step": 3}
+    assert_same(snapshot(other, other_opt), saved, "loaded through the optimizer around it", EXACT)
+
+
 DAMAGED = {
     "a_truncated_data_file_changes_nothing": a_truncated_data_file_changes_nothing,
     "a_missing_data_file_names_the_file_and_rank": a_missing_data_file_names_the_file_and_rank,
@@ -427,6 +478,12 @@ DAMAGED = {
         params_registered_in_another_order_load_by_name
     ),
     "bucket_mb_below_one_byte_is_refused": bucket_mb_below_one_byte_is_refused,
+    "an_interrupted_load_raises_keyboardinterrupt_and_changes_nothing": (
+        an_interrupted_load_raises_keyboardinterrupt_and_changes_nothing
+    ),
+    "an_optimizer_around_the_wrapper_saves_and_loads_as_the_wrapper": (
+        an_optimizer_around_the_wrapper_saves_and_loads_as_the_wrapper
+    ),
 }
 LAST = {  # leaves the collectives out of step
     "a_save_on_rank_0_alone_after_a_save_on_every_rank_raises_there": (

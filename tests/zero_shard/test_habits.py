@@ -1440,6 +1440,26 @@ class ForwardingOptimizer(torch.optim.Optimizer):
 
 
 @case
+def a_state_dict_of_other_param_groups_set_through_torch_is_refused(rank: int, world: int) -> None:
+    # Saved with {matrices, biases}, set with torch's set_optimizer_state_dict into an optimizer
+    # whose groups split the same params otherwise: torch hands a group over without its options
+    # (torch's AdamW then fails at its step); zero-shard refuses the load on every rank, where
+    # keeping its own options would train at another lr.
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    opt.step()
+    saved = get_optimizer_state_dict(model, opt)
+    other = make_model()
+    params = list(other.parameters())
+    split = [{"params": params[:3]}, {"params": params[3:], "lr": LR / 2}]
+    other_opt = zero_shard.wrap(torch.optim.AdamW(split, lr=LR), other, bucket_mb=TINY_BUCKETS)
+    with pytest.raises(ValueError, match=r"param group 0 .* holds no options .*other param"):
+        set_optimizer_state_dict(other, other_opt, saved)
+
+
+@case
 def torchs_get_and_set_optimizer_state_dict_take_the_wrapper(rank: int, world: int) -> None:
     ref, ref_opt = make_model(), None
     ref_opt = adamw(ref)
