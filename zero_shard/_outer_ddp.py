@@ -98,6 +98,17 @@ class _QuietOuterDDP:
             owned = self._seen[ddp] = self._owns(ddp)
         if not owned:
             return
+        if ddp._join_config.enable:
+            # Joined ranks shadow DDP's all-reduces, not zero-shard's reductions: the ranks'
+            # collectives would not match (a gloo abort, a hang on NCCL). Every rank's first
+            # forward under Join gets here, so every rank raises.
+            raise RuntimeError(
+                "DistributedDataParallel's Join (uneven inputs: `with Join([ddp])` or "
+                "ddp.join()) is not supported on a model zero-shard reduces: ranks that ran out "
+                "of inputs would shadow DDP's collectives, not zero-shard's. Give every rank the "
+                "same number of batches (DistributedSampler(drop_last=True), or pad), or "
+                "accumulate the extra micro-batches inside opt.no_sync()"
+            )
         if ddp not in self._quieted:
             self._quieted[ddp] = ddp.static_graph and ddp._static_graph_delay_allreduce_enqueued
             if not ddp._use_python_reducer:  # (that one reads the flag in backward: left off)

@@ -1656,6 +1656,25 @@ def an_embedding_resized_in_place_then_wrapped_again_trains_as_torch(rank: int, 
 
 
 @case
+def ddps_join_for_uneven_inputs_is_refused_on_every_rank(rank: int, world: int) -> None:
+    # DDP built after wrap (as accelerate and Trainer do), then `with Join([ddp])` over a
+    # different number of micro-batches per rank: joined ranks would shadow DDP's collectives,
+    # not zero-shard's (a gloo abort). Every rank's first forward under Join raises.
+    from torch.distributed.algorithms.join import Join
+
+    model = make_model()
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    x, y = global_batch(0)
+    with pytest.raises(RuntimeError, match=r"Join \(uneven inputs.*not supported.*no_sync"):
+        with Join([ddp]):
+            for _ in range(2 + rank):
+                mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                opt.step()
+                opt.zero_grad()
+
+
+@case
 def ddp_wrapped_after_two_wrappers_over_disjoint_params_trains_as_ddp(
     rank: int, world: int
 ) -> None:
