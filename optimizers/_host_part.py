@@ -198,7 +198,7 @@ class HostPart:
     switch_interval: float | None  # the GIL switch interval while a step is in flight (see
     #                                [Note: GIL switch interval]); None: left alone
     speculation_counts: SpeculationCounts  # steps speculated during backward, by outcome
-    _kept: KeptChunks | None  # the kept state and weights of speculated steps; None: no
+    _kept: KeptChunks | None  # the new weights (and twins' size) of speculated steps; None: no
     #                           speculation ([Note: speculative host steps] in _speculation.py)
     _speculations: dict[int, Speculation]  # chunk index -> its step speculated since the last
     #                                        step started

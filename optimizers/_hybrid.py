@@ -76,7 +76,7 @@ class MemoryReport:
     device: str  # the params' device ("cuda:0"; "cpu" in a CPU run: both shares on the host)
     device_bytes: int  # fp32 main weights, main grads and state of the accelerator's share
     host_bytes: int  # the same for the CPU's share, plus the staging buffers and the
-    #                 state kept by speculative steps (OffloadPolicy.speculative)
+    #                 twins of speculative steps (OffloadPolicy.speculative)
     host_staging_bytes: int  # of host_bytes: the staging buffers for host<->device copies
     pinned: bool | None  # whether the staging buffers are pinned; None when nothing is offloaded
     num_device_elements: int
@@ -727,7 +727,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def watch_live(self, tensor: torch.Tensor) -> None:
         """Watches ``tensor``, which aliases a param's live state but moves a version counter of
         its own (a DTensor over it): written between backward and the step while the step is
-        speculated (``OffloadPolicy(speculative=True)``), the step drops its speculations and
+        speculated (``OffloadPolicy.speculative``), the step drops its speculations and
         reads the state as written ([Note: speculative host steps] in ``_speculation.py``)."""
         self._host.watch_live(tensor)
 

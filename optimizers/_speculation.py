@@ -1,10 +1,11 @@
 """CPU steps taken while backward runs, before the step knows its clip factor and verdict.
 
 [Note: speculative host steps]
-With ``OffloadPolicy(speculative=True)``, a staging buffer per chunk and early grad copies (see
-[Note: early grad copies] in _early.py), a chunk on the single-pass kernel is stepped by the worker
-as soon as its grads have landed on the host, during backward, as if the step will stand with no
-clip factor and finite grads, at the hyperparameters its group holds then. The kernel reads the
+With ``OffloadPolicy.speculative`` on (by default where the host has the memory), a staging
+buffer per chunk and early grad copies (see [Note: early grad copies] in _early.py), a chunk on
+the single-pass kernel is stepped by the worker as soon as its grads have landed on the host,
+during backward, as if the step will stand with no clip factor and finite grads, at the
+hyperparameters its group holds then. The kernel reads the
 live state and writes the new state to twins of it, and the new weights to a buffer of their own,
 so the live state, the step counts and the grads in staging stay as they were, and nothing reaches
 the params ([Note: speculative kernel steps] in _cpu_kernel.py). When the step comes, the worker

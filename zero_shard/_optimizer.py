@@ -558,8 +558,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     @property
     def speculation_counts(self) -> SpeculationCounts:
         """This rank's steps whose CPU share was speculated during backward
-        (``OffloadPolicy(speculative=True)``), by outcome: stood as speculated, or redone (a
-        clip, a changed option) or rolled back (a skipped step). The step in flight is counted
+        (``OffloadPolicy.speculative``), by outcome: stood as speculated, or redone (a clip, a
+        changed option, state written since) or forgotten (a skipped step). The step in flight is counted
         once the next one starts."""
         return self._hybrid.speculation_counts
 

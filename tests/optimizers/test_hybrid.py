@@ -35,6 +35,7 @@ from offload import _host_memory as offload_host_memory
 from optimizers import HybridDeviceOptimizer, OffloadPolicy
 from optimizers import _device_part as device_part
 from optimizers import _host_part as host_part
+from optimizers._cpu_kernel import load_cpu_adam
 
 FRACTIONS = [0.0, 0.37, 1.0]
 DTYPES = [torch.bfloat16, torch.float32]
@@ -576,9 +577,16 @@ def test_auto_staging_takes_a_buffer_per_chunk_where_the_host_keeps_room(
             torch.nn.Parameter(torch.full((chunk_numel,), float(i)).bfloat16())
             for i in range(num_params)
         ]
+        options = {"speculative": False, **options}  # (its own choice is checked first)
         policy = OffloadPolicy(fraction=1.0, chunk_numel=chunk_numel, num_threads=1, **options)
         return HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=0.01)
 
+    # speculative="auto" (the default) decides after the staging, by the same rule.
+    with caplog.at_level(logging.INFO, logger="zero_shard"):
+        assert build(speculative="auto").speculates == (load_cpu_adam() is not None)
+    if load_cpu_adam() is not None:
+        assert "speculative host steps on (speculative='auto'" in caplog.text
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="zero_shard"):
         roomy = build()
     assert roomy.host_staging == "per_chunk"

@@ -260,27 +260,31 @@ def test_speculated_steps_on_cuda_race_nothing(
     assert opt.speculation_counts.stood >= 3
 
 
-def test_the_host_memory_check_counts_the_kept_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A host with room for the CPU share but not for the state speculative steps keep: refused
-    before anything is allocated, naming the option; without it, built."""
+def test_the_host_memory_check_counts_the_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host with room for the CPU share but not for the twins speculative steps write: with
+    ``speculative=True`` refused before anything is allocated, naming the option; without it,
+    and with "auto" (the default), built, not speculating."""
     if load_cpu_adam() is None:
         pytest.skip("no C compiler on this machine: no single-pass kernel")
     monkeypatch.delenv("ZERO_SHARD_SKIP_HOST_MEMORY_CHECK", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    # fp32: 16 bytes an element without (main, two states, staging), 16 more kept with it.
-    room = mock.Mock(total=0, available=sum(SIZES) * 24)
+    # fp32: 16 bytes an element without (main, two states, staging), 16 more with the twins.
+    room = mock.Mock(total=sum(SIZES) * 24, available=sum(SIZES) * 24)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: room)
 
-    def build(speculative: bool) -> HybridDeviceOptimizer:
+    def build(speculative: bool | str) -> HybridDeviceOptimizer:
         params = [torch.nn.Parameter(torch.zeros(n)) for n in SIZES]
         policy = OffloadPolicy(
             fraction=1.0, chunk_numel=256, host_staging="per_chunk", speculative=speculative
         )
         return HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy)
 
-    build(False)
-    with pytest.raises(ValueError, match=r"kept by speculative steps.*speculative=False"):
+    assert not build(False).speculates
+    assert not build("auto").speculates
+    with pytest.raises(ValueError, match=r"speculative steps write.*speculative=False"):
         build(True)
+    room.total = room.available = sum(SIZES) * 32 * 4  # with the twins, 3/4 left available
+    assert build("auto").speculates
 
 
 def _pair(
