@@ -779,10 +779,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "per_chunk where the host keeps a quarter of its memory available)")  # fmt: skip
     add("--bucket-mb", type=float, metavar="MIB", help="zero-shard's bucket size (a reduction "
         "and a gather each); default: wrap's (256)")  # fmt: skip
-    add("--speculative", choices=list(SPECULATIVE), default="auto", help="on: zero-shard steps "
+    add("--speculative", choices=list(SPECULATIVE), default="off", help="on: zero-shard steps "
         "each CPU chunk as its grads reach the host during backward, into twins of its state; "
-        "the step then stands, or is redone or forgotten (exact; per_chunk staging). auto "
-        "(default): on where the host keeps a quarter of its memory available with it")  # fmt: skip
+        "the step then stands, or is redone or forgotten (exact; per_chunk staging). auto: on "
+        "where the host keeps a quarter of its memory available with it. Default off")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
     add("--delayed-update-warmup", type=int, default=0, metavar="STEPS", help="with "

@@ -133,11 +133,15 @@ class OffloadPolicy:
             forgotten (a skipped step): the same bits as without it, also where the state was
             written in place meanwhile. Costs 12 bytes of host memory per offloaded element for
             the twins, plus the new weights' own buffer (2 bytes of bf16, pinned); the
-            host-memory check and ``memory_report()`` count them. ``"auto"`` (default): on where
-            it applies and the host keeps at least a quarter of its memory available with it (as
+            host-memory check and ``memory_report()`` count them. ``"auto"``: on where it applies
+            and the host keeps at least a quarter of its memory available with it (as
             ``host_staging="auto"`` decides; the choice is logged, logger ``zero_shard``, INFO).
             ``True``: on where it applies, and a warning where it cannot (bounded staging, a
-            delayed update, no chunk on the kernel, a DDP or FSDP2 model). Default ``"auto"``.
+            delayed update, no chunk on the kernel, a DDP or FSDP2 model). Default ``False``: it
+            pays where the CPU's share outlasts backward (a full offload at 1B on one GPU:
+            0.88-0.92x the iteration without it) and costs where the host drives a short
+            backward (303M on two GPUs: 1.04-1.14x at fraction 1, 1.26-1.52x at 0.5; see
+            docs/benchmarks/e2e.md).
 
     Example:
         >>> OffloadPolicy(fraction=0.5, num_threads=8).fraction
@@ -154,7 +158,7 @@ class OffloadPolicy:
     delayed_update_warmup: int = 0
     host_staging: HostStaging = "auto"
     gil_switch_interval: float | None = 0.0005
-    speculative: bool | Literal["auto"] = "auto"
+    speculative: bool | Literal["auto"] = False
 
     @property
     def delay(self) -> DelayedUpdate | None:

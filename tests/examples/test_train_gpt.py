@@ -212,16 +212,15 @@ def test_fp32_params_follow_plain_adamw_under_bf16_autocast(tmp_path: Path) -> N
 def test_speculative_cpu_steps_give_the_run_without_them(
     curves: dict[str, dict], tmp_path: Path
 ) -> None:
-    """--speculative on (and auto, the default) at fraction 1 with a buffer per chunk: the losses
-    of the run without it (off), to the bit, and the summary counts the speculated steps that
+    """--speculative on (and auto) at fraction 1 with a buffer per chunk: the losses of the run
+    without it (off, the default), to the bit, and the summary counts the speculated steps that
     stood and those redone (a clip at 1.0 scales the grads of the first steps; at 100 none)."""
     # Buckets and chunks small enough that most chunks lie within buckets reduced before the
     # last (whose grads are copied to the host as backward goes on).
     flags = ("--offload-fraction", "1", "--host-staging", "per_chunk", "--chunk-numel", "4096",
              "--bucket-mb", "0.25", "--steps", "10", "--eval-every", "5")  # fmt: skip
     for clip, outcome, mode in (("1.0", "redone", "on"), ("100", "stood", "auto")):
-        plain = run_in_process(tmp_path / f"plain{clip}", *flags, "--clip", clip,
-                               "--speculative", "off")  # fmt: skip
+        plain = run_in_process(tmp_path / f"plain{clip}", *flags, "--clip", clip)
         assert "speculation" not in plain["summary"]
         speculative = run_in_process(tmp_path / f"spec{clip}", *flags, "--clip", clip,
                                      "--speculative", mode)  # fmt: skip
