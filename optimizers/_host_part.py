@@ -75,7 +75,7 @@ from ._host_step import ChunkJob, HostStep
 from ._policy import HostStaging, StagingKind
 from ._records import HostChunk, ParamRecord, Piece, flat_param, reload_mains
 from ._speculation import (
-    KeptChunks,
+    SpeculativeBuffers,
     Speculation,
     SpeculationBackoff,
     SpeculationCounts,
@@ -137,7 +137,7 @@ def _checked_staging(
         per_element = 4 * (1 + num_state_tensors)
         per_element += 4 if _needs_grad_buffer(spec, kernel) else 0
         other_bytes += spec.numel * per_element
-    # What speculative steps hold, with a buffer per chunk (see KeptChunks).
+    # What speculative steps hold, with a buffer per chunk (see SpeculativeBuffers).
     twin_bytes = sum(
         spec.numel * (12 + spec.dtype.itemsize)
         for spec, kernel in zip(specs, kernels, strict=True)
@@ -167,12 +167,12 @@ def _checked_staging(
             RuntimeWarning,
             stacklevel=4,
         )
-    kept_bytes = twin_bytes if speculates else 0
+    held_bytes = twin_bytes if speculates else 0
     check_host_memory(
-        other_bytes + staging_bytes(kind, specs) + kept_bytes,
+        other_bytes + staging_bytes(kind, specs) + held_bytes,
         what="the fp32 main weights, grads and optimizer state offloaded to the CPU"
-        + (" and the state speculative steps write" if kept_bytes else ""),
-        setting="the offload fraction" + (" (or set speculative=False)" if kept_bytes else ""),
+        + (" and the state speculative steps write" if held_bytes else ""),
+        setting="the offload fraction" + (" (or set speculative=False)" if held_bytes else ""),
     )
     return kind, speculates
 
@@ -198,8 +198,9 @@ class HostPart:
     switch_interval: float | None  # the GIL switch interval while a step is in flight (see
     #                                [Note: GIL switch interval]); None: left alone
     speculation_counts: SpeculationCounts  # steps speculated during backward, by outcome
-    _kept: KeptChunks | None  # the new weights (and twins' size) of speculated steps; None: no
-    #                           speculation ([Note: speculative host steps] in _speculation.py)
+    _speculative: SpeculativeBuffers | None  # speculated steps' new weights (and twins' size);
+    #                                          None: no speculation ([Note: speculative host
+    #                                          steps] in _speculation.py)
     _speculations: dict[int, Speculation]  # chunk index -> its step speculated since the last
     #                                        step started
     _backoff: SpeculationBackoff  # whether this step's backward speculates (not right after
@@ -259,10 +260,10 @@ class HostPart:
         self._speculations = {}
         self._backoff = SpeculationBackoff()
         self._live, self._live_since = [], None
-        self._kept = None
+        self._speculative = None
         on_copied = None
         if speculates:
-            self._kept = KeptChunks(self.chunks, pin=pin)
+            self._speculative = SpeculativeBuffers(self.chunks, pin=pin)
             on_copied = _weak_call(self, HostPart._speculate)
         if kind == "bounded":
             self.staging = BoundedStaging(self.chunks, self.engine, pin=pin)
@@ -344,14 +345,14 @@ class HostPart:
             for value in piece.state.values()
             if torch.is_tensor(value) and value.dim() > 0
         )
-        kept = 0 if self._kept is None else self._kept.num_bytes
-        return flats + state + self.staging.buffers.num_bytes + kept
+        twins = 0 if self._speculative is None else self._speculative.num_bytes
+        return flats + state + self.staging.buffers.num_bytes + twins
 
     @property
     def speculates(self) -> bool:
         """Whether chunks are stepped speculatively as their grads are copied early (but for
         the steps after redone ones: see ``SpeculationBackoff``)."""
-        return self._kept is not None
+        return self._speculative is not None
 
     @property
     def pending(self) -> HostStep | None:
@@ -466,7 +467,7 @@ class HostPart:
     def _speculate(self, chunk: HostChunk, staging: torch.Tensor, landed: Any) -> None:
         """Staging copied the chunk's grads early: the worker steps it now, speculatively, if it
         is on the kernel (see [Note: speculative host steps])."""
-        if self._kept is None or chunk.index not in self._kept.weights:
+        if self._speculative is None or chunk.index not in self._speculative.weights:
             return
         if self._backoff.decided is None and self._unsettled is not None and self._unsettled.done:
             self.settle()  # (counts the step before: its outcome decides for this one)
@@ -478,7 +479,7 @@ class HostPart:
         if earlier is not None and not earlier.future.cancel():
             # Its grads were given again: the worker undoes it first.
             self._executor.submit(earlier.roll_back)
-        speculation = Speculation(self._kept.weights[chunk.index])
+        speculation = Speculation(self._speculative.weights[chunk.index])
         # The group's options as they are now, when the grads were given: what the step takes
         # unless they change before it (then it redoes the step).
         group = dict(chunk.optimizer.param_groups[0])
@@ -523,7 +524,7 @@ class HostPart:
         """Watches ``tensor``, which aliases live state but moves a version counter of its own
         (a DTensor over it: an in-place op on a DTensor moves its counter, not its local
         tensor's), for writes while a step is speculated (see ``drop_written_speculations``)."""
-        if self._kept is not None:
+        if self._speculative is not None:
             self._live = [ref for ref in self._live if ref() is not None]
             self._live.append(weakref.ref(tensor))
 
@@ -581,7 +582,7 @@ class HostPart:
         self.drop_speculations()
         for chunk in self.chunks:
             chunk.tables.clear()
-            chunk.kept_table = None
+            chunk.speculative_table = None
 
     def settle(self) -> None:
         """Completes the step in flight, if any: its chunks' weights reach the params; and

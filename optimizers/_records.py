@@ -81,8 +81,9 @@ class HostChunk:
     tables: dict[tuple[tuple[int, int], ...], KernelTable] = field(default_factory=dict)  # the
     #       kernel's call for the whole chunk, alone or with the chunks merged after it, keyed by
     #       (chunk index, staging slot) of each; built and used by the worker only
-    kept_table: KernelTable | None = None  # the kernel's call that speculates the chunk's step
-    #                                        ([Note: speculative host steps]); worker only
+    speculative_table: KernelTable | None = None  # the kernel's call that speculates the chunk's
+    #                                               step ([Note: speculative host steps]); worker
+    #                                               only
 
 
 def flat_param(param: torch.Tensor) -> torch.Tensor:

@@ -49,10 +49,10 @@ from ._cpu_kernel import KernelPiece, KernelTable, unmet_option
 from ._records import HostChunk
 
 __all__ = [
-    "KeptChunks",
     "Speculation",
     "SpeculationBackoff",
     "SpeculationCounts",
+    "SpeculativeBuffers",
     "settle_speculation",
     "speculate",
 ]
@@ -96,7 +96,7 @@ class SpeculationBackoff:
         self.skip = min(2**self.streak - 1, self.max_skip)
 
 
-class KeptChunks:
+class SpeculativeBuffers:
     """Each kernel chunk's new weights of a speculated step (model dtype, pinned: the H2D reads
     them), and the size of the twins its state is speculated into (fp32: weight and both
     moments; built with each chunk's speculative table, see [Note: page moves])."""
@@ -146,13 +146,13 @@ class Speculation:
 def _table(chunk: HostChunk, staging: torch.Tensor, weights: torch.Tensor) -> KernelTable:
     """The chunk's speculative table, built once and again where a loaded state replaced its
     state (its twins then follow the new state's addresses)."""
-    table = chunk.kept_table
+    table = chunk.speculative_table
     states = [piece.state for _, piece in chunk.pieces]
     if table is None or not table.backs(states):
-        chunk.kept_table = None  # (its twins go before the new ones are made)
+        chunk.speculative_table = None  # (its twins go before the new ones are made)
         pieces = [KernelPiece(p.main, p.in_chunk(staging), p.state) for _, p in chunk.pieces]
         piece_weights = [p.in_chunk(weights) for _, p in chunk.pieces]
-        table = chunk.kept_table = KernelTable(chunk.kernel, pieces, weights=piece_weights)
+        table = chunk.speculative_table = KernelTable(chunk.kernel, pieces, weights=piece_weights)
     return table
 
 
