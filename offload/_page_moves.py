@@ -112,28 +112,26 @@ def page_moves_available() -> bool:
     ctypes.memset(twin, 2, _PAGE)
     try:
         _exchange(function, live, twin, spare, _PAGE)
+        exchanged = ctypes.string_at(live, 1) == b"\x02" and ctypes.string_at(twin, 1) == b"\x01"
     except (OSError, AssertionError):
         return False
     finally:
         for region, _ in regions:
             region.close()
-    return True
+    return exchanged
 
 
 def _anonymous_ranges() -> list[tuple[int, int]]:
-    """The process's private anonymous read-write mappings, merged where adjacent."""
+    """The process's private anonymous read-write mappings, one range each (``mremap`` moves a
+    range within one mapping only)."""
     ranges: list[tuple[int, int]] = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
             path = fields[5].strip() if len(fields) > 5 else ""
             anonymous = not path or path == "[heap]" or path.startswith("[anon:")
-            if fields[1] != "rw-p" or fields[4] != "0" or not anonymous:
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if ranges and ranges[-1][1] == start:
-                ranges[-1] = (ranges[-1][0], end)
-            else:
+            if fields[1] == "rw-p" and fields[4] == "0" and anonymous:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
                 ranges.append((start, end))
     return ranges
 
@@ -224,7 +222,11 @@ class PageTwin:
         live_bytes[: pages.head].copy_(twin_bytes[: pages.head])
         live_bytes[end:].copy_(twin_bytes[end:])
         live = self.live.data_ptr() + pages.head
-        _exchange(function, live, pages.twin + pages.head, pages.spare, pages.num_bytes)
+        try:
+            _exchange(function, live, pages.twin + pages.head, pages.spare, pages.num_bytes)
+        except OSError:  # nothing moved (the live range changed mappings since): copied instead
+            self._pages, self.moves_pages = None, False
+            live_bytes[pages.head : end].copy_(twin_bytes[pages.head : end])
 
 
 def anonymous_ranges() -> list[tuple[int, int]]:

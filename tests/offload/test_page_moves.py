@@ -92,3 +92,24 @@ def test_the_twins_memory_is_returned_when_it_goes() -> None:
 def test_a_live_tensor_that_is_not_contiguous_is_refused() -> None:
     with pytest.raises(AssertionError, match="contiguous CPU tensor"):
         PageTwin(torch.randn(4, 6).t())
+
+
+def test_a_move_that_fails_first_is_a_copy_from_then_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mremap refusing to move the live pages aside (its range split between mappings since the
+    twin was made, say) leaves everything as it was: the twin is copied in, now and after."""
+    if not _moves_here():
+        pytest.skip("this host moves no pages")
+    live = torch.randn(MOVED)
+    twin = PageTwin(live)
+    assert twin.moves_pages
+    moved = page_moves._move
+    monkeypatch.setattr(page_moves, "_move", lambda *args: False)
+    new = torch.randn(MOVED)
+    twin.twin.copy_(new)
+    twin.move_into_live()
+    assert torch.equal(live, new) and not twin.moves_pages
+    monkeypatch.setattr(page_moves, "_move", moved)
+    newer = torch.randn(MOVED)
+    twin.twin.copy_(newer)
+    twin.move_into_live()
+    assert torch.equal(live, newer)
