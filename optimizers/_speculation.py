@@ -1,21 +1,20 @@
 """CPU steps taken while backward runs, before the step knows its clip factor and verdict.
 
 [Note: speculative host steps]
-With ``OffloadPolicy.speculative`` on (by default where the host has the memory), a staging
-buffer per chunk and early grad copies (see [Note: early grad copies] in _early.py), a chunk on
-the single-pass kernel is stepped by the worker as soon as its grads have landed on the host,
-during backward, as if the step will stand with no clip factor and finite grads, at the
-hyperparameters its group holds then. The kernel reads the
-live state and writes the new state to twins of it, and the new weights to a buffer of their own,
-so the live state, the step counts and the grads in staging stay as they were, and nothing reaches
-the params ([Note: speculative kernel steps] in _cpu_kernel.py). When the step comes, the worker
-settles each such chunk first, with the step's real arguments: the speculated step stands where
-each piece's coefficients are the same to the bit (no clip factor, or one of exactly 1; the same
-lr, betas, eps, weight decay and grad scale), and its twins are moved into the live state (their
-pages, not a copy: [Note: page moves] in offload/_page_moves.py); otherwise it is redone from the
-live state and the grads, or, where the step is skipped (an inf or NaN), forgotten. Only then does
-its H2D copy go out. Each way, the state and weights are the bits of the step taken once at
-``step()``.
+With ``OffloadPolicy.speculative`` on (``True``, or ``"auto"`` where the host has the memory),
+a staging buffer per chunk and early grad copies (see [Note: early grad copies] in _early.py), a
+chunk on the single-pass kernel is stepped by the worker as soon as its grads have landed on the
+host, during backward, as if the step will stand with no clip factor and finite grads, at the
+hyperparameters its group holds then. The kernel reads the live state and writes the new state
+to twins of it, and the new weights to a buffer of their own, so the live state, the step counts
+and the grads in staging stay as they were, and nothing reaches the params ([Note: speculative
+kernel steps] in _cpu_kernel.py). When the step comes, the worker settles each such chunk first,
+with the step's real arguments: the speculated step stands where each piece's coefficients are
+the same to the bit (no clip factor, or one of exactly 1; the same lr, betas, eps, weight decay
+and grad scale), and its twins are moved into the live state (their pages, not a copy: [Note:
+page moves] in offload/_page_moves.py); otherwise it is redone from the live state and the grads,
+or, where the step is skipped (an inf or NaN), forgotten. Only then does its H2D copy go out.
+Each way, the state and weights are the bits of the step taken once at ``step()``.
 
 The kernel moves no version counter, so a change of the state's counters since the speculation
 began is someone else's in-place write (through a tensor read from ``optimizer.state``): the
