@@ -149,7 +149,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _state_view: ShardedStateView  # what `state` shows
     _meshes: Meshes  # the data-parallel mesh, a tensor-parallel model's 2-D one, the sums' groups
     _groups: list[dist.ProcessGroup]  # the groups the grads are sharded over (norms, inf checks)
-    _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too)
+    _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too), as
+    #                               the model names them at the last state dict or load (see
+    #                               _refresh_fqns)
     _groups_at_wrap: GroupsAtBuild  # the group dicts and their params that the shards are for
     _building: bool
     _frozen: list[torch.Tensor]  # params of the groups with requires_grad=False at wrap time
@@ -521,7 +523,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "this ZeroShardOptimizer was retired: a later zero_shard.wrap over its params took "
                 "them over (as a new torch optimizer replaces an old one). Step the new wrapper, "
-                "and build LR schedulers on it"
+                "and build LR schedulers on it. Where two optimizers are meant to share params "
+                "(an actor and a critic over one trunk), zero-shard gives each param one "
+                "optimizer: put the shared params in one of them (or in a third) and the rest in "
+                "the others, with disjoint params"
             )
         self._refuse_unfrozen()  # before the stale check may reload anything
 
@@ -617,9 +622,24 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         call = torch_call(sys._getframe(1))
         return state_dict_with_hooks(self, lambda: self._state_dict(call))
 
+    def _refresh_fqns(self) -> None:
+        """Names the params as the model names them now, as torch's state-dict functions do at
+        each call: a model edited after wrap (blocks reordered, activation checkpointing or a
+        parametrization or pruning applied) renames params it keeps, and a state dict keyed by
+        the names at wrap would hand their state to other params on a load. A param the model no
+        longer holds keeps its name."""
+        current = {id(p): name for name, p in self._module.named_parameters()}
+        self._group_fqns = [
+            [current.get(id(p), fqn) for p, fqn in zip(g["params"], fqns, strict=True)]
+            for g, fqns in zip(self.param_groups, self._group_fqns, strict=True)
+        ]
+        for sharded in self._sharded:
+            sharded.fqn = current.get(id(sharded.param), sharded.fqn)
+
     def _state_dict(self, call: TorchCall) -> dict[str, Any]:
         self._check_still_alone()
         self.finish_param_sync()
+        self._refresh_fqns()
         layout = call is TorchCall.LOAD_LAYOUT
         if not layout:  # a load's layout: the load replaces the main weights
             self._stale.check(self.stale_params)
@@ -682,6 +702,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self.finish_param_sync()
 
     def _checked_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        self._refresh_fqns()
         check_saved_groups(state_dict, self._group_fqns)
         check_saved_keys(state_dict["state"], [g["params"] for g in state_dict["param_groups"]])
         check_origin(state_dict["state"], _origin())

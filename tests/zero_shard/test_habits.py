@@ -1439,6 +1439,86 @@ class ForwardingOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
 
+class Blocks(nn.Module):
+    """Blocks applied in the order the list holds them: reordering it renames every param it
+    keeps (``blocks.0.weight`` is another block's after it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(15, 7)
+        self.blocks = nn.ModuleList(nn.Linear(7, 7) for _ in range(3))
+        self.out = nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.out(x)
+
+
+@case
+def state_moved_after_params_were_renamed_goes_to_the_same_params(rank: int, world: int) -> None:
+    # Blocks reordered after wrap (the same params under other names), then the state moved
+    # three ways: opt.state_dict() into a new wrapper of the reordered model, a
+    # zero_shard.checkpoint resume, and a wrap again of the torch optimizer (a layer added with
+    # add_param_group). torch keys its state by the params themselves: each must go on as
+    # torch's optimizer goes on, every step.
+    def build() -> tuple[Blocks, torch.optim.AdamW]:
+        torch.manual_seed(0)
+        net = Blocks()
+        return net, torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
+
+    def reorder(net: Blocks) -> None:
+        net.blocks = nn.ModuleList([net.blocks[2], net.blocks[0], net.blocks[1]])
+
+    def train(net: nn.Module, opt: Any, steps: range) -> None:
+        for step in steps:
+            x, y = global_batch(step)
+            if isinstance(opt, zero_shard.ZeroShardOptimizer):
+                mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                step_reference(net, opt, x, y)
+
+    for way in ("state_dict", "checkpoint", "wrap again"):
+        ref, ref_opt = build()
+        model, torch_opt = build()
+        opt = zero_shard.wrap(torch_opt, model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        train(model, opt, range(2))
+        train(ref, ref_opt, range(2))
+        opt.finish_param_sync()
+        reorder(model)
+        reorder(ref)
+        if way == "wrap again":
+            for net, each in ((model, torch_opt), (ref, ref_opt)):
+                torch.manual_seed(1)
+                net.blocks.append(nn.Linear(7, 7))
+                each.add_param_group({"params": list(net.blocks[3].parameters())})
+            opt = zero_shard.wrap(torch_opt, model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        else:
+            saved = opt.state_dict()
+            path = os.path.join(os.path.dirname(shared_path(rank)), "renamed")
+            if way == "checkpoint":
+                zero_shard.checkpoint.save(path, model=model, optimizer=opt)
+            other, other_opt = build()
+            reorder(other)
+            other.load_state_dict(model.state_dict())
+            other_opt = zero_shard.wrap(
+                other_opt, other, offload=offload(0.5), bucket_mb=TINY_BUCKETS
+            )
+            if way == "checkpoint":
+                zero_shard.checkpoint.load(path, model=other, optimizer=other_opt)
+            else:
+                other_opt.load_state_dict(saved)
+            model, opt = other, other_opt
+        for step in range(2, 4):
+            train(model, opt, range(step, step + 1))
+            train(ref, ref_opt, range(step, step + 1))
+            opt.finish_param_sync()
+            assert_params_close(model, ref, f"{way}, step {step}")
+
+
 @case
 def a_state_dict_of_other_param_groups_set_through_torch_is_refused(rank: int, world: int) -> None:
     # Saved with {matrices, biases}, set with torch's set_optimizer_state_dict into an optimizer
