@@ -408,7 +408,9 @@ class KernelTable:
             self._counts.append(_count_of(held.step))
             if weights is not None:
                 self._twins.append(
-                    _Twins(*(PageTwin(t, ranges) for t in (held.main, held.exp_avg, held.exp_avg_sq)))
+                    _Twins(
+                        *(PageTwin(t, ranges) for t in (held.main, held.exp_avg, held.exp_avg_sq))
+                    )
                 )
         self._kernel = kernel
         self._entries = (_AdamPiece * len(pieces))(*map(_entry, self._held))
@@ -490,9 +492,7 @@ class KernelTable:
         speculated = self._require_speculated()
         steps = [count.value + 1.0 for count in self._counts]
         args = self._args(group, steps, grad_scale, grad_factor)
-        return all(
-            _fields(each) == fields for each, fields in zip(args, speculated, strict=True)
-        )
+        return all(_fields(each) == fields for each, fields in zip(args, speculated, strict=True))
 
     def redo(
         self,

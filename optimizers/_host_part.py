@@ -75,10 +75,10 @@ from ._host_step import ChunkJob, HostStep
 from ._policy import HostStaging, StagingKind
 from ._records import HostChunk, ParamRecord, Piece, flat_param, reload_mains
 from ._speculation import (
-    SpeculativeBuffers,
     Speculation,
     SpeculationBackoff,
     SpeculationCounts,
+    SpeculativeBuffers,
     settle_speculation,
     speculate,
 )

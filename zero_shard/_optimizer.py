@@ -24,8 +24,8 @@ from optimizers import (
     SpeculationCounts,
     check_saved_keys,
     constructor_defaults,
-    load_state_dict_with_hooks,
     has_step_post_hooks,
+    load_state_dict_with_hooks,
     share_step_hooks,
     state_dict_with_hooks,
 )

@@ -2171,30 +2171,31 @@ def step_post_hooks_read_the_params_the_step_wrote(rank: int, world: int) -> Non
     # step's weights. The CPU's share and the gathers would otherwise still be in flight.
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    def ema_of(net: nn.Module, emas: dict[Any, torch.Tensor]) -> Callable[..., None]:
+        def update(*_: Any) -> None:
+            for name, param in net.named_parameters():
+                value = param.detach().float().clone()
+                previous = emas.get((net, name))
+                emas[net, name] = value if previous is None else 0.9 * previous + 0.1 * value
+
+        return update
+
+    def for_optimizer(opt: Any, hook: Callable[..., None]) -> Callable[..., None]:
+        return lambda optimizer, *args: hook() if optimizer is opt else None
+
     for fraction, where in itertools.product((0.0, 0.5, 1.0), ("torch_opt", "wrapper", "global")):
         model, ref = make_model(), make_model()
         torch_opt, ref_opt = adamw(model), adamw(ref)
-        emas = {}
-
-        def ema_of(net: nn.Module) -> Callable[..., None]:
-            def update(*_: Any) -> None:
-                for name, param in net.named_parameters():
-                    value = param.detach().float().clone()
-                    previous = emas.get((net, name))
-                    emas[net, name] = value if previous is None else 0.9 * previous + 0.1 * value
-
-            return update
-
+        emas: dict[Any, torch.Tensor] = {}
         opt = zero_shard.wrap(torch_opt, model, offload=offload(fraction), bucket_mb=TINY_BUCKETS)
-        ref_opt.register_step_post_hook(ema_of(ref))
+        ref_opt.register_step_post_hook(ema_of(ref, emas))
         handle = None
         if where == "global":
-            hook = ema_of(model)
-            handle = register_optimizer_step_post_hook(
-                lambda o, *args: hook() if o is opt else None
-            )
+            handle = register_optimizer_step_post_hook(for_optimizer(opt, ema_of(model, emas)))
         else:
-            (torch_opt if where == "torch_opt" else opt).register_step_post_hook(ema_of(model))
+            (torch_opt if where == "torch_opt" else opt).register_step_post_hook(
+                ema_of(model, emas)
+            )
         try:
             for step in range(3):
                 x, y = global_batch(step)
