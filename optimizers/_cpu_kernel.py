@@ -366,6 +366,7 @@ class KernelTable:
     _entries: ctypes.Array  # one _AdamPiece per piece, pointers filled in
     _entries_out: ctypes.Array | None  # the same for _from; None: not a speculative table
     _held: list[_Pointed]  # per piece
+    _pointed: list[tuple[int, ...]]  # per piece: the addresses of its state, as the C table holds
     _twins: list[_Twins]  # per piece; empty: not a speculative table
     _counts: list[ctypes.c_float | ctypes.c_double]  # per piece: its step count, in place
     _speculated: list[tuple[float, ...]] | None  # each piece's coefficients of the speculated
@@ -413,6 +414,7 @@ class KernelTable:
                     )
                 )
         self._kernel = kernel
+        self._pointed = self._pointers()
         self._entries = (_AdamPiece * len(pieces))(*map(_entry, self._held))
         self._entries_out = None
         if weights is not None:
@@ -430,13 +432,24 @@ class KernelTable:
         return sum(twin.num_bytes for twins in self._twins for twin in twins)
 
     def backs(self, states: Sequence[dict[str, Any]]) -> bool:
-        """Whether ``states`` (the pieces' state dicts, in order) hold the tensors it reads."""
-        return len(states) == len(self._held) and all(
-            state.get("exp_avg") is held.exp_avg
-            and state.get("exp_avg_sq") is held.exp_avg_sq
-            and state.get("step") is held.step
-            for state, held in zip(states, self._held, strict=True)
+        """Whether ``states`` (the pieces' state dicts, in order) hold the tensors it reads, in
+        the memory it points into (``share_memory_()`` gives a tensor new memory in place)."""
+        return (
+            len(states) == len(self._held)
+            and all(
+                state.get("exp_avg") is held.exp_avg
+                and state.get("exp_avg_sq") is held.exp_avg_sq
+                and state.get("step") is held.step
+                for state, held in zip(states, self._held, strict=True)
+            )
+            and self._pointers() == self._pointed
         )
+
+    def _pointers(self) -> list[tuple[int, ...]]:
+        return [
+            (h.main.data_ptr(), h.exp_avg.data_ptr(), h.exp_avg_sq.data_ptr(), h.step.data_ptr())
+            for h in self._held
+        ]
 
     def run(
         self,

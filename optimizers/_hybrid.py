@@ -84,6 +84,13 @@ class MemoryReport:
     host_staging: StagingKind  # OffloadPolicy.host_staging, "auto" resolved
 
 
+_NOT_COPIED = (
+    "a HybridDeviceOptimizer cannot be copied or pickled: it holds host buffers, copy streams and "
+    "a worker thread. Save its state with opt.state_dict() and load it into a new one with "
+    "opt.load_state_dict()"
+)
+
+
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     """An elementwise torch optimizer whose state is split between the accelerator and the CPU.
 
@@ -266,6 +273,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         hybrid._wrapped = weakref.ref(optimizer)
         share_step_hooks(hybrid, optimizer)
         return hybrid
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(_NOT_COPIED)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HybridDeviceOptimizer:
+        raise TypeError(_NOT_COPIED)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._records is not None:
@@ -588,7 +601,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         that way ([Note: early grad copies] in ``optimizers/_early.py``). Does nothing with
         bounded staging or while a step is in flight."""
         flat = {}
+        num_params = len(self._records)
         for index, grad in grads.items():
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < num_params:
+                raise ValueError(
+                    f"grads_ready was given a grad for param {index!r}; the params are numbered "
+                    f"0 to {num_params - 1} over all param groups, as in state_dict()"
+                )
             param = self._records[index].param
             if grad.numel() != param.numel() or not grad.is_contiguous():
                 raise ValueError(

@@ -19,6 +19,9 @@ Each way, the state and weights are the bits of the step taken once at ``step()`
 The kernel moves no version counter, so a change of the state's counters since the speculation
 began is someone else's in-place write (through a tensor read from ``optimizer.state``): the
 write is in the live state, and the step is redone from it, as torch's step would read it. A
+write that moves no counter (through ``.data``, a numpy view or a raw pointer) is not seen, and
+the twins replace it where the step stands, as a grad written so after its early copy is not seen
+([Note: early grad copies]). A
 tensor that aliases the state but keeps a counter of its own (a DTensor over it, as ``zero_shard``
 hands them out: an in-place op on a DTensor moves its counter, not its local tensor's) is watched
 by its own counter (``HostPart.watch_live``): written after the first speculation of a step, the

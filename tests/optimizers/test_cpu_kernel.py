@@ -571,3 +571,39 @@ def test_build_is_cached_per_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path) -> N
     stamp = first.stat().st_mtime_ns
     assert _cpu_kernel._build(compiler) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no scratch left behind
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_state_moved_to_shared_memory_is_stepped_where_it_now_lies(speculative: bool) -> None:
+    """``share_memory_()`` on a tensor read from ``optimizer.state`` gives it new memory in
+    place (the same tensor object): the kernel's tables must not step the memory it left. The
+    run equals one without the move, bit for bit, at every step."""
+    kernel_for(torch.optim.AdamW)
+    sizes = (300_000, 7)
+    runs = []
+    for moved in (False, True):
+        params = [torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(n)))
+                  for n in sizes]  # fmt: skip
+        policy = OffloadPolicy(
+            fraction=1.0, host_staging="per_chunk", speculative=speculative, num_threads=1
+        )
+        opt = HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=1e-2)
+        trajectory = []
+        for step in range(4):
+            grads = [torch.randn(n, generator=torch.Generator().manual_seed(100 * step + n))
+                     for n in sizes]  # fmt: skip
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+            opt.grads_ready({i: p.grad for i, p in enumerate(params)})
+            opt.step()
+            if moved and step == 1:
+                for param in params:
+                    for value in opt.state[param].values():
+                        value.share_memory_()
+            trajectory.append([p.detach().clone() for p in params])
+        state = [v.clone() for p in params for v in opt.state[p].values()]
+        runs.append((trajectory, state))
+    (plain, plain_state), (shared, shared_state) = runs
+    for step, (want, got) in enumerate(zip(plain, shared, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), f"step {step}"
+    assert all(torch.equal(a, b) for a, b in zip(plain_state, shared_state, strict=True))

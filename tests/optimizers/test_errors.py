@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
+import pickle
 from typing import Any
 
 import pytest
@@ -238,3 +240,17 @@ def test_load_state_dict_mismatches() -> None:
     assert all(torch.equal(before[k], after[k]) for k in before), "a refused load changed state"
     with pytest.raises(ValueError, match="'state' and 'param_groups'"):
         opt.load_state_dict({"state": {}})
+
+
+def test_copies_and_pickles_are_refused_naming_the_state_dict() -> None:
+    opt = HybridDeviceOptimizer(params(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-3)
+    for copy_of in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled.*state_dict"):
+            copy_of(opt)
+
+
+@pytest.mark.parametrize("index", [99, -1, 1.0, True])
+def test_grads_ready_for_no_param_is_refused(index: object) -> None:
+    opt = HybridDeviceOptimizer(params(), torch.optim.AdamW, offload_fraction=0.5, lr=1e-3)
+    with pytest.raises(ValueError, match=rf"param {index!r}; the params are numbered 0 to"):
+        opt.grads_ready({index: torch.zeros(3)})
