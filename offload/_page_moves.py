@@ -19,7 +19,7 @@ next speculation). Only the page tables change.
   the live tensor's is ever unmapped, and no other thread's ``mmap`` can land in it meanwhile.
   Between the first and second call the live range reads zeros: the caller moves only while no
   other thread reads the tensor (the host step's worker, at the step; zero-shard's own reads wait
-  for it).
+  for it). A move that fails leaves the twin's pages where they are, and they are copied in.
 - Only whole pages inside the live tensor move; the bytes of its first and last page (which may
   hold other allocations, and the allocator's records) are copied. Live memory that is not
   private anonymous memory of the process (the allocator's own, ``[heap]`` included; not a file
@@ -82,18 +82,19 @@ def _move(function: ctypes._CFuncPtr, source: int, target: int, num_bytes: int) 
     return result is not None and result != _FAILED and result == target
 
 
-def _exchange(function: ctypes._CFuncPtr, live: int, twin: int, spare: int, num_bytes: int) -> None:
-    """Exchanges the pages of ``live`` and ``twin`` through ``spare`` (see [Note: page moves])."""
+def _exchange(function: ctypes._CFuncPtr, live: int, twin: int, spare: int, num_bytes: int) -> bool:
+    """Moves the twin's pages into ``live`` and the live ones into ``twin``, through ``spare``
+    (see [Note: page moves]). Returns whether ``live`` holds the twin's pages; where not, it
+    holds its own or none (mapped, empty) and the twin still holds its pages: the caller copies
+    them in. A failure of the last move leaves the twin empty, which is no loss: a twin is
+    written whole before it is read."""
     if not _move(function, live, spare, num_bytes):
-        raise OSError(ctypes.get_errno(), "mremap could not move the live pages aside")
+        return False
     if not _move(function, twin, live, num_bytes):
-        errno = ctypes.get_errno()
-        if not _move(function, spare, live, num_bytes):  # the live pages go back
-            raise AssertionError(f"expected to move live pages back after errno {errno}")
-        raise OSError(errno, "mremap could not move the twin's pages into the live range")
-    if not _move(function, spare, twin, num_bytes):
-        raise AssertionError(f"expected to move the old pages into the twin (errno "
-                             f"{ctypes.get_errno()}); the live range holds the new ones")  # fmt: skip
+        _move(function, spare, live, num_bytes)  # the live pages back, where it can
+        return False
+    _move(function, spare, twin, num_bytes)
+    return True
 
 
 @cache
@@ -111,14 +112,12 @@ def page_moves_available() -> bool:
     ctypes.memset(live, 1, _PAGE)
     ctypes.memset(twin, 2, _PAGE)
     try:
-        _exchange(function, live, twin, spare, _PAGE)
-        exchanged = ctypes.string_at(live, 1) == b"\x02" and ctypes.string_at(twin, 1) == b"\x01"
-    except (OSError, AssertionError):
-        return False
+        exchanged = _exchange(function, live, twin, spare, _PAGE)
+        exchanged = exchanged and ctypes.string_at(live, 1) == b"\x02"
+        return exchanged and ctypes.string_at(twin, 1) == b"\x01"
     finally:
         for region, _ in regions:
             region.close()
-    return exchanged
 
 
 def _anonymous_ranges() -> list[tuple[int, int]]:
@@ -171,7 +170,10 @@ class PageTwin:
 
     def __init__(self, live: torch.Tensor, ranges: list[tuple[int, int]] | None = None) -> None:
         if live.device.type != "cpu" or not live.is_contiguous():
-            raise AssertionError(f"expected a contiguous CPU tensor, got one on {live.device}")
+            raise AssertionError(
+                f"expected a contiguous CPU tensor, got one on {live.device} "
+                f"({'' if live.is_contiguous() else 'not '}contiguous)"
+            )
         self.live = live
         self._pages, self._regions = None, ()
         num_bytes = live.numel() * live.element_size()
@@ -181,14 +183,19 @@ class PageTwin:
         moves = page_moves_available() and num_bytes > 0
         if moves:
             moves = _movable(live, first, last, _anonymous_ranges() if ranges is None else ranges)
-        if not moves:
+        regions = None
+        if moves:  # (no mapping to spare, past the process's limit of them: a copy instead)
+            try:
+                regions = _reserve(num_bytes + 2 * _PMD), _reserve(last - first + 2 * _PMD)
+            except (OSError, ValueError):
+                regions = None
+        if regions is None:
             self.twin = torch.empty_like(live)
             self.moves_pages = False
             return
         # The twin at live's address modulo 2 MiB, the spare range too (see [Note: page moves]).
-        twin_region, twin_base = _reserve(num_bytes + 2 * _PMD)
+        (twin_region, twin_base), (spare_region, spare_base) = regions
         twin = twin_base + (start - twin_base) % _PMD
-        spare_region, spare_base = _reserve(last - first + 2 * _PMD)
         spare = spare_base + (first - spare_base) % _PMD
         self._regions = (twin_region, spare_region)
         self._pages = _Pages(first - start, last - first, twin, spare)
@@ -222,9 +229,8 @@ class PageTwin:
         live_bytes[: pages.head].copy_(twin_bytes[: pages.head])
         live_bytes[end:].copy_(twin_bytes[end:])
         live = self.live.data_ptr() + pages.head
-        try:
-            _exchange(function, live, pages.twin + pages.head, pages.spare, pages.num_bytes)
-        except OSError:  # nothing moved (the live range changed mappings since): copied instead
+        if not _exchange(function, live, pages.twin + pages.head, pages.spare, pages.num_bytes):
+            # (the live range changed mappings since, say): copied in, now and from then on
             self._pages, self.moves_pages = None, False
             live_bytes[pages.head : end].copy_(twin_bytes[pages.head : end])
 

@@ -72,12 +72,16 @@ def _elementwise_base(cls: type) -> type[torch.optim.Optimizer] | None:
     return torch_class_run_as_is(cls, _ELEMENTWISE)
 
 
+_WRAPPERS = ("AcceleratedOptimizer", "LightningOptimizer")  # libraries' optimizers around one
+
+
 def check_wrappable(optimizer: Any) -> None:
     """Raises unless ``optimizer`` is a torch optimizer of an elementwise class (see
     ``check_elementwise``), naming the fix where it wraps one (accelerate's
     ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)."""
     inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+    wrapper = type(optimizer).__name__ in _WRAPPERS
+    if wrapper and isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
         raise TypeError(
             f"the optimizer given is a {type(optimizer).__name__} around a "
             f"{type(inner).__name__}: zero-shard wraps the torch optimizer itself. Wrap it "

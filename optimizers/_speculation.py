@@ -192,7 +192,9 @@ def settle_speculation(speculation: Speculation, chunk: HostChunk, skips: bool, 
             table.commit()
             outcome = "stood"
         else:
-            table.redo(group, **step)  # (fails before it writes anything, or not at all)
+            # (a failure comes before the live state is written: the kernel writes the twins,
+            # and moving them in falls back to a copy rather than fail)
+            table.redo(group, **step)
             outcome = "redone"
     except BaseException:
         table.roll_back()  # a failed step leaves the state as before it

@@ -493,9 +493,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._end_window()
             self.kind.end_window()
         self._skips.read(block=False)  # at once where the device is the CPU
-        if has_step_post_hooks(self):
+        if has_step_post_hooks(self) and self._delay is None:
             # torch runs them as this returns, and they read the step's params (an EMA's
-            # update): the CPU's share and the gathers are waited for first.
+            # update): the CPU's share and the gathers are waited for first. (A delayed update's
+            # params lag by a step by design: finishing it here would take the lag away.)
             self.finish_param_sync()
         return loss
 
@@ -627,12 +628,17 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         each call: a model edited after wrap (blocks reordered, activation checkpointing or a
         parametrization or pruning applied) renames params it keeps, and a state dict keyed by
         the names at wrap would hand their state to other params on a load. A param the model no
-        longer holds keeps its name."""
+        longer holds keeps its name; where that name is now another of its params', the names
+        stay as they were."""
         current = {id(p): name for name, p in self._module.named_parameters()}
-        self._group_fqns = [
+        renamed = [
             [current.get(id(p), fqn) for p, fqn in zip(g["params"], fqns, strict=True)]
             for g, fqns in zip(self.param_groups, self._group_fqns, strict=True)
         ]
+        names = [fqn for fqns in renamed for fqn in fqns]
+        if len(set(names)) != len(names):
+            return
+        self._group_fqns = renamed
         for sharded in self._sharded:
             sharded.fqn = current.get(id(sharded.param), sharded.fqn)
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import _JoinConfig
 
 from ._copies import mark_hook
 from ._owners import is_claimed
@@ -101,7 +102,9 @@ class _QuietOuterDDP:
         if ddp._join_config.enable:
             # Joined ranks shadow DDP's all-reduces, not zero-shard's reductions: the ranks'
             # collectives would not match (a gloo abort, a hang on NCCL). Every rank's first
-            # forward under Join gets here, so every rank raises.
+            # forward under Join gets here, so every rank raises. Join leaves its setting on the
+            # DDP when its block ends: it is turned off here, so that forwards after it run.
+            ddp._join_config = _JoinConfig.construct_disabled_join_config()
             raise RuntimeError(
                 "DistributedDataParallel's Join (uneven inputs: `with Join([ddp])` or "
                 "ddp.join()) is not supported on a model zero-shard reduces: ranks that ran out "

@@ -113,3 +113,20 @@ def test_a_move_that_fails_first_is_a_copy_from_then_on(monkeypatch: pytest.Monk
     twin.twin.copy_(newer)
     twin.move_into_live()
     assert torch.equal(live, newer)
+
+
+def test_without_mappings_to_spare_the_twin_is_copied_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the process's limit of mappings (vm.max_map_count) the twin's own cannot be made: a
+    twin of ordinary memory, copied in."""
+
+    def refused(num_bytes: int) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(page_moves, "_reserve", refused)
+    live = torch.randn(MOVED)
+    twin = PageTwin(live)
+    assert not twin.moves_pages
+    new = torch.randn(MOVED)
+    twin.twin.copy_(new)
+    twin.move_into_live()
+    assert torch.equal(live, new)

@@ -50,8 +50,8 @@ def test_non_elementwise_optimizer_wrapped_is_refused_as_such() -> None:
         HybridDeviceOptimizer.wrap(torch.optim.Muon(matrices, lr=1e-3))
 
 
-class _Wrapping(torch.optim.Optimizer):
-    """What accelerate's AcceleratedOptimizer is: a torch optimizer around one."""
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """A stand-in for accelerate's: a torch optimizer around one."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -64,8 +64,8 @@ class _Wrapping(torch.optim.Optimizer):
 
 def test_an_optimizer_around_a_torch_optimizer_is_refused_naming_the_order() -> None:
     inner = torch.optim.AdamW(params(), lr=1e-3)
-    with pytest.raises(TypeError, match=r"_Wrapping around a AdamW.*before handing it"):
-        HybridDeviceOptimizer.wrap(_Wrapping(inner))
+    with pytest.raises(TypeError, match=r"AcceleratedOptimizer around a AdamW.*before handing it"):
+        HybridDeviceOptimizer.wrap(AcceleratedOptimizer(inner))
 
 
 def test_subclass_that_changes_step_is_refused_unless_marked() -> None:

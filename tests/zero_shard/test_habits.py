@@ -1752,6 +1752,9 @@ def ddps_join_for_uneven_inputs_is_refused_on_every_rank(rank: int, world: int) 
                 mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
                 opt.step()
                 opt.zero_grad()
+    # Join leaves its setting on the DDP: the forwards after its block run as without it.
+    mse(ddp(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    opt.step()
 
 
 @case
