@@ -149,6 +149,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _state_view: ShardedStateView  # what `state` shows
     _meshes: Meshes  # the data-parallel mesh, a tensor-parallel model's 2-D one, the sums' groups
     _groups: list[dist.ProcessGroup]  # the groups the grads are sharded over (norms, inf checks)
+    _group_params: list[list[torch.Tensor]]  # per param group, its params at wrap (frozen too)
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too), as
     #                               the model names them at the last state dict or load (see
     #                               _refresh_fqns)
@@ -252,7 +253,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._building = False
         share_step_hooks(self, optimizer)  # the user no longer steps it: its hooks run here
         self._wrapped = weakref.ref(optimizer)
-        self._group_fqns = [[fqns[id(p)] for p in g["params"]] for g in self.param_groups]
+        self._group_params = [list(g["params"]) for g in self.param_groups]
+        self._group_fqns = [[fqns[id(p)] for p in params] for params in self._group_params]
         self._groups_at_wrap = GroupsAtBuild(self.param_groups)
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
 
@@ -632,8 +634,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         stay as they were."""
         current = {id(p): name for name, p in self._module.named_parameters()}
         renamed = [
-            [current.get(id(p), fqn) for p, fqn in zip(g["params"], fqns, strict=True)]
-            for g, fqns in zip(self.param_groups, self._group_fqns, strict=True)
+            [current.get(id(p), fqn) for p, fqn in zip(params, fqns, strict=True)]
+            for params, fqns in zip(self._group_params, self._group_fqns, strict=True)
         ]
         names = [fqn for fqns in renamed for fqn in fqns]
         if len(set(names)) != len(names):
