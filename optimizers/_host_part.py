@@ -75,6 +75,7 @@ from ._host_step import ChunkJob, HostStep
 from ._policy import HostStaging, StagingKind
 from ._records import HostChunk, ParamRecord, Piece, flat_param, reload_mains
 from ._speculation import (
+    TWIN_BYTES_PER_ELEMENT,
     Speculation,
     SpeculationBackoff,
     SpeculationCounts,
@@ -139,7 +140,7 @@ def _checked_staging(
         other_bytes += spec.numel * per_element
     # What speculative steps hold, with a buffer per chunk (see SpeculativeBuffers).
     twin_bytes = sum(
-        spec.numel * (12 + spec.dtype.itemsize)
+        spec.numel * (TWIN_BYTES_PER_ELEMENT + spec.dtype.itemsize)
         for spec, kernel in zip(specs, kernels, strict=True)
         if kernel is not None and speculative is not False and early_copies
     )

@@ -51,6 +51,7 @@ from ._cpu_kernel import KernelPiece, KernelTable, unmet_option
 from ._records import HostChunk
 
 __all__ = [
+    "TWIN_BYTES_PER_ELEMENT",
     "Speculation",
     "SpeculationBackoff",
     "SpeculationCounts",
@@ -58,6 +59,9 @@ __all__ = [
     "settle_speculation",
     "speculate",
 ]
+
+
+TWIN_BYTES_PER_ELEMENT = 12  # fp32 twins of the main weight and both moments
 
 
 @dataclass
@@ -113,7 +117,7 @@ class SpeculativeBuffers:
             [HostBufferRequest(c.spec.numel, c.spec.dtype) for c in on_kernel], pin=pin
         )
         self.weights = {c.index: w for c, w in zip(on_kernel, self._buffers.views, strict=True)}
-        twin_bytes = sum(3 * c.spec.numel * 4 for c in on_kernel)
+        twin_bytes = sum(c.spec.numel * TWIN_BYTES_PER_ELEMENT for c in on_kernel)
         self.num_bytes = twin_bytes + self._buffers.num_bytes
 
 

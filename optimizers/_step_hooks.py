@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.optim import optimizer as torch_optimizer  # (its global hook tables are private)
 
 __all__ = ["has_step_post_hooks", "share_step_hooks", "step_unhooked", "unhooked"]
 
@@ -54,8 +55,6 @@ def share_step_hooks(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimi
 
 def has_step_post_hooks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether torch runs post-hooks after ``optimizer``'s step: its own or global ones."""
-    from torch.optim import optimizer as torch_optimizer  # (the global table is private)
-
     return bool(
         getattr(optimizer, "_optimizer_step_post_hooks", None)
         or getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
