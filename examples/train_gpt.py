@@ -782,7 +782,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--speculative", choices=list(SPECULATIVE), default="off", help="on: zero-shard steps "
         "each CPU chunk as its grads reach the host during backward, into twins of its state; "
         "the step then stands, or is redone or forgotten (exact; per_chunk staging). auto: on "
-        "where the host keeps a quarter of its memory available with it. Default off")  # fmt: skip
+        "where this is the host's only rank and the host keeps a quarter of its memory "
+        "available with it. Default off")  # fmt: skip
     add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
         "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
     add("--delayed-update-warmup", type=int, default=0, metavar="STEPS", help="with "

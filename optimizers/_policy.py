@@ -133,8 +133,10 @@ class OffloadPolicy:
             forgotten (a skipped step): the same bits as without it, also where the state was
             written in place meanwhile. Costs 12 bytes of host memory per offloaded element for
             the twins, plus the new weights' own buffer (2 bytes of bf16, pinned); the
-            host-memory check and ``memory_report()`` count them. ``"auto"``: on where it applies
-            and the host keeps at least a quarter of its memory available with it (as
+            host-memory check and ``memory_report()`` count them. ``"auto"``: on where it applies,
+            the process is its host's only rank (``LOCAL_WORLD_SIZE``; with more, each rank's
+            speculated steps take the cores that drive the backwards: measured slower), and the
+            host keeps at least a quarter of its memory available with it (as
             ``host_staging="auto"`` decides; the choice is logged, logger ``zero_shard``, INFO).
             ``True``: on where it applies, and a warning where it cannot (bounded staging, a
             delayed update, no chunk on the kernel, a DDP or FSDP2 model). Default ``False``: it

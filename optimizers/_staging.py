@@ -40,6 +40,7 @@ from offload import (
     available_after,
     current_stream,
     format_bytes,
+    local_world_size,
     phase,
     record_event,
     use_device,
@@ -86,8 +87,17 @@ def choose_staging(per_chunk_bytes: int) -> tuple[StagingKind, str]:
 
 def choose_speculation(with_twins_bytes: int) -> tuple[bool, str]:
     """``speculative="auto"``'s choice for a CPU share that needs ``with_twins_bytes`` of host
-    memory with the twins of speculative steps (14 bytes a bf16 element more), and why: on by
-    the rule of ``choose_staging``."""
+    memory with the twins of speculative steps (14 bytes a bf16 element more), and why: on where
+    this process is the host's only rank and the host keeps memory by the rule of
+    ``choose_staging``. With more ranks on a host, the CPU steps speculated beside each rank's
+    backward take the cores that drive those backwards: measured slower than without on two
+    GPUs of one host, faster on one (docs/benchmarks/e2e.md, speculative host steps)."""
+    num_ranks = local_world_size()
+    if num_ranks > 1:
+        return False, (
+            f"{num_ranks} ranks on this host (LOCAL_WORLD_SIZE): their CPU steps would take the "
+            "cores that drive their backwards"
+        )
     return _keeps_free(with_twins_bytes, "with the twins of speculative steps")
 
 

@@ -586,6 +586,13 @@ def test_auto_staging_takes_a_buffer_per_chunk_where_the_host_keeps_room(
         assert build(speculative="auto").speculates == (load_cpu_adam() is not None)
     if load_cpu_adam() is not None:
         assert "speculative host steps on (speculative='auto'" in caplog.text
+        # Not with another rank on the host: its backward would share the cores.
+        caplog.clear()
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        with caplog.at_level(logging.INFO, logger="zero_shard"):
+            assert not build(speculative="auto").speculates
+        assert "speculative host steps off (speculative='auto': 2 ranks on this host" in caplog.text
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="zero_shard"):
         roomy = build()
