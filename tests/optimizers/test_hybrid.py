@@ -581,7 +581,7 @@ def test_auto_staging_takes_a_buffer_per_chunk_where_the_host_keeps_room(
         policy = OffloadPolicy(fraction=1.0, chunk_numel=chunk_numel, num_threads=1, **options)
         return HybridDeviceOptimizer(params, torch.optim.AdamW, policy=policy, lr=0.01)
 
-    # speculative="auto" (the default) decides after the staging, by the same rule.
+    # speculative="auto" decides after the staging, by the same rule (on one rank a host).
     with caplog.at_level(logging.INFO, logger="zero_shard"):
         assert build(speculative="auto").speculates == (load_cpu_adam() is not None)
     if load_cpu_adam() is not None:

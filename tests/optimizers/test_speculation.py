@@ -263,7 +263,7 @@ def test_speculated_steps_on_cuda_race_nothing(
 def test_the_host_memory_check_counts_the_twins(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host with room for the CPU share but not for the twins speculative steps write: with
     ``speculative=True`` refused before anything is allocated, naming the option; without it,
-    and with "auto" (the default), built, not speculating."""
+    and with "auto", built, not speculating."""
     if load_cpu_adam() is None:
         pytest.skip("no C compiler on this machine: no single-pass kernel")
     monkeypatch.delenv("ZERO_SHARD_SKIP_HOST_MEMORY_CHECK", raising=False)
