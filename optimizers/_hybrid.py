@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import weakref
@@ -846,7 +847,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 check_saved_state(record, saved_state[saved_id])
         check_saved_keys(saved_state, [group["params"] for group in state_dict["param_groups"]])
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            group.update({key: value for key, value in saved.items() if key != "params"})
+            # Copies, as torch's load: a tensor option (a scheduler fills it in place) stays the
+            # state dict's own, and two optimizers loaded from it do not share it.
+            group.update(
+                {key: copy.deepcopy(value) for key, value in saved.items() if key != "params"}
+            )
         self._sync_hyperparams()
         # Main weights without a saved fp32 copy come from the model. The saved copies may be the
         # very views state_dict() returned, filled in place (DCP): those are not overwritten.

@@ -10,10 +10,15 @@ hooks: registered on either, they run around the wrapper's step, given the wrapp
 
 An optimizer class whose ``step`` calls its parent's (``super().step()``) runs the parent's
 wrapper too, as in torch, where its hooks run twice a step.
+
+Once wrapped, the user's optimizer holds no state for its params (the wrapper took it over), and
+its own ``step`` would update them a second time from empty state: a pre-hook put first in the
+shared table refuses that step, before anything changes (``_RefuseWrappedStep``).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -46,10 +51,39 @@ def step_unhooked(optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
 
+class _RefuseWrappedStep:
+    """A step pre-hook that refuses the step of the optimizer a wrapper took over (given that
+    optimizer: torch hands a hook the optimizer whose ``step`` runs), and lets the wrapper's
+    step, which shares the hook, go on."""
+
+    _wrapped: weakref.ref[torch.optim.Optimizer]
+    _wrapper_name: str
+
+    def __init__(self, wrapped: torch.optim.Optimizer, wrapper_name: str) -> None:
+        self._wrapped = weakref.ref(wrapped)
+        self._wrapper_name = wrapper_name
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if optimizer is self._wrapped():
+            name = type(optimizer).__name__
+            raise RuntimeError(
+                f"step() was called on the {name} that a {self._wrapper_name} wraps: the wrapper "
+                f"steps its params and holds their optimizer state now, and this {name}'s step "
+                "would update them a second time from empty state. Call step() on the "
+                "optimizer that wrap returned (hand that one to the training loop, the "
+                "scheduler and the libraries that step it). Nothing was stepped"
+            )
+
+
 def share_step_hooks(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> None:
     """Makes ``wrapper`` run ``wrapped``'s step hooks, those registered later included: the
-    tables are shared (private attributes of ``torch.optim.Optimizer``, the same since torch 2.0)."""
-    wrapper._optimizer_step_pre_hooks = wrapped._optimizer_step_pre_hooks
+    tables are shared (private attributes of ``torch.optim.Optimizer``, the same since torch
+    2.0); and refuses ``wrapped.step()`` from now on, before its other hooks run."""
+    table = wrapped._optimizer_step_pre_hooks
+    if not any(isinstance(hook, _RefuseWrappedStep) for hook in table.values()):
+        handle = wrapped.register_step_pre_hook(_RefuseWrappedStep(wrapped, type(wrapper).__name__))
+        table.move_to_end(handle.id, last=False)
+    wrapper._optimizer_step_pre_hooks = table
     wrapper._optimizer_step_post_hooks = wrapped._optimizer_step_post_hooks
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -34,6 +35,7 @@ from ._buckets import ShardedParam, shard_grads
 from ._collectives import AllGather
 from ._gather import DelayedUpdate
 from ._kind import Kind, Meshes
+from ._names import canonical_names, module_state_key
 from ._norms import clip_coefficient, global_norm, nonfinite_flag, scale_grads_
 from ._owners import claim, live_owners
 from ._released_ops import GradEdits
@@ -55,6 +57,7 @@ from ._state_dict import (
     check_saved_groups,
     keyed_by_position,
     local_state_dict,
+    named_as_saved,
     sharded_state,
     tag_origin,
     to_dtensor,
@@ -152,7 +155,9 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _group_params: list[list[torch.Tensor]]  # per param group, its params at wrap (frozen too)
     _group_fqns: list[list[str]]  # per param group, the FQNs of its params (frozen ones too), as
     #                               the model names them at the last state dict or load (see
-    #                               _refresh_fqns)
+    #                               _refresh_fqns), without wrappers' segments ([Note:
+    #                               canonical names] in _names.py)
+    _names_at_wrap: dict[int, str]  # id(param) -> its named_parameters() name at wrap
     _groups_at_wrap: GroupsAtBuild  # the group dicts and their params that the shards are for
     _building: bool
     _frozen: list[torch.Tensor]  # params of the groups with requires_grad=False at wrap time
@@ -197,7 +202,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._module, self._meshes = self.kind.module, self.kind.meshes
         self.mesh, self._groups = self._meshes.mesh, self._meshes.groups
         self._reduce_device = reduce_device(self.mesh, device)
-        fqns = {id(p): name for name, p in self._module.named_parameters()}
+        fqns = canonical_names(self._module)  # see [Note: canonical names]
         options = {"offload": offload, "stage": stage, "bucket_mb": bucket_mb,
                    "nonfinite": nonfinite, "stale_params": stale_params}  # fmt: skip
         checked = check_inputs(
@@ -255,6 +260,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._wrapped = weakref.ref(optimizer)
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._group_fqns = [[fqns[id(p)] for p in params] for params in self._group_params]
+        named = {id(p): name for name, p in self._module.named_parameters()}
+        self._names_at_wrap = {id(p): named[id(p)] for ps in self._group_params for p in ps}
         self._groups_at_wrap = GroupsAtBuild(self.param_groups)
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
 
@@ -632,7 +639,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         the names at wrap would hand their state to other params on a load. A param the model no
         longer holds keeps its name; where that name is now another of its params', the names
         stay as they were."""
-        current = {id(p): name for name, p in self._module.named_parameters()}
+        current = canonical_names(self._module)
         renamed = [
             [current.get(id(p), fqn) for p, fqn in zip(params, fqns, strict=True)]
             for params, fqns in zip(self._group_params, self._group_fqns, strict=True)
@@ -698,7 +705,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         )
         saved_groups = state_dict["param_groups"]
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            group.update({key: value for key, value in saved.items() if key != "params"})
+            # Copies, as torch's load: a tensor option (a scheduler fills it in place) stays the
+            # state dict's own, and two optimizers loaded from it do not share it.
+            group.update(
+                {key: copy.deepcopy(value) for key, value in saved.items() if key != "params"}
+            )
         self.kind.refresh_shards(self._sharded)
         for sharded in self._sharded:  # the loaded state wins over the params as they are
             sharded.record_version()
@@ -711,15 +722,27 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _checked_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         self._refresh_fqns()
+        state_dict = named_as_saved(state_dict)
         check_saved_groups(state_dict, self._group_fqns)
         check_saved_keys(state_dict["state"], [g["params"] for g in state_dict["param_groups"]])
         check_origin(state_dict["state"], _origin())
-        return self._local_state_dict(state_dict["state"])
+        return self._local_state_dict(state_dict["state"], state_dict["param_groups"])
 
-    def _local_state_dict(self, saved: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    def _local_state_dict(
+        self,
+        saved: Mapping[str, dict[str, Any]],
+        saved_groups: Sequence[Mapping[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The rank's share of ``saved``, for the hybrid, with each group's options as this
+        optimizer's groups hold them, or as ``saved_groups`` (a load's) hold them."""
         num_groups = len(self.param_groups)
         sizes = [sum(1 for s in self._sharded if s.group_index == g) for g in range(num_groups)]
         hyperparams = [self._hyperparams(g) for g in range(num_groups)]
+        if saved_groups is not None:
+            hyperparams = [
+                {**options, **{k: v for k, v in group.items() if k != "params"}}
+                for options, group in zip(hyperparams, saved_groups, strict=True)
+            ]
         return local_state_dict(saved, self._sharded, sizes, hyperparams)
 
     def main_grad(self, param: torch.Tensor) -> DTensor | None:
@@ -742,12 +765,17 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         raise KeyError(f"a param of shape {tuple(param.shape)} is not optimized here")
 
     def _named_params(self, module: nn.Module) -> list[tuple[str, torch.Tensor]] | None:
-        """(FQN, param) of every param this optimizer holds, if it was built for ``module``."""
+        """(key in ``module.state_dict()``, param) of every param this optimizer holds, if it was
+        built for ``module``: its name in the module now, else its name at wrap."""
         if module is not self._module:
             return None
-        params = [p for group in self.param_groups for p in group["params"]]
-        fqns = [fqn for group in self._group_fqns for fqn in group]
-        return list(zip(fqns, params, strict=True))
+        current = {id(p): name for name, p in module.named_parameters()}
+        named = []
+        for group in self.param_groups:
+            for param in group["params"]:
+                name = current.get(id(param), self._names_at_wrap[id(param)])
+                named.append((module_state_key(name), param))
+        return named
 
     def memory_report(self) -> MemoryReport:
         """Where this rank's optimizer memory is: the hybrid optimizer's report, with this
@@ -814,7 +842,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         unfrozen = [p for p in self._frozen if p.grad is not None]
         if not unfrozen:
             return
-        fqns = {id(p): name for name, p in self.kind.module.named_parameters()}
+        fqns = canonical_names(self.kind.module)
         names = sorted(fqns.get(id(p), f"<shape {tuple(p.shape)}>") for p in unfrozen)
         shown = f"{names[:5]}{' ...' if len(names) > 5 else ''}"
         raise RuntimeError(

@@ -26,6 +26,7 @@ from ._fsdp import (
 )
 from ._gather import DelayedUpdate
 from ._kind import Kind, Trainable
+from ._names import canonical_names
 from ._replicas import DDPKind, ReplicatedKind, one_process_mesh_supported
 from ._tp import local_tensor, tp_spec
 from ._units import Units
@@ -285,7 +286,7 @@ def check_inputs(
     def check() -> CheckedInputs:
         policy = check_options(optimizer, **options)
         delay = _check_gather_options(policy, kind, all_gather)
-        fqns = {id(p): name for name, p in module.named_parameters()}
+        fqns = canonical_names(module)
         trainable = trainable_params(optimizer.param_groups, fqns, kind.check_param)
         policy = kind.offload_policy(policy)
         check_dense_grads(module, trainable)

@@ -30,6 +30,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from optimizers import HybridDeviceOptimizer, ParamState
 
 from ._buckets import ShardedParam
+from ._names import canonical_names, saved_name
 
 __all__ = [
     "ShardedStateView",
@@ -46,6 +47,7 @@ __all__ = [
     "load_full_state_dict",
     "local_rows",
     "local_state_dict",
+    "named_as_saved",
     "numbers_params",
     "param_fqns",
     "picklable",
@@ -286,6 +288,32 @@ def check_saved_groups(state_dict: Any, group_fqns: Sequence[Sequence[str]]) -> 
         raise ValueError(f"the state dict has state for params this model lacks: {unknown[:5]}")
 
 
+def named_as_saved(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with its params' names (the keys of its state, its groups' params) without
+    wrappers' segments, as this optimizer names them ([Note: canonical names] in
+    ``_names.py``); as it is where no name has any (or it is not a state dict keyed by name)."""
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        return state_dict
+
+    def renamed(key: Any) -> Any:
+        return saved_name(key) if isinstance(key, str) else key
+
+    state, groups = state_dict["state"], state_dict["param_groups"]
+    if not isinstance(state, Mapping) or not all(isinstance(g, Mapping) for g in groups):
+        return state_dict
+    keys = [*state, *(p for g in groups for p in g.get("params", ()))]
+    if all(renamed(key) == key for key in keys):
+        return state_dict
+    return {
+        **state_dict,
+        "state": {renamed(key): value for key, value in state.items()},
+        "param_groups": [
+            {**g, "params": [renamed(p) for p in g["params"]]} if "params" in g else g
+            for g in groups
+        ],
+    }
+
+
 def keyed_by_fqn(state_dict: Mapping[str, Any], fqns: Sequence[str]) -> dict[str, Any]:
     """A torch optimizer's state dict, its params numbered by their position over its param
     groups (as ``torch.optim.Optimizer.state_dict()`` numbers them), keyed by FQN instead, as
@@ -464,9 +492,9 @@ def check_saved_optimizer(path: Path, saved: dict[str, Any], optim_state: dict[s
 
 def param_fqns(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The FQN of each param of a torch optimizer, in the order its state dict numbers them (as
-    ``get_optimizer_state_dict`` names them: without DDP's ``module.``)."""
-    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    names = {id(param): fqn for fqn, param in module.named_parameters()}
+    ``get_optimizer_state_dict`` names them: without DDP's ``module.`` or other wrappers'
+    segments, [Note: canonical names] in ``_names.py``)."""
+    names = canonical_names(model)
     params = [param for group in optimizer.param_groups for param in group["params"]]
     for param in params:
         if id(param) not in names:

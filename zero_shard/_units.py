@@ -84,8 +84,10 @@ def _block_class(module: nn.Module) -> type:
 
 def runs(module: nn.Module) -> bool:
     """Whether the module has a forward of its own (``nn.ModuleList`` and a bare ``nn.Module``
-    have none: they are never called)."""
-    return getattr(type(module), "forward", None) is not nn.Module.forward
+    have none: they are never called); ``torch.compile(model)``'s module sets its forward on
+    itself."""
+    own = getattr(type(module), "forward", None) is not nn.Module.forward
+    return own or callable(vars(module).get("forward"))
 
 
 def _is_repeated_container(module: nn.Module) -> bool:

@@ -116,6 +116,15 @@ def _unwrapped(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer
     return optimizer
 
 
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile(model)`` compiled, whose state dict names the params without
+    ``_orig_mod.`` (as ``get_model_state_dict`` does): a checkpoint of a compiled model loads
+    into it uncompiled, and the other way round ([Note: canonical names] in ``_names.py``)."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod
+    return model
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -312,6 +321,7 @@ def save(
     group's timeout for the others to call ``save`` too raises ``RuntimeError`` saying so.
     """
     optimizer = _unwrapped(optimizer)
+    model = _uncompiled(model)
     group = _meet("save")
     final, partial, previous, _ = _prepare(path, _device(model), lambda: None)
     dcp.save(_state(model, optimizer, extra, scheduler), checkpoint_id=str(partial))
@@ -440,6 +450,7 @@ def async_save(
     """
     global _pending
     optimizer = _unwrapped(optimizer)
+    model = _uncompiled(model)
     group = _meet("async_save")
     # The snapshot reuses the last one's buffers: _prepare waits for its write first.
     final, partial, previous, snapshot = _prepare(
@@ -691,6 +702,7 @@ def load(
     loaded. An ``async_save`` still writing is waited for first (its failure raises here).
     """
     optimizer = _unwrapped(optimizer)
+    model = _uncompiled(model)
     _meet("load")
     state, optim_state = _read_checked(path, model, optimizer, scheduler)
     # What may fail without touching the model or the optimizer goes first, failing on every

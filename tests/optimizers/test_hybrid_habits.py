@@ -337,6 +337,76 @@ def test_lr_scheduler_gives_torchs_schedule(fraction: float, when: str) -> None:
     assert not scheduler_warnings(caught)
 
 
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_loaded_state_dicts_tensor_options_are_copied_as_in_torch(fraction: float) -> None:
+    # torch's load deep-copies the saved groups: a tensor lr, which schedulers fill in place,
+    # stays the state dict's own. Two optimizers loaded from one state dict, each with its own
+    # scheduler, and a rollback to a state dict kept in memory (loaded twice), as torch.
+    def build(params: list[torch.Tensor], ours: bool) -> torch.optim.Optimizer:
+        opt = torch.optim.SGD(params, lr=torch.tensor(0.5))
+        return HybridDeviceOptimizer.wrap(opt, policy=policy(fraction)) if ours else opt
+
+    def train(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int) -> None:
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        for step in range(steps):
+            for param in params:
+                param.grad = torch.full_like(param, float(step + 1))
+            opt.step()
+            sched.step()
+
+    results = {}
+    for ours in (False, True):
+        params = make_params()
+        opt = build(params, ours)
+        saved = copy.deepcopy(opt.state_dict())
+        saved["param_groups"][0]["lr"] = torch.tensor(0.1)
+        others = [make_params(seed=1), make_params(seed=2)]
+        loaded = [build(each, ours) for each in others]
+        for each in loaded:
+            each.load_state_dict(saved)
+        for each, each_params in zip(loaded, others, strict=True):
+            train(each, each_params, 3)
+        opt.load_state_dict(saved)  # a rollback: the saved lr, untouched by the others
+        train(opt, params, 1)
+        opt.load_state_dict(saved)
+        results[ours] = (
+            [lr_of(each) for each in (*loaded, opt)],
+            float(saved["param_groups"][0]["lr"]),
+            [p.detach().clone() for each in (*others, params) for p in each],
+        )
+    torch_lrs, torch_saved, torch_params = results[False]
+    flat = [lr for lrs in torch_lrs for lr in lrs]
+    assert flat == pytest.approx(
+        [0.1 * 0.5**3, 0.1 * 0.5**3, 0.1]
+    ) and torch_saved == pytest.approx(0.1)
+    assert results[True][:2] == (torch_lrs, torch_saved), results[True][:2]
+    assert_params_match(results[True][2], torch_params, "after the loads")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_the_wrapped_optimizers_own_step_is_refused_before_anything_changes(
+    fraction: float,
+) -> None:
+    # A library that kept the torch optimizer steps it by mistake: its state is the wrapper's
+    # now, and its step would update the params a second time from empty state.
+    params = make_params()
+    refs = fp32_copies(params)
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2, weight_decay=0.1)
+    user_opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(fraction))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        step_both(opt, ref_opt, params, refs, gen)
+        for param in params:
+            param.grad = torch.ones_like(param)
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(RuntimeError, match="the AdamW that a HybridDeviceOptimizer wraps"):
+            user_opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+        assert not user_opt.state
+        assert_params_match(params, refs, f"step {step}")
+
+
 def test_launch_step_counts_as_a_step_for_lr_schedulers() -> None:
     opt = HybridDeviceOptimizer(make_params(), torch.optim.AdamW, policy=policy(0.5), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)

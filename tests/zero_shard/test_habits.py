@@ -1520,6 +1520,136 @@ def state_moved_after_params_were_renamed_goes_to_the_same_params(rank: int, wor
 
 
 @case
+def state_saved_with_wrappers_on_loads_with_them_off(rank: int, world: int) -> None:
+    # A model compiled (torch.compile(model) handed to wrap) with a block under activation
+    # checkpointing: the state dict names the params as torch's get_optimizer_state_dict does
+    # (no _orig_mod., no _checkpoint_wrapped_module.), so that it loads into a wrapper of the
+    # same model with both off, through opt.load_state_dict and zero_shard.checkpoint, and goes
+    # on as torch's optimizer goes on; a state dict keyed by named_parameters() names, the
+    # wrappers' segments in, loads as well.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def build(wrappers: bool) -> tuple[nn.Module, torch.optim.AdamW]:
+        torch.manual_seed(0)
+        net: nn.Module = Blocks()
+        if wrappers:
+            net.blocks[1] = checkpoint_wrapper(net.blocks[1])
+            net = torch.compile(net, backend="eager")
+        return net, torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.1)
+
+    def train(net: nn.Module, opt: zero_shard.ZeroShardOptimizer, step: int) -> None:
+        x, y = global_batch(step)
+        mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    ref, ref_opt = build(wrappers=False)
+    compiled, torch_opt = build(wrappers=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a compiled model runs its forward: nothing to warn
+        opt = zero_shard.wrap(torch_opt, compiled, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    torch_names = build(wrappers=True)
+    torch_names[0](global_batch(0)[0]).sum().backward()
+    torch_names[1].step()
+    expected = sorted(get_optimizer_state_dict(*torch_names)["state"])
+    for step in range(2):
+        train(compiled, opt, step)
+        x, y = global_batch(step)
+        step_reference(ref, ref_opt, x, y)
+    saved = opt.state_dict()
+    assert sorted(saved["state"]) == expected, (sorted(saved["state"]), expected)
+    path = os.path.join(os.path.dirname(shared_path(rank)), "wrappers_off")
+    zero_shard.checkpoint.save(path, model=compiled, optimizer=opt)
+    inner = compiled._orig_mod
+    raw = [name for name, _ in compiled.named_parameters()]  # the segments in
+    assert "_orig_mod.blocks.1._checkpoint_wrapped_module.weight" in raw, raw
+    segments = ("_orig_mod.", "_checkpoint_wrapped_module.")
+    by_name = {name.replace(segments[0], "").replace(segments[1], ""): name for name in raw}
+    by_hand = {
+        "state": {by_name[k]: v for k, v in saved["state"].items()},
+        "param_groups": [
+            {**g, "params": [by_name[n] for n in g["params"]]} for g in saved["param_groups"]
+        ],
+    }
+    for way in ("state_dict", "checkpoint", "named_parameters names"):
+        plain, plain_opt = build(wrappers=False)
+        plain.load_state_dict({k.replace("_checkpoint_wrapped_module.", ""): v
+                               for k, v in inner.state_dict().items()})  # fmt: skip
+        plain_opt = zero_shard.wrap(plain_opt, plain, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        if way == "checkpoint":
+            zero_shard.checkpoint.load(path, model=plain, optimizer=plain_opt)
+        else:
+            plain_opt.load_state_dict(saved if way == "state_dict" else by_hand)
+        mirror = copy.deepcopy(ref)
+        mirror_opt = torch.optim.AdamW(mirror.parameters(), lr=LR, weight_decay=0.1)
+        mirror_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # (torch aliases it)
+        for step in range(2, 4):
+            train(plain, plain_opt, step)
+            x, y = global_batch(step)
+            step_reference(mirror, mirror_opt, x, y)
+        plain_opt.finish_param_sync()
+        assert_params_close(plain, mirror, f"{way}, step 3")
+
+
+@case
+def a_loaded_state_dicts_options_are_copies_in_force_from_the_first_step(
+    rank: int, world: int
+) -> None:
+    # torch's load deep-copies the saved groups and steps with their options: a tensor lr (which
+    # schedulers fill in place) loaded into two optimizers, each with its own scheduler, stays
+    # the state dict's own and each decays once a step; SGD state saved with dampening before any
+    # step, loaded into one built without it, steps with dampening. And the torch optimizer that
+    # was wrapped, stepped by mistake, is refused before anything changes.
+    def sgd(net: nn.Module, **options: Any) -> torch.optim.SGD:
+        return torch.optim.SGD(net.parameters(), lr=torch.tensor(0.05), momentum=0.9, **options)
+
+    def train(net: nn.Module, opt: Any, steps: range, sched: Any = None) -> None:
+        for step in steps:
+            x, y = global_batch(step)
+            if isinstance(opt, zero_shard.ZeroShardOptimizer):
+                mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                step_reference(net, opt, x, y)
+            if sched is not None:
+                sched.step()
+
+    saved_model = make_model()
+    saved_opt = zero_shard.wrap(sgd(saved_model, dampening=0.5), saved_model, offload=offload(0.5))
+    saved = copy.deepcopy(saved_opt.state_dict())
+    saved["param_groups"][0]["lr"] = torch.tensor(0.1)
+    ref = make_model()
+    ref_opt = sgd(ref, dampening=0.5)
+    ref_opt.param_groups[0]["lr"] = torch.tensor(0.1)
+    ref_sched = torch.optim.lr_scheduler.ExponentialLR(ref_opt, gamma=0.5)
+    train(ref, ref_opt, range(3), ref_sched)
+    for fraction in (0.0, 0.5):
+        models = [make_model(), make_model()]
+        opts = [zero_shard.wrap(sgd(net), net, offload=offload(fraction)) for net in models]
+        for opt in opts:
+            opt.load_state_dict(saved)
+        scheds = [torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5) for opt in opts]
+        for net, opt, sched in zip(models, opts, scheds, strict=True):
+            train(net, opt, range(3), sched)
+            opt.finish_param_sync()
+            assert float(opt.param_groups[0]["lr"]) == float(ref_opt.param_groups[0]["lr"])
+            assert_params_close(net, ref, f"fraction {fraction}")
+        assert saved["param_groups"][0]["lr"] == torch.tensor(0.1), "the state dict's lr changed"
+    net = make_model()
+    torch_opt = sgd(net)
+    opt = zero_shard.wrap(torch_opt, net, offload=offload(0.5))
+    train(net, opt, range(1))
+    x, y = global_batch(1)
+    mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match="the SGD that a ZeroShardOptimizer wraps"):
+        torch_opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before, strict=True))
+    opt.zero_grad()
+
+
+@case
 def a_state_dict_of_other_param_groups_set_through_torch_is_refused(rank: int, world: int) -> None:
     # Saved with {matrices, biases}, set with torch's set_optimizer_state_dict into an optimizer
     # whose groups split the same params otherwise: torch hands a group over without its options
