@@ -217,10 +217,12 @@ def _state(
     if optimizer is not None:
         state["optim"] = _optim_state(model, optimizer)
     # One pickled object: DCP would flatten nested dicts and lists into keys of their own, which
-    # its load then cannot match against a state dict that does not know them yet.
-    state["extra"] = pickle.dumps(dict(extra or {}))
-    if scheduler is not None:
-        state["scheduler"] = pickle.dumps(scheduler.state_dict())
+    # its load then cannot match against a state dict that does not know them yet. Rank 0's
+    # alone: DCP writes a key that several ranks hold from any one of them.
+    if _rank() == 0:
+        state["extra"] = pickle.dumps(dict(extra or {}))
+        if scheduler is not None:
+            state["scheduler"] = pickle.dumps(scheduler.state_dict())
     state[f"rng_rank{_rank()}"] = _rng_state()
     return state
 
@@ -241,6 +243,7 @@ def _prepare(
     def prepare() -> T:
         _finish_pending()
         if _rank() == 0:
+            _check_replaceable(final)
             if not final.exists() and (partial / _MARKER).exists():
                 os.replace(partial, final)  # complete, not moved into place: the newest
             shutil.rmtree(partial, ignore_errors=True)  # a save that crashed before
@@ -250,6 +253,28 @@ def _prepare(
     # Sharing the verdict is also the barrier: no rank writes before rank 0 cleared the folder.
     staged = on_every_rank(prepare, mesh=None, device=device)
     return final, partial, previous, staged
+
+
+def _check_replaceable(final: Path) -> None:
+    """Raises ``ValueError`` where a save would replace what zero-shard did not write: a file at
+    ``final``, or a directory with entries and no complete checkpoint of its own (a Trainer's
+    ``checkpoint-N`` folder). A save moves a whole directory into place, so it never writes
+    beside other files, and may not delete them."""
+    if not final.exists() or (final / _MARKER).exists():
+        return
+    if not final.is_dir():
+        raise ValueError(
+            f"checkpoint path {final} is a file: save() writes a directory there. Pass the "
+            "path of a directory of its own"
+        )
+    entries = sorted(entry.name for entry in final.iterdir())
+    if entries:
+        raise ValueError(
+            f"checkpoint path {final} is a directory that holds files zero-shard did not write "
+            f"({entries[:5]}{' ...' if len(entries) > 5 else ''}), and save() replaces the "
+            "whole directory. Save into a directory of its own, e.g. "
+            f"{final / 'zero_shard'}; nothing was written or removed"
+        )
 
 
 def _commit(final: Path, partial: Path, previous: Path) -> None:
@@ -547,7 +572,7 @@ def _load_plan(
     if "extra" in saved:
         state["extra"] = b""  # filled by DCP
     else:  # written by dcp.save, not by save
-        state.pop("extra")
+        state.pop("extra", None)
     if scheduler is not None:
         if "scheduler" not in saved:
             raise ValueError(

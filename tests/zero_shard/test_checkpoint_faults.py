@@ -462,6 +462,56 @@ def an_optimizer_around_the_wrapper_saves_and_loads_as_the_wrapper(rank: int, wo
     assert_same(snapshot(other, other_opt), saved, "loaded through the optimizer around it", EXACT)
 
 
+def a_folder_of_other_files_is_refused_and_kept(rank: int, world: int) -> None:
+    # A Trainer's checkpoint-N folder (its model, state and tokenizer files) handed to save as
+    # the path: save replaces the whole directory at the path, so it refuses, on every rank,
+    # and every file stays. An empty folder made beforehand, a folder of its own inside, and a
+    # complete checkpoint at the path are saved into as usual.
+    model, opt = build(seed=0)
+    trainer = folder(world) / "checkpoint-5"
+    files = {"model.safetensors": "weights", "trainer_state.json": "{}", "tokenizer/vocab.txt": "a"}
+    if rank == 0:
+        for name, text in files.items():
+            (trainer / name).parent.mkdir(parents=True, exist_ok=True)
+            (trainer / name).write_text(text)
+        (folder(world) / "made_empty").mkdir(exist_ok=True)
+        (folder(world) / "a_file").write_text("not a folder")
+    dist.barrier()
+    for path, says in ((trainer, "holds files zero-shard did not write"),
+                       (folder(world) / "a_file", "is a file")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            checkpoint.save(path, model=model, optimizer=opt)
+    dist.barrier()
+    assert {name: (trainer / name).read_text() for name in files} == files
+    assert sorted(p.name for p in trainer.iterdir()) == sorted(["model.safetensors",
+        "trainer_state.json", "tokenizer"])  # fmt: skip
+    assert not trainer.with_name("checkpoint-5.partial").exists()
+    for path in (trainer / "zero_shard", folder(world) / "made_empty"):
+        for step in range(2):  # the second replaces the first
+            checkpoint.save(path, model=model, optimizer=opt, extra={"step": step})
+            assert checkpoint.load(path, model=model, optimizer=opt) == {"step": step}
+    assert {name: (trainer / name).read_text() for name in files} == files
+
+
+def extra_and_the_scheduler_are_rank_0s(rank: int, world: int) -> None:
+    # save's extra is rank 0's, as its docstring says: a value only rank 0 knows (the best
+    # validation loss) comes back on every rank, whichever rank DCP would write a shared key from.
+    model, opt = build(seed=0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    train(model, opt, range(1), rank, world)
+    sched.step()
+    if rank > 0:
+        sched.last_epoch = 100 + rank  # another rank's scheduler drifted: rank 0's is saved
+    path = folder(world) / "rank_0s"
+    extra = {"saver": rank, "best": 0.5 if rank == 0 else None}
+    checkpoint.save(path, model=model, optimizer=opt, scheduler=sched, extra=extra)
+    other, other_opt = build(seed=1)
+    other_sched = torch.optim.lr_scheduler.LambdaLR(other_opt, lambda step: 1.0 / (1 + step))
+    loaded = checkpoint.load(path, model=other, optimizer=other_opt, scheduler=other_sched)
+    assert loaded == {"saver": 0, "best": 0.5}, loaded
+    assert other_sched.last_epoch == 1, other_sched.last_epoch
+
+
 DAMAGED = {
     "a_truncated_data_file_changes_nothing": a_truncated_data_file_changes_nothing,
     "a_missing_data_file_names_the_file_and_rank": a_missing_data_file_names_the_file_and_rank,
@@ -484,6 +534,8 @@ DAMAGED = {
     "an_optimizer_around_the_wrapper_saves_and_loads_as_the_wrapper": (
         an_optimizer_around_the_wrapper_saves_and_loads_as_the_wrapper
     ),
+    "a_folder_of_other_files_is_refused_and_kept": a_folder_of_other_files_is_refused_and_kept,
+    "extra_and_the_scheduler_are_rank_0s": extra_and_the_scheduler_are_rank_0s,
 }
 LAST = {  # leaves the collectives out of step
     "a_save_on_rank_0_alone_after_a_save_on_every_rank_raises_there": (
