@@ -673,7 +673,12 @@ def _full(value: Any, keep: bool) -> Any:
     whole = DTensor.from_local(
         local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
     ).full_tensor()
-    return whole.cpu() if keep else None
+    if not keep:
+        return None
+    whole = whole.cpu()
+    if whole.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        whole = whole.clone()  # a mesh of one rank: the full tensor is the live state itself
+    return whole
 
 
 def full_state_dict(optimizer: torch.optim.Optimizer, *, rank: int = 0) -> dict[str, Any]:

@@ -81,6 +81,19 @@ ONE_PROCESS = textwrap.dedent(
     assert not dist.is_initialized(), "a step or a checkpoint made a process group"
     print("no group")
 
+    # full_state_dict is a copy (for torch.save, or kept in memory as the best so far): one step
+    # after it changes nothing in it, as at more ranks, where the gather copies.
+    full = zero_shard.full_state_dict(opt)
+    kept = {{fqn: {{k: v.clone() for k, v in s.items()}} for fqn, s in full["state"].items()}}
+    x, y = global_batch(7)
+    mse(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    for fqn, param_state in full["state"].items():
+        for key, value in param_state.items():
+            assert torch.equal(value, kept[fqn][key]), f"{{fqn}} {{key}} changed with the step"
+    print("a full copy")
+
     # One rank: each param is its shard (no second copy), in its own memory.
     big = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
     num = sum(p.numel() for p in big.parameters())
@@ -274,6 +287,7 @@ def test_wrap_without_a_process_group_trains_as_torch() -> None:
     for said in (
         "trained as torch",
         "no group",
+        "a full copy",
         "no second copy",
         "a 0-dim param",
         "a later group",
