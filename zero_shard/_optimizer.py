@@ -638,8 +638,25 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         parametrization or pruning applied) renames params it keeps, and a state dict keyed by
         the names at wrap would hand their state to other params on a load. A param the model no
         longer holds keeps its name; where that name is now another of its params', the names
-        stay as they were."""
+        stay as they were. Raises where the model holds, under a name of a param this optimizer
+        steps, another param (replaced after wrap): its state and main weight would be saved
+        as that param's, and a load would put them there."""
         current = canonical_names(self._module)
+        held = set(current.values())
+        replaced = sorted(
+            s.fqn for s in self._sharded if id(s.param) not in current and s.fqn in held
+        )
+        if replaced:
+            raise RuntimeError(
+                f"the model's params {replaced[:5]} are not the params this optimizer steps "
+                "under those names: they were replaced after wrap (a new nn.Parameter assigned, "
+                "load_state_dict(..., assign=True), to_empty()), and the optimizer steps the "
+                "old ones, which the model no longer holds (as a torch optimizer would: the "
+                "model's new params are not trained). Its state would be saved as theirs. Wrap "
+                "a torch optimizer over the model's params again (zero_shard.wrap("
+                "torch.optim.AdamW(model.parameters(), ...), model)), or load weights in place "
+                "(load_state_dict without assign=True, then opt.reload_model_params())"
+            )
         renamed = [
             [current.get(id(p), fqn) for p, fqn in zip(params, fqns, strict=True)]
             for params, fqns in zip(self._group_params, self._group_fqns, strict=True)

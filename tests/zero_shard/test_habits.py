@@ -1520,6 +1520,33 @@ def state_moved_after_params_were_renamed_goes_to_the_same_params(rank: int, wor
 
 
 @case
+def a_param_replaced_after_wrap_is_named_not_saved_as_the_new_ones(rank: int, world: int) -> None:
+    # A head re-initialised by assigning a new nn.Parameter after wrap (or a load with
+    # assign=True): the optimizer steps the old param, as torch's would. Its state and bf16 main
+    # weight saved under the name would go to the new param at a load; the save says so, on
+    # every rank, and writes nothing. Wrapping again over the model's params is the fix.
+    model = make_model().to(torch.bfloat16)
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    x, y = global_batch(0)
+    mse(model(local_slice(x, rank, world).bfloat16()), local_slice(y, rank, world)).backward()
+    opt.step()
+    opt.zero_grad()
+    model.out.weight = nn.Parameter(torch.full_like(model.out.weight, 0.25))
+    path = os.path.join(os.path.dirname(shared_path(rank)), "replaced")
+    for save in (opt.state_dict, lambda: zero_shard.checkpoint.save(path, model=model,
+                                                                    optimizer=opt)):  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"params \['out.weight'\] are not the params"):
+            save()
+    assert not os.path.exists(path)
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    zero_shard.checkpoint.save(path, model=model, optimizer=opt)
+    other = make_model().to(torch.bfloat16)
+    other_opt = zero_shard.wrap(adamw(other), other, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    zero_shard.checkpoint.load(path, model=other, optimizer=other_opt)
+    assert torch.equal(other.out.weight, torch.full_like(other.out.weight, 0.25))
+
+
+@case
 def state_saved_with_wrappers_on_loads_with_them_off(rank: int, world: int) -> None:
     # A model compiled (torch.compile(model) handed to wrap) with a block under activation
     # checkpointing: the state dict names the params as torch's get_optimizer_state_dict does
