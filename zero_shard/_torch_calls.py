@@ -14,10 +14,15 @@ A full-state load (``set_optimizer_state_dict(..., options=StateDictOptions(
 full_state_dict=True))``) first reads the optimizer's state dict as a layout: torch cuts the
 full tensors by its DTensors' placements, keeps its values for keys the loaded state dict lacks,
 and then calls ``load_state_dict``. There the wrapper gives copies on the host (torch refuses a
-layout on two devices, and the host costs no accelerator memory), without ``main_param`` (the
-loaded state dict decides whether the main weights come from it or from the params, as in a
-direct ``load_state_dict``) and without the stale-params check (the load replaces the main
-weights).
+layout on two devices, and the host costs no accelerator memory), without the stale-params check
+(the load replaces the main weights). The layout holds ``main_param`` too: with
+``broadcast_from_rank0=True`` torch fills only the layout's keys on the ranks that were handed no
+state dict, so without it their main weights would come from the rounded params. Where the
+loaded state dict has none (an FSDP2 + torch AdamW one), torch leaves the layout's own tensor in
+place, or drops it; torch may also load into that very tensor (a broadcast copies into it). So
+the layout's ``main_param`` holds a NaN of a payload no arithmetic makes (``_UNLOADED``), and the
+wrapper takes the main weights from the params where its own layout tensor still holds nothing
+else (``left_unloaded``), as a direct ``load_state_dict`` without ``main_param`` does.
 
 The functions pass nothing that says who calls, so the caller is told by its frame: torch's
 private ``_get_optim_state_dict`` calls ``state_dict()``, from ``_load_optim_state_dict`` for the
@@ -32,11 +37,12 @@ import enum
 from types import FrameType
 from typing import Any
 
+import torch
 from torch.distributed.tensor import DTensor
 
 from ._state_dict import dtensor_on
 
-__all__ = ["TorchCall", "host_layout", "torch_call"]
+__all__ = ["TorchCall", "host_layout", "left_unloaded", "torch_call"]
 
 _MODULE = "torch.distributed.checkpoint.state_dict"
 _GET = "_get_optim_state_dict"
@@ -78,13 +84,30 @@ def torch_call(caller: FrameType | None) -> TorchCall:
     return TorchCall.GET
 
 
+# A float32 NaN whose payload no arithmetic gives (a NaN made by an op has payload 0x400000):
+# the layout's main weights, until a load writes them.
+_UNLOADED = 0x7FA5A5A5
+
+
 def host_layout(param_state: dict[str, Any]) -> dict[str, Any]:
     """A param's state (``sharded_state``) as the layout of a full-state load: its DTensors
-    copied to the host (never views: torch may write into the layout), without ``main_param``."""
-    return {
-        key: dtensor_on(value, value.to_local().to("cpu", copy=True))
-        if isinstance(value, DTensor)
-        else value
-        for key, value in param_state.items()
-        if key != "main_param"
-    }
+    copied to the host (never views: torch may write into the layout); ``main_param`` holds
+    ``_UNLOADED``."""
+    layout = {}
+    for key, value in param_state.items():
+        if isinstance(value, DTensor) and key == "main_param":
+            unloaded = torch.full(value.to_local().shape, _UNLOADED, dtype=torch.int32)
+            layout[key] = dtensor_on(value, unloaded.view(torch.float32))
+        elif isinstance(value, DTensor):
+            layout[key] = dtensor_on(value, value.to_local().to("cpu", copy=True))
+        else:
+            layout[key] = value
+    return layout
+
+
+def left_unloaded(main: Any) -> bool:
+    """Whether ``main``, a layout's ``main_param``, still holds ``_UNLOADED`` (or nothing)."""
+    local = main.to_local() if isinstance(main, DTensor) else main
+    if not torch.is_tensor(local) or local.dtype != torch.float32:
+        return False
+    return bool(local.reshape(-1).view(torch.int32).eq(_UNLOADED).all())

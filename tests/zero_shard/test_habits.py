@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
@@ -1773,6 +1774,56 @@ def torchs_get_and_set_optimizer_state_dict_take_the_wrapper(rank: int, world: i
             assert_same_state(resumed_opt.state_dict(), direct_opt.state_dict(), where)
             del direct_opt
             go_on(resumed, resumed_opt, rank, world, trajectory, where)
+
+
+@case
+def a_bf16_state_broadcast_from_rank_0_loads_the_fp32_main_weights_everywhere(
+    rank: int, world: int
+) -> None:
+    # torch's documented full-state load: the state dicts on rank 0 alone, {} elsewhere,
+    # broadcast_from_rank0=True. Every rank's main weights are the saved fp32 ones (torch fills
+    # only the layout's keys on the other ranks); from a state dict without main_param (torch
+    # AdamW's), they are the loaded params, as a direct load makes them.
+    bcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    on_host = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model = make_model().to(torch.bfloat16)
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    for step in range(2):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world).bfloat16()), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    weights = get_model_state_dict(model, options=on_host)
+    saved = get_optimizer_state_dict(model, opt, options=on_host)
+    expected = zero_shard.full_state_dict(opt)
+    ref = make_model(seed=2)
+    ref_opt = adamw(ref)
+    step_reference(ref, ref_opt, *global_batch(0))
+    ref_weights = {k: v.bfloat16() for k, v in ref.state_dict().items()}
+    ref_saved = get_optimizer_state_dict(ref, ref_opt, options=on_host)
+    for name, (model_state, optim_state) in {
+        "zero-shard's": (weights, saved),
+        "torch AdamW's": (ref_weights, ref_saved),
+    }.items():
+        for fraction in (0.0, 1.0):
+            other = make_model(seed=1).to(torch.bfloat16)
+            other_opt = zero_shard.wrap(
+                adamw(other), other, offload=offload(fraction), bucket_mb=TINY_BUCKETS
+            )
+            set_model_state_dict(other, model_state if rank == 0 else {}, options=bcast)
+            set_optimizer_state_dict(
+                other, other_opt, optim_state if rank == 0 else {}, options=bcast
+            )
+            got = zero_shard.full_state_dict(other_opt)
+            if rank > 0:
+                continue
+            for fqn, param_state in got["state"].items():
+                main = param_state["main_param"]
+                if name == "zero-shard's":
+                    want = expected["state"][fqn]["main_param"]
+                else:
+                    want = ref_weights[fqn].float()
+                assert torch.equal(main, want), (name, fraction, fqn, (main - want).abs().max())
 
 
 @case
