@@ -27,8 +27,10 @@ FSDP2 checkpoint loads here, and one written here loads into FSDP2 with
 saved keyed by param FQN too, as ``get_optimizer_state_dict`` keys it, so the checkpoint of a
 torch run loads into a zero-shard one and back; state keyed by position (a torch optimizer's own
 ``state_dict()``) loads as well. Params are matched by FQN, whatever order the model registers
-them in. Without ``main_param`` in the checkpoint (one written by FSDP2), the fp32 main weights
-come from the loaded model.
+them in. Without ``main_param`` in the checkpoint (one written by FSDP2, or from fp32 params), the
+fp32 main weights come from the loaded model's weights, read at the precision they were saved at;
+with it, into a model of fp32 params, the params are the saved main weights ([Note: main weights
+across dtypes]).
 
 Example::
 
@@ -57,9 +59,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed import distributed_c10d
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from ._host_group import default_timeout
+from ._names import module_state_key
 from ._optimizer import ZeroShardOptimizer
 from ._reading import DamagedCheckpointError, read_metadata, read_whole
 from ._snapshots import Snapshotter
@@ -69,6 +73,7 @@ from ._state_dict import (
     check_saved_model,
     check_saved_optimizer,
     create_missing_state,
+    dtensor_on,
     full_state_dict,
     keyed_by_fqn,
     keyed_by_position,
@@ -527,6 +532,9 @@ class _LoadPlan(NamedTuple):
     #                        write] in _reading.py)
     group_fqns: list[list[str]]  # the optimizer's params, by param group ([] without one)
     numbered: bool  # the checkpoint numbers the optimizer's params (see _state_dict.numbers_params)
+    mains_from_model: dict[Any, str]  # optimizer state key -> the model key whose saved fp32
+    #                                   values are the param's main weight ([Note: main weights
+    #                                   across dtypes])
 
 
 def _load_plan(
@@ -543,6 +551,7 @@ def _load_plan(
     check_saved_model(resolved, saved, state["model"])
     group_fqns: list[list[str]] = []
     numbered = False
+    mains_from_model: dict[Any, str] = {}
     if "optim" in state:
         group_fqns = [list(group["params"]) for group in state["optim"]["param_groups"]]
         numbered = numbers_params(saved, state["optim"])
@@ -552,6 +561,10 @@ def _load_plan(
         for key, param_state in state["optim"]["state"].items():
             if f"optim.state.{key}.main_param" not in saved:
                 param_state.pop("main_param", None)
+        if isinstance(optimizer, ZeroShardOptimizer):
+            flat = [fqn for fqns in group_fqns for fqn in fqns]
+            keys = {fqn: index if numbered else fqn for index, fqn in enumerate(flat)}
+            mains_from_model = _mains_across_dtypes(saved, state, optimizer, model, keys)
         _leave_out_params_saved_without_state(saved, state["optim"])
         _leave_out_group_keys_saved_without(saved, state["optim"], optimizer.defaults)
         _leave_out_state_of_options_saved_off(saved, state["optim"])
@@ -581,7 +594,53 @@ def _load_plan(
                 "checkpoint saved with save(..., scheduler=...)"
             )
         state["scheduler"] = b""  # filled by DCP
-    return _LoadPlan(resolved, metadata, state, group_fqns, numbered)
+    return _LoadPlan(resolved, metadata, state, group_fqns, numbered, mains_from_model)
+
+
+def _mains_across_dtypes(
+    saved: Mapping[str, Any],
+    state: dict[str, Any],
+    optimizer: ZeroShardOptimizer,
+    model: nn.Module,
+    state_keys: Mapping[str, Any],
+) -> dict[Any, str]:
+    """[Note: main weights across dtypes]
+    A checkpoint of another param dtype than the model's keeps its full precision. Saved from
+    bf16 params, it holds fp32 ``main_param``: loaded into an fp32 model, those are read (the
+    model's saved weights are their rounding) and become the params. Saved from fp32 params (or
+    by FSDP2 + torch.optim) it holds none: loaded into a bf16 model, the model's saved fp32
+    weights are read as they are, and become the main weights (the params their rounding), where
+    they would otherwise come from the rounded params. Adds the reads to ``state`` (the load's
+    templates); ``state_keys``: FQN -> the key of the param's state. Returns the optimizer
+    state key -> model key of the second kind."""
+    model_keys = {id(p): module_state_key(name) for name, p in model.named_parameters()}
+    mains_from_model = {}
+    for record in optimizer._sharded:
+        key = state_keys.get(record.fqn)
+        param_state = state["optim"]["state"].get(key)
+        model_key = model_keys.get(id(record.param))
+        if param_state is None or model_key not in state["model"]:
+            continue
+        template = state["model"][model_key]
+        if "main_param" not in param_state and f"optim.state.{key}.main_param" in saved:
+            like = next((v for v in param_state.values() if isinstance(v, DTensor)), None)
+            if like is not None and like.shape == template.shape:
+                local = torch.empty(like.to_local().shape, dtype=torch.float32)
+                param_state["main_param"] = dtensor_on(like, local)
+        elif "main_param" not in param_state and template.dtype != torch.float32:
+            entry = saved.get(f"model.{model_key}")
+            if getattr(getattr(entry, "properties", None), "dtype", None) == torch.float32:
+                state["model"][model_key] = _as_float32(template)
+                mains_from_model[key] = model_key
+    return mains_from_model
+
+
+def _as_float32(template: torch.Tensor) -> torch.Tensor:
+    """A float32 template of ``template``'s layout, to read a saved float32 tensor into."""
+    if isinstance(template, DTensor):
+        local = torch.empty(template.to_local().shape, dtype=torch.float32)
+        return dtensor_on(template, local)
+    return torch.empty(template.shape, dtype=torch.float32)
 
 
 def _leave_out_params_saved_without_state(saved: Mapping[str, Any], optim: dict[str, Any]) -> None:
@@ -651,6 +710,16 @@ def _loaded_optim_state(
     if plan.numbered:  # as the params of the optimizer that saved it were: in this one's order
         state = keyed_by_fqn(state, [fqn for fqns in plan.group_fqns for fqn in fqns])
     check_saved_groups(state, plan.group_fqns)
+    if plan.mains_from_model:  # see [Note: main weights across dtypes]
+        state = {
+            **state,
+            "state": {
+                key: {**value, "main_param": read["model"][plan.mains_from_model[key]]}
+                if key in plan.mains_from_model
+                else value
+                for key, value in state["state"].items()
+            },
+        }
     if isinstance(optimizer, ZeroShardOptimizer):
         return state
     return keyed_by_position(state, plan.group_fqns)

@@ -512,6 +512,41 @@ def extra_and_the_scheduler_are_rank_0s(rank: int, world: int) -> None:
     assert other_sched.last_epoch == 1, other_sched.last_epoch
 
 
+def a_checkpoint_of_another_param_dtype_keeps_its_full_precision(rank: int, world: int) -> None:
+    # Saved with bf16 params, loaded into an fp32 model: the params are the saved fp32 main
+    # weights (not the rounded bf16 params). Saved with fp32 params, loaded into a bf16 model:
+    # the main weights are the saved fp32 params, and the params their rounding.
+    def build_as(dtype: torch.dtype, seed: int, fraction: float) -> tuple[nn.Module, Any]:
+        model = make_model(seed=seed).to(dtype)
+        policy = OffloadPolicy(fraction=fraction, num_threads=1, chunk_numel=16)
+        opt = zero_shard.wrap(adamw(model), model, offload=policy, bucket_mb=TINY_BUCKETS)
+        return model, opt
+
+    for saved_dtype, loaded_dtype in ((torch.bfloat16, torch.float32),
+                                      (torch.float32, torch.bfloat16)):  # fmt: skip
+        model, opt = build_as(saved_dtype, 0, 0.5)
+        for step in range(2):
+            x, y = global_batch(step)
+            x, y = local_slice(x, rank, world).to(saved_dtype), local_slice(y, rank, world)
+            mse(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        path = folder(world) / f"from_{saved_dtype}"
+        checkpoint.save(path, model=model, optimizer=opt)
+        saved = zero_shard.full_state_dict(opt, rank=rank)["state"]
+        exact = {name: full(p).float() for name, p in model.named_parameters()}
+        if saved_dtype == torch.bfloat16:
+            exact = {name: saved[name]["main_param"] for name in exact}
+        other, other_opt = build_as(loaded_dtype, 1, 1.0)
+        checkpoint.load(path, model=other, optimizer=other_opt)
+        loaded = zero_shard.full_state_dict(other_opt, rank=rank)["state"]
+        for name, param in other.named_parameters():
+            where = f"{saved_dtype} saved, {loaded_dtype} loaded: {name}"
+            assert torch.equal(full(param), exact[name].to(loaded_dtype)), where
+            if loaded_dtype == torch.bfloat16:
+                assert torch.equal(loaded[name]["main_param"], exact[name]), where
+
+
 DAMAGED = {
     "a_truncated_data_file_changes_nothing": a_truncated_data_file_changes_nothing,
     "a_missing_data_file_names_the_file_and_rank": a_missing_data_file_names_the_file_and_rank,
@@ -536,6 +571,9 @@ DAMAGED = {
     ),
     "a_folder_of_other_files_is_refused_and_kept": a_folder_of_other_files_is_refused_and_kept,
     "extra_and_the_scheduler_are_rank_0s": extra_and_the_scheduler_are_rank_0s,
+    "a_checkpoint_of_another_param_dtype_keeps_its_full_precision": (
+        a_checkpoint_of_another_param_dtype_keeps_its_full_precision
+    ),
 }
 LAST = {  # leaves the collectives out of step
     "a_save_on_rank_0_alone_after_a_save_on_every_rank_raises_there": (
