@@ -452,6 +452,8 @@ class GradReducer:
         or ``zero_grad``: grads set by hand, or kept; or a last backward inside ``no_sync()``)
         are reduced now, every bucket: collective. Without, it communicates nothing."""
         if reduce and (not self._reduced_in_window or self._unreduced_backward):
+            if self._unreduced_backward and self._world_size > 1:
+                self._refuse_unreduced_edits()
             self._before_first_reduction()  # as before a backward's first reduction
             self._reduce_rest()
         untouched = [_untouched(bucket) for bucket in self.buckets]
@@ -484,6 +486,37 @@ class GradReducer:
                     sharded.watch.drop()  # no rank had one: None, as torch's .grad
         self._finished_at = self.num_changes
 
+    def _refuse_unreduced_edits(self) -> None:
+        """Raises on every rank where a rank's grads, left unreduced by a last backward inside
+        ``no_sync()``, were written in place before the step reduces them: a write that differs
+        by rank (torch's ``clip_grad_norm_`` or ``clip_grad_value_``, each rank clipping its own
+        grads by its own factor) would be averaged, where torch's clip on a whole batch's grads
+        scales them alike. Collective, on this rare path only."""
+        edited = [
+            s.fqn for b in self.buckets for s in b.params if s.watch.written_since_accumulated()
+        ]
+        anywhere = bool(edited)
+        if self._group is not None:
+            flag = torch.tensor([anywhere], dtype=torch.uint8, device=self._device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            anywhere = bool(flag.item())
+        if anywhere:
+            shown = (
+                f"params {edited[:3]}{' ...' if len(edited) > 3 else ''}"
+                if edited
+                else ("another rank's params")
+            )
+            raise RuntimeError(
+                f"the grads of {shown} were written in place (torch's clip_grad_norm_, "
+                "clip_grad_value_, or an edit) after a backward inside no_sync(), with no "
+                "backward outside it: zero-shard reduces such grads at the step, after the "
+                "write, and a write that differs by rank, as a clip of each rank's own grads "
+                "does, would not give torch's result on the whole batch. Run the last "
+                "micro-batch's backward outside no_sync() (as DDP requires), so that the grads "
+                "are reduced before the clip, or clip with opt.clip_grad_norm_(max_norm). "
+                "Nothing was stepped"
+            )
+
     def _warn_late_grads(self, untouched: list[bool]) -> None:
         if self._warned_late_grads:
             return
@@ -499,7 +532,8 @@ class GradReducer:
             warnings.warn(
                 f"params {late[:3]}{' ...' if len(late) > 3 else ''} got a .grad after backward "
                 "had reduced the grads; this step uses the reduced grads, not these (the next "
-                "backward adds to them). Change grads through the optimizer (clip_grad_norm_).",
+                "backward adds to them), and does not step a param that had none in that "
+                "backward. Change grads through the optimizer (clip_grad_norm_).",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -522,6 +522,14 @@ class GradWatch:
         self.expected = None
         self.kept = False
 
+    def written_since_accumulated(self) -> bool:
+        """Whether ``.grad`` is the grad a backward left (inside ``no_sync()``, unreduced), and
+        was written in place since."""
+        grad = self.param.grad
+        if grad is None or grad is not self.expected or isinstance(grad, ReleasedGrad):
+            return False
+        return _version_of(grad) != self.expected_version
+
     def holds_unreduced_grad(self) -> bool:
         """Whether ``.grad`` holds a grad no reduction took (accumulated inside ``no_sync()``, or
         set by hand)."""

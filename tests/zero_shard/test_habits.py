@@ -1827,6 +1827,52 @@ def a_bf16_state_broadcast_from_rank_0_loads_the_fp32_main_weights_everywhere(
 
 
 @case
+def torchs_clip_of_grads_no_backward_reduced_is_refused_at_the_step(rank: int, world: int) -> None:
+    # Every micro-batch's backward inside no_sync() leaves each rank's own grads, which the step
+    # reduces. torch's clip there scales each rank's grads by its own factor, which no average
+    # of them undoes: the step refuses, on every rank, params unchanged. opt.clip_grad_norm_
+    # there, and torch's clip after a last backward outside no_sync(), give torch's result on
+    # the whole batch.
+    def torch_norm(model: nn.Module, _: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+    def torch_value(model: nn.Module, _: Any) -> None:
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+
+    def wrappers_norm(_: nn.Module, opt: zero_shard.ZeroShardOptimizer) -> None:
+        opt.clip_grad_norm_(0.1)
+
+    x, y = global_batch(0)
+    x_here, y_here = local_slice(x, rank, world), local_slice(y, rank, world)
+    half = x_here.shape[0] // 2
+    # (clip of ours, clip of the reference, whether the step refuses with every backward inside)
+    for clip, ref_clip, refused in ((torch_norm, torch_norm, True),
+                                    (torch_value, torch_value, True),
+                                    (wrappers_norm, torch_norm, False)):  # fmt: skip
+        for last_outside in (False, True):
+            where = f"{clip.__name__}, last backward outside no_sync: {last_outside}"
+            model, opt, ref, ref_opt = wrapped_and_torch(fraction=0.5)
+            for index, part in enumerate((slice(None, half), slice(half, None))):
+                inside = not (last_outside and index == 1)
+                with opt.no_sync() if inside else contextlib.nullcontext():
+                    (mse(model(x_here[part]), y_here[part]) / 2).backward()
+            clip(model, opt)
+            if refused and not last_outside:
+                before = [p.detach().clone() for p in model.parameters()]
+                with pytest.raises(RuntimeError, match=r"written in place .* inside no_sync"):
+                    opt.step()
+                unchanged = zip(model.parameters(), before, strict=True)
+                assert all(torch.equal(p, b) for p, b in unchanged), where
+                continue
+            opt.step()
+            opt.finish_param_sync()
+            mse(ref(x), y).backward()
+            ref_clip(ref, None)
+            ref_opt.step()
+            assert_params_close(model, ref, where)
+
+
+@case
 def a_rewrap_while_one_rank_still_holds_the_old_wrapper(rank: int, world: int) -> None:
     # Whether a dropped wrapper is collected yet differs by rank (pytest.raises, a traceback or
     # a scheduler may hold it on one): the new wrap must make the same collectives everywhere,
