@@ -1440,6 +1440,23 @@ class ForwardingOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
 
+def train_either(
+    net: nn.Module, opt: Any, steps: range, rank: int, world: int, sched: Any = None
+) -> None:
+    """``steps`` steps: a ZeroShardOptimizer on this rank's slices of the batches, a torch
+    optimizer on the whole batches (the reference); ``sched`` stepped after each."""
+    for step in steps:
+        x, y = global_batch(step)
+        if isinstance(opt, zero_shard.ZeroShardOptimizer):
+            mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            step_reference(net, opt, x, y)
+        if sched is not None:
+            sched.step()
+
+
 class Blocks(nn.Module):
     """Blocks applied in the order the list holds them: reordering it renames every param it
     keeps (``blocks.0.weight`` is another block's after it)."""
@@ -1473,14 +1490,7 @@ def state_moved_after_params_were_renamed_goes_to_the_same_params(rank: int, wor
         net.blocks = nn.ModuleList([net.blocks[2], net.blocks[0], net.blocks[1]])
 
     def train(net: nn.Module, opt: Any, steps: range) -> None:
-        for step in steps:
-            x, y = global_batch(step)
-            if isinstance(opt, zero_shard.ZeroShardOptimizer):
-                mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-                opt.step()
-                opt.zero_grad()
-            else:
-                step_reference(net, opt, x, y)
+        train_either(net, opt, steps, rank, world)
 
     for way in ("state_dict", "checkpoint", "wrap again"):
         ref, ref_opt = build()
@@ -1632,16 +1642,7 @@ def a_loaded_state_dicts_options_are_copies_in_force_from_the_first_step(
         return torch.optim.SGD(net.parameters(), lr=torch.tensor(0.05), momentum=0.9, **options)
 
     def train(net: nn.Module, opt: Any, steps: range, sched: Any = None) -> None:
-        for step in steps:
-            x, y = global_batch(step)
-            if isinstance(opt, zero_shard.ZeroShardOptimizer):
-                mse(net(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-                opt.step()
-                opt.zero_grad()
-            else:
-                step_reference(net, opt, x, y)
-            if sched is not None:
-                sched.step()
+        train_either(net, opt, steps, rank, world, sched)
 
     saved_model = make_model()
     saved_opt = zero_shard.wrap(sgd(saved_model, dampening=0.5), saved_model, offload=offload(0.5))
