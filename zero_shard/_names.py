@@ -16,10 +16,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["canonical_names", "module_state_key", "saved_name"]
+__all__ = ["canonical_names", "is_compiled", "module_state_key", "saved_name"]
 
 _CHECKPOINT_SEGMENT = "_checkpoint_wrapped_module"
 _COMPILED_SEGMENT = "_orig_mod"
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile(model)``'s module (its model under ``_orig_mod``)."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
 def _dropped(module: nn.Module, segment: str) -> bool:
@@ -28,7 +33,7 @@ def _dropped(module: nn.Module, segment: str) -> bool:
     if segment == _CHECKPOINT_SEGMENT:
         return True
     if segment == _COMPILED_SEGMENT:
-        return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+        return is_compiled(module)
     return segment == "module" and isinstance(module, nn.parallel.DistributedDataParallel)
 
 

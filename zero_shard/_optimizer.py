@@ -62,7 +62,7 @@ from ._state_dict import (
     tag_origin,
     to_dtensor,
 )
-from ._torch_calls import TorchCall, host_layout, left_unloaded, torch_call
+from ._torch_calls import TorchCall, host_layout, torch_call, without_unloaded_mains
 from ._units import Units
 from ._verdict import on_every_rank
 
@@ -164,8 +164,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     _retired: bool  # a later wrap took its params over: it steps no more
     _alone: bool  # wrapped in one process with no process group: it runs no collective
     _remove_hooks: weakref.finalize  # removes the model hooks, at retirement or collection
-    _layout_mains: dict[int, weakref.ref[torch.Tensor]]  # id -> main_param of a full-state
-    #                                                       load's layout (by identity)
     _wrapped: weakref.ref[torch.optim.Optimizer]  # the torch optimizer: its group dicts are ours
     _window_norm: torch.Tensor | None  # the clip norm of the grads since the last step
     _clipped_marker: Any  # the kind's grads_marker() right after that clip
@@ -217,7 +215,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         for owner in previous:
             owner.finish_param_sync()
         self._retired = False
-        self._layout_mains = {}
         self.nonfinite = nonfinite
         self.stale_params = stale_params
         self._skips = SkipCount(device)
@@ -646,8 +643,12 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         as that param's, and a load would put them there."""
         current = canonical_names(self._module)
         held = set(current.values())
+        # (A DTensor param's name holds another param at times: FSDP2 swaps in the unsharded
+        # one between forward and reshard, DDP the local one for tensor parallelism.)
         replaced = sorted(
-            s.fqn for s in self._sharded if id(s.param) not in current and s.fqn in held
+            s.fqn
+            for s in self._sharded
+            if id(s.param) not in current and s.fqn in held and not isinstance(s.param, DTensor)
         )
         if replaced:
             raise RuntimeError(
@@ -678,16 +679,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         layout = call is TorchCall.LOAD_LAYOUT
         if not layout:  # a load's layout: the load replaces the main weights
             self._stale.check(self.stale_params)
-        else:
-            self._layout_mains.clear()  # the last layout's are the ones a load may hand back
         state = {}
         for sharded in self._sharded:
             param_state = sharded_state(sharded, self._hybrid, keep_device=True)
             if layout:
                 param_state = host_layout(param_state)
-                if "main_param" in param_state:  # see [Note: torch's optimizer state-dict ...]
-                    main = param_state["main_param"]
-                    self._layout_mains[id(main)] = weakref.ref(main)
             if param_state:
                 state[sharded.fqn] = param_state
         param_groups = [
@@ -747,32 +743,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _checked_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         self._refresh_fqns()
-        state_dict = self._without_layout_mains(named_as_saved(state_dict))
+        state_dict = without_unloaded_mains(named_as_saved(state_dict))
         check_saved_groups(state_dict, self._group_fqns)
         check_saved_keys(state_dict["state"], [g["params"] for g in state_dict["param_groups"]])
         check_origin(state_dict["state"], _origin())
         return self._local_state_dict(state_dict["state"], state_dict["param_groups"])
-
-    def _without_layout_mains(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``state_dict`` without the ``main_param`` entries that are this optimizer's own layout
-        tensors, which a full-state load left in place where it loaded none ([Note: torch's
-        optimizer state-dict functions] in ``_torch_calls.py``)."""
-        state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
-        if not self._layout_mains or not isinstance(state, Mapping):
-            return state_dict
-        laid_out = self._layout_mains
-
-        def loaded(param_state: Any) -> Any:
-            if not isinstance(param_state, Mapping) or "main_param" not in param_state:
-                return param_state
-            main = param_state["main_param"]
-            if id(main) not in laid_out or laid_out[id(main)]() is not main:
-                return param_state
-            if not left_unloaded(main):
-                return param_state  # torch loaded into the layout's own tensor
-            return {key: value for key, value in param_state.items() if key != "main_param"}
-
-        return {**state_dict, "state": {key: loaded(value) for key, value in state.items()}}
 
     def _local_state_dict(
         self,

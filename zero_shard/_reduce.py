@@ -452,7 +452,7 @@ class GradReducer:
         or ``zero_grad``: grads set by hand, or kept; or a last backward inside ``no_sync()``)
         are reduced now, every bucket: collective. Without, it communicates nothing."""
         if reduce and (not self._reduced_in_window or self._unreduced_backward):
-            if self._unreduced_backward and self._world_size > 1:
+            if self._world_size > 1:  # (every rank reduces here, or none does)
                 self._refuse_unreduced_edits()
             self._before_first_reduction()  # as before a backward's first reduction
             self._reduce_rest()
@@ -491,7 +491,8 @@ class GradReducer:
         ``no_sync()``, were written in place before the step reduces them: a write that differs
         by rank (torch's ``clip_grad_norm_`` or ``clip_grad_value_``, each rank clipping its own
         grads by its own factor) would be averaged, where torch's clip on a whole batch's grads
-        scales them alike. Collective, on this rare path only."""
+        scales them alike. Collective: every rank that reduces at the step calls it (grads set by
+        hand, kept, or left by ``no_sync()``, on any rank), a rare path."""
         edited = [
             s.fqn for b in self.buckets for s in b.params if s.watch.written_since_accumulated()
         ]
@@ -501,20 +502,19 @@ class GradReducer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
             anywhere = bool(flag.item())
         if anywhere:
-            shown = (
-                f"params {edited[:3]}{' ...' if len(edited) > 3 else ''}"
-                if edited
-                else ("another rank's params")
-            )
+            shown = "another rank's params"
+            if edited:
+                shown = f"params {edited[:3]}{' ...' if len(edited) > 3 else ''}"
             raise RuntimeError(
                 f"the grads of {shown} were written in place (torch's clip_grad_norm_, "
                 "clip_grad_value_, or an edit) after a backward inside no_sync(), with no "
                 "backward outside it: zero-shard reduces such grads at the step, after the "
                 "write, and a write that differs by rank, as a clip of each rank's own grads "
-                "does, would not give torch's result on the whole batch. Run the last "
-                "micro-batch's backward outside no_sync() (as DDP requires), so that the grads "
-                "are reduced before the clip, or clip with opt.clip_grad_norm_(max_norm). "
-                "Nothing was stepped"
+                "does, would not give torch's result on the whole batch (a scale by one number "
+                "on every rank would, but cannot be told from it: scale the loss instead). Run "
+                "the last micro-batch's backward outside no_sync() (as DDP requires), so that "
+                "the grads are reduced before the clip, or clip with opt.clip_grad_norm_("
+                "max_norm). Nothing was stepped"
             )
 
     def _warn_late_grads(self, untouched: list[bool]) -> None:

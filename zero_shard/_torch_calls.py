@@ -21,8 +21,8 @@ state dict, so without it their main weights would come from the rounded params.
 loaded state dict has none (an FSDP2 + torch AdamW one), torch leaves the layout's own tensor in
 place, or drops it; torch may also load into that very tensor (a broadcast copies into it). So
 the layout's ``main_param`` holds a NaN of a payload no arithmetic makes (``_UNLOADED``), and the
-wrapper takes the main weights from the params where its own layout tensor still holds nothing
-else (``left_unloaded``), as a direct ``load_state_dict`` without ``main_param`` does.
+wrapper takes the main weights from the params where a ``main_param`` still holds nothing else
+(``without_unloaded_mains``), as a direct ``load_state_dict`` without ``main_param`` does.
 
 The functions pass nothing that says who calls, so the caller is told by its frame: torch's
 private ``_get_optim_state_dict`` calls ``state_dict()``, from ``_load_optim_state_dict`` for the
@@ -34,6 +34,7 @@ state dict, keyed by FQN, which torch's functions then renumber and which loads 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
@@ -42,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from ._state_dict import dtensor_on
 
-__all__ = ["TorchCall", "host_layout", "left_unloaded", "torch_call"]
+__all__ = ["TorchCall", "host_layout", "torch_call", "without_unloaded_mains"]
 
 _MODULE = "torch.distributed.checkpoint.state_dict"
 _GET = "_get_optim_state_dict"
@@ -105,9 +106,34 @@ def host_layout(param_state: dict[str, Any]) -> dict[str, Any]:
     return layout
 
 
-def left_unloaded(main: Any) -> bool:
-    """Whether ``main``, a layout's ``main_param``, still holds ``_UNLOADED`` (or nothing)."""
+def _left_unloaded(main: Any) -> bool:
+    """Whether ``main``, a ``main_param``, is a layout's that no load wrote: every element
+    ``_UNLOADED`` (or none)."""
     local = main.to_local() if isinstance(main, DTensor) else main
     if not torch.is_tensor(local) or local.dtype != torch.float32:
         return False
-    return bool(local.reshape(-1).view(torch.int32).eq(_UNLOADED).all())
+    bits = local.reshape(-1).view(torch.int32)
+    if bits.numel() and int(bits[0]) != _UNLOADED:  # the usual answer, without a pass
+        return False
+    return bool(bits.eq(_UNLOADED).all())
+
+
+def without_unloaded_mains(state_dict: Any) -> Any:
+    """``state_dict`` without the ``main_param`` entries a full-state load left as the layout
+    had them (it loaded none there); as it is where there are none."""
+    state = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    if not isinstance(state, Mapping):
+        return state_dict
+
+    def unloaded(param_state: Any) -> bool:
+        return isinstance(param_state, Mapping) and _left_unloaded(param_state.get("main_param"))
+
+    if not any(unloaded(param_state) for param_state in state.values()):
+        return state_dict
+    loaded = {
+        key: {k: v for k, v in param_state.items() if k != "main_param"}
+        if unloaded(param_state)
+        else param_state
+        for key, param_state in state.items()
+    }
+    return {**state_dict, "state": loaded}

@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from ._host_group import default_timeout
-from ._names import module_state_key
+from ._names import is_compiled, module_state_key
 from ._optimizer import ZeroShardOptimizer
 from ._reading import DamagedCheckpointError, read_metadata, read_whole
 from ._snapshots import Snapshotter
@@ -125,7 +125,7 @@ def _uncompiled(model: nn.Module) -> nn.Module:
     """The module ``torch.compile(model)`` compiled, whose state dict names the params without
     ``_orig_mod.`` (as ``get_model_state_dict`` does): a checkpoint of a compiled model loads
     into it uncompiled, and the other way round ([Note: canonical names] in ``_names.py``)."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if is_compiled(model):
         return model._orig_mod
     return model
 
@@ -532,7 +532,7 @@ class _LoadPlan(NamedTuple):
     #                        write] in _reading.py)
     group_fqns: list[list[str]]  # the optimizer's params, by param group ([] without one)
     numbered: bool  # the checkpoint numbers the optimizer's params (see _state_dict.numbers_params)
-    mains_from_model: dict[Any, str]  # optimizer state key -> the model key whose saved fp32
+    mains_from_model: dict[str, str]  # param FQN -> the model key whose saved fp32
     #                                   values are the param's main weight ([Note: main weights
     #                                   across dtypes])
 
@@ -551,7 +551,7 @@ def _load_plan(
     check_saved_model(resolved, saved, state["model"])
     group_fqns: list[list[str]] = []
     numbered = False
-    mains_from_model: dict[Any, str] = {}
+    mains_from_model: dict[str, str] = {}
     if "optim" in state:
         group_fqns = [list(group["params"]) for group in state["optim"]["param_groups"]]
         numbered = numbers_params(saved, state["optim"])
@@ -603,7 +603,7 @@ def _mains_across_dtypes(
     optimizer: ZeroShardOptimizer,
     model: nn.Module,
     state_keys: Mapping[str, Any],
-) -> dict[Any, str]:
+) -> dict[str, str]:
     """[Note: main weights across dtypes]
     A checkpoint of another param dtype than the model's keeps its full precision. Saved from
     bf16 params, it holds fp32 ``main_param``: loaded into an fp32 model, those are read (the
@@ -611,8 +611,8 @@ def _mains_across_dtypes(
     by FSDP2 + torch.optim) it holds none: loaded into a bf16 model, the model's saved fp32
     weights are read as they are, and become the main weights (the params their rounding), where
     they would otherwise come from the rounded params. Adds the reads to ``state`` (the load's
-    templates); ``state_keys``: FQN -> the key of the param's state. Returns the optimizer
-    state key -> model key of the second kind."""
+    templates); ``state_keys``: FQN -> the key of the param's state there. Returns the FQN ->
+    model key of the second kind."""
     model_keys = {id(p): module_state_key(name) for name, p in model.named_parameters()}
     mains_from_model = {}
     for record in optimizer._sharded:
@@ -631,7 +631,7 @@ def _mains_across_dtypes(
             entry = saved.get(f"model.{model_key}")
             if getattr(getattr(entry, "properties", None), "dtype", None) == torch.float32:
                 state["model"][model_key] = _as_float32(template)
-                mains_from_model[key] = model_key
+                mains_from_model[record.fqn] = model_key
     return mains_from_model
 
 
@@ -710,7 +710,7 @@ def _loaded_optim_state(
     if plan.numbered:  # as the params of the optimizer that saved it were: in this one's order
         state = keyed_by_fqn(state, [fqn for fqns in plan.group_fqns for fqn in fqns])
     check_saved_groups(state, plan.group_fqns)
-    if plan.mains_from_model:  # see [Note: main weights across dtypes]
+    if plan.mains_from_model:  # keyed by FQN now; see [Note: main weights across dtypes]
         state = {
             **state,
             "state": {

@@ -537,14 +537,22 @@ def a_checkpoint_of_another_param_dtype_keeps_its_full_precision(rank: int, worl
         exact = {name: full(p).float() for name, p in model.named_parameters()}
         if saved_dtype == torch.bfloat16:
             exact = {name: saved[name]["main_param"] for name in exact}
-        other, other_opt = build_as(loaded_dtype, 1, 1.0)
-        checkpoint.load(path, model=other, optimizer=other_opt)
-        loaded = zero_shard.full_state_dict(other_opt, rank=rank)["state"]
-        for name, param in other.named_parameters():
-            where = f"{saved_dtype} saved, {loaded_dtype} loaded: {name}"
-            assert torch.equal(full(param), exact[name].to(loaded_dtype)), where
-            if loaded_dtype == torch.bfloat16:
-                assert torch.equal(loaded[name]["main_param"], exact[name]), where
+        paths = {"": path}
+        if saved_dtype == torch.float32:  # and torch AdamW's own state dict, numbered
+            ref, ref_opt = torch_run(2)
+            paths["torch's, numbered, "] = folder(world) / "numbered_fp32"
+            save_keyed_by_position(paths["torch's, numbered, "], ref, ref_opt)
+        for what, each in paths.items():
+            if what:
+                exact = {name: full(p).float() for name, p in ref.named_parameters()}
+            other, other_opt = build_as(loaded_dtype, 1, 1.0)
+            checkpoint.load(each, model=other, optimizer=other_opt)
+            loaded = zero_shard.full_state_dict(other_opt, rank=rank)["state"]
+            for name, param in other.named_parameters():
+                where = f"{what}{saved_dtype} saved, {loaded_dtype} loaded: {name}"
+                assert torch.equal(full(param), exact[name].to(loaded_dtype)), where
+                if loaded_dtype == torch.bfloat16:
+                    assert torch.equal(loaded[name]["main_param"], exact[name]), where
 
 
 DAMAGED = {

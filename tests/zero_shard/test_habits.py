@@ -899,6 +899,40 @@ def fsdp2(model: nn.Module, world: int) -> nn.Module:
 
 
 @case
+def an_fsdp2_model_left_unsharded_by_a_forward_gives_and_takes_its_state(
+    rank: int, world: int
+) -> None:
+    # FSDP2 swaps the unsharded params in under the params' names between a forward and the
+    # reshard: the root's after every forward (out's params here), every module's with
+    # reshard_after_forward=False. A state dict or a load then (after an eval forward) names
+    # the optimizer's params as before, and loads.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    x, y = global_batch(0)
+    x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+    for reshard in (True, False):
+        model = make_model()
+        for layer in (model.inp, model.mid):  # out's params stay the root's
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        model = fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+        mse(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        before = zero_shard.full_state_dict(opt, rank=rank)
+        with torch.no_grad():
+            model(x)
+        state = opt.state_dict()
+        after = zero_shard.full_state_dict(opt, rank=rank)
+        opt.load_state_dict(state)
+        for fqn, param_state in before["state"].items():
+            for key, value in param_state.items():
+                assert torch.equal(after["state"][fqn][key], value), (reshard, fqn, key)
+
+
+@case
 def torch_clipping_and_model_zero_grad_on_ddp_and_fsdp2_models(rank: int, world: int) -> None:
     # DDP and FSDP2 keep the reduced grads on the params (FSDP2's as DTensors): torch's clip sees
     # the global grads there, and model.zero_grad() clears them. References: DDP's grads are
@@ -1871,6 +1905,18 @@ def torchs_clip_of_grads_no_backward_reduced_is_refused_at_the_step(rank: int, w
             ref_clip(ref, None)
             ref_opt.step()
             assert_params_close(model, ref, where)
+    # Uneven data: a micro-batch inside no_sync() on rank 0 alone; every rank reduces at the
+    # step, and its check of the grads is collective on all of them.
+    model, opt, _, _ = wrapped_and_torch(fraction=0.5)
+    if rank == 0:
+        with opt.no_sync():
+            mse(model(x_here), y_here).backward()
+    opt.step()
+    opt.finish_param_sync()
+    for param in model.parameters():
+        rank_0s = param.detach().clone()
+        dist.broadcast(rank_0s, src=0)
+        assert torch.equal(rank_0s, param), "the ranks' params differ"
 
 
 @case
