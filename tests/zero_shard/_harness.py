@@ -42,6 +42,7 @@ from torch.multiprocessing.spawn import ProcessContext, ProcessException
 TIMEOUT = datetime.timedelta(seconds=90)
 PRELOAD = ["torch", "torch.distributed", "offload", "optimizers", "zero_shard"]
 SPAWN_DEADLINE = 420.0  # seconds; under pytest's own 600 s timeout
+PORT_TAKEN = "port_taken"  # a rank's note in the spawn's folder: the port was taken
 
 Case = Callable[[int, int], None]  # (rank, world_size) -> None; raises on failure
 
@@ -76,7 +77,12 @@ def _worker(
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" in str(err):  # taken since _free_port: run_cases spawns again
+            Path(out_dir, PORT_TAKEN).write_text(str(err))
+        raise
     results: dict[str, str | None] = {}
     try:
         for name, function in cases:
@@ -94,7 +100,18 @@ def run_cases(
     cases: dict[str, Case], world_size: int, backend: str = "gloo"
 ) -> dict[str, str | None]:
     """Runs every case on ``world_size`` ranks (``"nccl"``: one GPU each); returns case ->
-    None, or the failure's text."""
+    None, or the failure's text. A spawn whose rendezvous port was taken between ``_free_port``
+    and the ranks' bind (by another process on the machine) runs again once, on another port."""
+    merged, port_taken = _run_cases_once(cases, world_size, backend)
+    if port_taken:
+        merged, _ = _run_cases_once(cases, world_size, backend)
+    return merged
+
+
+def _run_cases_once(
+    cases: dict[str, Case], world_size: int, backend: str
+) -> tuple[dict[str, str | None], bool]:
+    """``run_cases`` on one port; also whether a rank found that port taken."""
     with tempfile.TemporaryDirectory() as out_dir:
         items = list(cases.items())
         forked = backend == "gloo"
@@ -127,7 +144,7 @@ def run_cases(
                 if failure:  # every failing rank's: the first to fail may not be the lowest
                     shown = f"rank {rank}:\n{failure}"
                     merged[name] = shown if merged[name] is None else f"{merged[name]}\n{shown}"
-        return merged
+        return merged, Path(out_dir, PORT_TAKEN).exists()
 
 
 @contextlib.contextmanager
