@@ -53,23 +53,26 @@ def step_unhooked(optimizer: torch.optim.Optimizer) -> None:
 
 class _RefuseWrappedStep:
     """A step pre-hook that refuses the step of the optimizer a wrapper took over (given that
-    optimizer: torch hands a hook the optimizer whose ``step`` runs), and lets the wrapper's
-    step, which shares the hook, go on."""
+    optimizer: torch hands a hook the optimizer whose ``step`` runs) while that wrapper lives,
+    and lets the wrapper's step, which shares the hook, go on. Once the wrapper is gone, the
+    optimizer steps as a torch optimizer again (from the state it holds: none, the wrapper took
+    it over)."""
 
     _wrapped: weakref.ref[torch.optim.Optimizer]
-    _wrapper_name: str
+    _wrapper: weakref.ref[torch.optim.Optimizer]  # the latest wrapper of ``_wrapped``
 
-    def __init__(self, wrapped: torch.optim.Optimizer, wrapper_name: str) -> None:
+    def __init__(self, wrapped: torch.optim.Optimizer, wrapper: torch.optim.Optimizer) -> None:
         self._wrapped = weakref.ref(wrapped)
-        self._wrapper_name = wrapper_name
+        self._wrapper = weakref.ref(wrapper)
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if optimizer is self._wrapped():
+        wrapper = self._wrapper()
+        if optimizer is self._wrapped() and wrapper is not None:
             name = type(optimizer).__name__
             raise RuntimeError(
-                f"step() was called on the {name} that a {self._wrapper_name} wraps: the wrapper "
-                f"steps its params and holds their optimizer state now, and this {name}'s step "
-                "would update them a second time from empty state. Call step() on the "
+                f"step() was called on the {name} that a {type(wrapper).__name__} wraps: the "
+                f"wrapper steps its params and holds their optimizer state now, and this {name}'s "
+                "step would update them a second time from empty state. Call step() on the "
                 "optimizer that wrap returned (hand that one to the training loop, the "
                 "scheduler and the libraries that step it). Nothing was stepped"
             )
@@ -78,11 +81,14 @@ class _RefuseWrappedStep:
 def share_step_hooks(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> None:
     """Makes ``wrapper`` run ``wrapped``'s step hooks, those registered later included: the
     tables are shared (private attributes of ``torch.optim.Optimizer``, the same since torch
-    2.0); and refuses ``wrapped.step()`` from now on, before its other hooks run."""
+    2.0); and refuses ``wrapped.step()`` while ``wrapper`` lives, before its other hooks run."""
     table = wrapped._optimizer_step_pre_hooks
-    if not any(isinstance(hook, _RefuseWrappedStep) for hook in table.values()):
-        handle = wrapped.register_step_pre_hook(_RefuseWrappedStep(wrapped, type(wrapper).__name__))
+    refusal = next((h for h in table.values() if isinstance(h, _RefuseWrappedStep)), None)
+    if refusal is None:
+        handle = wrapped.register_step_pre_hook(_RefuseWrappedStep(wrapped, wrapper))
         table.move_to_end(handle.id, last=False)
+    else:  # wrapped again: the new wrapper's life decides
+        refusal._wrapper = weakref.ref(wrapper)
     wrapper._optimizer_step_pre_hooks = table
     wrapper._optimizer_step_post_hooks = wrapped._optimizer_step_post_hooks
 

@@ -743,7 +743,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
 
     def _checked_local_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         self._refresh_fqns()
-        state_dict = without_unloaded_mains(named_as_saved(state_dict))
+        known = {fqn for fqns in self._group_fqns for fqn in fqns}
+        state_dict = without_unloaded_mains(named_as_saved(state_dict, known))
         check_saved_groups(state_dict, self._group_fqns)
         check_saved_keys(state_dict["state"], [g["params"] for g in state_dict["param_groups"]])
         check_origin(state_dict["state"], _origin())

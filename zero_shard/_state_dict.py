@@ -288,15 +288,19 @@ def check_saved_groups(state_dict: Any, group_fqns: Sequence[Sequence[str]]) -> 
         raise ValueError(f"the state dict has state for params this model lacks: {unknown[:5]}")
 
 
-def named_as_saved(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+def named_as_saved(state_dict: Mapping[str, Any], known: set[str]) -> Mapping[str, Any]:
     """``state_dict`` with its params' names (the keys of its state, its groups' params) without
-    wrappers' segments, as this optimizer names them ([Note: canonical names] in
-    ``_names.py``); as it is where no name has any (or it is not a state dict keyed by name)."""
+    wrappers' segments, where that makes them names of ``known`` (this optimizer's, [Note:
+    canonical names] in ``_names.py``); as it is where none does (or it is not a state dict
+    keyed by name). A name ``known`` holds stays: a model's own child may be named ``module``."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
         return state_dict
 
     def renamed(key: Any) -> Any:
-        return saved_name(key) if isinstance(key, str) else key
+        if not isinstance(key, str) or key in known:
+            return key
+        name = saved_name(key)
+        return name if name in known else key
 
     state, groups = state_dict["state"], state_dict["param_groups"]
     if not isinstance(state, Mapping) or not all(isinstance(g, Mapping) for g in groups):

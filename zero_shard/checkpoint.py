@@ -103,7 +103,7 @@ class IncompleteCheckpointError(RuntimeError):
 
 
 def _paths(path: str | os.PathLike) -> tuple[Path, Path, Path]:
-    final = Path(path)
+    final = Path(os.path.realpath(path))  # a link's target: a save moves a folder into place
     return (
         final,
         final.with_name(final.name + ".partial"),
@@ -260,19 +260,27 @@ def _prepare(
     return final, partial, previous, staged
 
 
+def _written_by_a_save(name: str) -> bool:
+    """Whether a save writes an entry named ``name``: DCP's index and data files, the marker."""
+    return name in (".metadata", _MARKER) or (name.startswith("__") and name.endswith(".distcp"))
+
+
 def _check_replaceable(final: Path) -> None:
     """Raises ``ValueError`` where a save would replace what zero-shard did not write: a file at
-    ``final``, or a directory with entries and no complete checkpoint of its own (a Trainer's
-    ``checkpoint-N`` folder). A save moves a whole directory into place, so it never writes
-    beside other files, and may not delete them."""
-    if not final.exists() or (final / _MARKER).exists():
+    ``final``, or a directory with other entries than a checkpoint's (a Trainer's
+    ``checkpoint-N`` folder, notes added to a checkpoint). A save moves a whole directory into
+    place, so it never writes beside other files, and may not delete them."""
+    if not final.exists():
         return
     if not final.is_dir():
         raise ValueError(
             f"checkpoint path {final} is a file: save() writes a directory there. Pass the "
             "path of a directory of its own"
         )
-    entries = sorted(entry.name for entry in final.iterdir())
+    complete = (final / _MARKER).exists()
+    entries = sorted(
+        e.name for e in final.iterdir() if not (complete and _written_by_a_save(e.name))
+    )
     if entries:
         raise ValueError(
             f"checkpoint path {final} is a directory that holds files zero-shard did not write "

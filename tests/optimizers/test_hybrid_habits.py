@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
 import socket
 import warnings
 from collections.abc import Iterator
@@ -405,6 +406,17 @@ def test_the_wrapped_optimizers_own_step_is_refused_before_anything_changes(
         assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
         assert not user_opt.state
         assert_params_match(params, refs, f"step {step}")
+    # Once the wrapper is gone, the torch optimizer steps again, as a fresh one (no state left).
+    del opt
+    gc.collect()
+    fresh = fp32_copies(params)
+    fresh_opt = torch.optim.AdamW(fresh, lr=1e-2, weight_decay=0.1)
+    for param, copy_ in zip(params, fresh, strict=True):
+        param.grad = torch.ones_like(param)
+        copy_.grad = torch.ones_like(copy_)
+    user_opt.step()
+    fresh_opt.step()
+    assert_params_match(params, fresh, "stepped by the torch optimizer after the wrapper")
 
 
 def test_launch_step_counts_as_a_step_for_lr_schedulers() -> None:

@@ -491,6 +491,24 @@ def a_folder_of_other_files_is_refused_and_kept(rank: int, world: int) -> None:
             checkpoint.save(path, model=model, optimizer=opt, extra={"step": step})
             assert checkpoint.load(path, model=model, optimizer=opt) == {"step": step}
     assert {name: (trainer / name).read_text() for name in files} == files
+    # Notes added to a complete checkpoint are kept too: the next save there refuses.
+    notes = folder(world) / "made_empty" / "notes.txt"
+    if rank == 0:
+        notes.write_text("best so far")
+    dist.barrier()
+    with pytest.raises(ValueError, match=r"did not write \(\['notes.txt'\]\)"):
+        checkpoint.save(folder(world) / "made_empty", model=model, optimizer=opt)
+    assert notes.read_text() == "best so far"
+    # A link to an empty folder: the checkpoint goes where it points.
+    target, link = folder(world) / "link_target", folder(world) / "link"
+    if rank == 0:
+        target.mkdir()
+        link.symlink_to(target, target_is_directory=True)
+    dist.barrier()
+    for step in range(2):
+        checkpoint.save(link, model=model, optimizer=opt, extra={"step": step})
+        assert checkpoint.load(link, model=model, optimizer=opt) == {"step": step}
+    assert (target / ".metadata").exists()
 
 
 def extra_and_the_scheduler_are_rank_0s(rank: int, world: int) -> None:

@@ -1661,6 +1661,17 @@ def state_saved_with_wrappers_on_loads_with_them_off(rank: int, world: int) -> N
             step_reference(mirror, mirror_opt, x, y)
         plain_opt.finish_param_sync()
         assert_params_close(plain, mirror, f"{way}, step 3")
+    # A model's own children named as wrappers name theirs keep their names, and round-trip.
+    odd = nn.Module()
+    odd._orig_mod, odd.module = nn.Linear(3, 2), nn.Linear(2, 2)
+    odd_opt = zero_shard.wrap(torch.optim.AdamW(odd.parameters()), odd, overlap_param_gather=False)
+    odd.module(odd._orig_mod(torch.ones(2, 3))).sum().backward()
+    odd_opt.step()
+    state = odd_opt.state_dict()
+    assert sorted(state["state"]) == [
+        "_orig_mod.bias", "_orig_mod.weight", "module.bias", "module.weight"
+    ], sorted(state["state"])  # fmt: skip
+    odd_opt.load_state_dict(state)
 
 
 @case
