@@ -1916,6 +1916,18 @@ def torchs_clip_of_grads_no_backward_reduced_is_refused_at_the_step(rank: int, w
             ref_clip(ref, None)
             ref_opt.step()
             assert_params_close(model, ref, where)
+    # opt.zero_grad(set_to_none=False) after them zeroes the grads in place, as torch's does:
+    # the step takes zeros, not an edit.
+    model, opt, ref, ref_opt = wrapped_and_torch(fraction=0.5)
+    with opt.no_sync():
+        mse(model(x_here), y_here).backward()
+    opt.zero_grad(set_to_none=False)
+    opt.step()
+    opt.finish_param_sync()
+    mse(ref(x), y).backward()
+    ref_opt.zero_grad(set_to_none=False)
+    ref_opt.step()
+    assert_params_close(model, ref, "zero grads after no_sync()")
     # Uneven data: a micro-batch inside no_sync() on rank 0 alone; every rank reduces at the
     # step, and its check of the grads is collective on all of them.
     model, opt, _, _ = wrapped_and_torch(fraction=0.5)
