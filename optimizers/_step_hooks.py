@@ -18,6 +18,7 @@ shared table refuses that step, before anything changes (``_RefuseWrappedStep``)
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -88,6 +89,16 @@ def share_step_hooks(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimi
         handle = wrapped.register_step_pre_hook(_RefuseWrappedStep(wrapped, wrapper))
         table.move_to_end(handle.id, last=False)
     else:  # wrapped again: the new wrapper's life decides
+        if refusal._wrapper() is None and not wrapped.state:
+            warnings.warn(
+                f"this {type(wrapped).__name__} was wrapped before, and its wrapper, which held "
+                "its optimizer state, is gone: the new wrapper starts from no state, as a new "
+                "torch optimizer would. To keep the state, wrap it again while the old wrapper "
+                "is alive (the new wrapper takes the state over), or load the state into the "
+                "new wrapper (load_state_dict)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         refusal._wrapper = weakref.ref(wrapper)
     wrapper._optimizer_step_pre_hooks = table
     wrapper._optimizer_step_post_hooks = wrapped._optimizer_step_post_hooks

@@ -290,6 +290,10 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             ]
         for owner in previous:
             owner._retire()
+            if owner._wrapped() is optimizer:
+                # A scheduler built on the old wrapper drives the groups of the torch optimizer
+                # both wrap, those added since included, as one built on it would.
+                owner.param_groups[:] = self.param_groups
         handles = self.kind.install(self, overlap=overlap)
         self._remove_hooks = weakref.finalize(self, _remove_hooks, handles)
         self.state = ShardedStateView(self._sharded, self._hybrid)

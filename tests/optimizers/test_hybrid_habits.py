@@ -417,6 +417,15 @@ def test_the_wrapped_optimizers_own_step_is_refused_before_anything_changes(
     user_opt.step()
     fresh_opt.step()
     assert_params_match(params, fresh, "stepped by the torch optimizer after the wrapper")
+    # Wrapped again once a wrapper holding its state is gone: the state is lost, and said so.
+    user_opt.state.clear()
+    gone = "its wrapper, which held its optimizer state, is gone"
+    with pytest.warns(RuntimeWarning, match=gone):
+        again = HybridDeviceOptimizer.wrap(user_opt, policy=policy(fraction))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # wrapped again while it lives: no word
+        HybridDeviceOptimizer.wrap(user_opt, policy=policy(fraction))
+    assert again is not None  # alive through the wrap above
 
 
 def test_launch_step_counts_as_a_step_for_lr_schedulers() -> None:

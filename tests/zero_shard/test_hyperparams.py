@@ -215,12 +215,16 @@ def a_group_added_then_wrapped_again_trains_on_as_torchs_optimizer(rank: int, wo
     # The fix the error names: the torch optimizer wrapped again while the wrapper lives takes
     # the params and their state (main weights included) over, as torch's optimizer keeps its
     # state through add_param_group.
+    # A scheduler built on the first wrapper and kept (Trainer keeps its own) drives the added
+    # group too, as torch's, built on the optimizer before add_param_group, does.
     model, ref = make_model(), make_model()
     torch_opt, opt = wrapped_without_the_out_layer(model)
     ref_opt = torch.optim.AdamW(
         [{"params": ref.inp.parameters()}, {"params": ref.mid.parameters(), "lr": LR / 2}],
         lr=LR,
     )
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
     for step in range(STEPS + 1):
         if step == 2:
             for net, optimizer in ((model, torch_opt), (ref, ref_opt)):
@@ -229,6 +233,10 @@ def a_group_added_then_wrapped_again_trains_on_as_torchs_optimizer(rank: int, wo
             opt = zero_shard.wrap(torch_opt, model, offload=offload(), bucket_mb=TINY_BUCKETS)
         step_on_batch(model, opt, step, rank, world)
         step_on_batch(ref, ref_opt, step, 0, 1)
+        sched.step()
+        ref_sched.step()
+        lrs = [group["lr"] for group in opt.param_groups]
+        assert lrs == [group["lr"] for group in ref_opt.param_groups], (step, lrs)
         opt.finish_param_sync()
         assert_params_close(model, ref, f"wrapped again at step 2, step {step}")
     for name, param in model.named_parameters():
