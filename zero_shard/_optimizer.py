@@ -157,7 +157,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     #                               the model names them at the last state dict or load (see
     #                               _refresh_fqns), without wrappers' segments ([Note:
     #                               canonical names] in _names.py)
-    _names_at_wrap: dict[int, str]  # id(param) -> its named_parameters() name at wrap
+    _group_names_at_wrap: list[list[str]]  # per param group, its params' named_parameters()
+    #                                        names at wrap (wrappers' segments in)
     _groups_at_wrap: GroupsAtBuild  # the group dicts and their params that the shards are for
     _building: bool
     _frozen: list[torch.Tensor]  # params of the groups with requires_grad=False at wrap time
@@ -261,7 +262,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._group_fqns = [[fqns[id(p)] for p in params] for params in self._group_params]
         named = {id(p): name for name, p in self._module.named_parameters()}
-        self._names_at_wrap = {id(p): named[id(p)] for ps in self._group_params for p in ps}
+        self._group_names_at_wrap = [[named[id(p)] for p in ps] for ps in self._group_params]
         self._groups_at_wrap = GroupsAtBuild(self.param_groups)
         self._frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
 
@@ -796,12 +797,11 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         if module is not self._module:
             return None
         current = {id(p): name for name, p in module.named_parameters()}
-        named = []
-        for group in self.param_groups:
-            for param in group["params"]:
-                name = current.get(id(param), self._names_at_wrap[id(param)])
-                named.append((module_state_key(name), param))
-        return named
+        return [
+            (module_state_key(current.get(id(param), at_wrap)), param)
+            for params, names in zip(self._group_params, self._group_names_at_wrap, strict=True)
+            for param, at_wrap in zip(params, names, strict=True)
+        ]
 
     def memory_report(self) -> MemoryReport:
         """Where this rank's optimizer memory is: the hybrid optimizer's report, with this
