@@ -72,7 +72,20 @@ logger = logging.getLogger("zero_shard")
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Where the optimizer's memory is (the model's own params and grads not counted)."""
+    """Where the optimizer's memory is (the model's own params and grads not counted), as
+    ``memory_report()`` returns it on each rank.
+
+    Attributes:
+        device: the params' device (``"cuda:0"``; ``"cpu"`` in a CPU run: both shares on the host).
+        device_bytes: the fp32 main weights, main grads and optimizer state of the accelerator's
+            share.
+        host_bytes: the same for the CPU's share, plus the staging buffers and the twins of
+            speculative steps (``OffloadPolicy.speculative``).
+        host_staging_bytes: of ``host_bytes``, the staging buffers for host-device copies.
+        pinned: whether the staging buffers are pinned; ``None`` when nothing is offloaded.
+        num_device_elements, num_host_elements: param elements stepped on each device.
+        host_staging: ``OffloadPolicy.host_staging``, with ``"auto"`` resolved.
+    """
 
     device: str  # the params' device ("cuda:0"; "cpu" in a CPU run: both shares on the host)
     device_bytes: int  # fp32 main weights, main grads and state of the accelerator's share
@@ -126,7 +139,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             with a warning and ``differentiable=True`` refused.
 
     ``optimizer.state[param]`` is the param's state as :meth:`param_state` shows it (``{}`` for a
-    frozen param or one without state yet); it is read-only.
+    frozen param or one without state yet). Edits reach the state as in torch: a tensor written
+    in place, an entry set, deleted or popped, the whole entry replaced or cleared.
 
     Example:
         >>> model = torch.nn.Linear(8, 8)
@@ -282,6 +296,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         raise TypeError(_NOT_COPIED)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a param group while the optimizer is being built (its constructor calls this);
+        afterwards raises ``NotImplementedError``: the flat buffers are laid out at construction.
+        Build a new ``HybridDeviceOptimizer`` with every group and carry the state over with
+        ``state_dict`` / ``load_state_dict``."""
         if self._records is not None:
             raise NotImplementedError(
                 "HybridDeviceOptimizer lays out its flat buffers at construction; build a new one "

@@ -54,7 +54,8 @@ class OffloadPolicy:
             pinning fails, pageable memory is used with a warning. Default True.
         num_threads: CPU threads for the CPU optimizer on this rank; ``None``: the
             ``OMP_NUM_THREADS`` you set, else usable cores / ranks on this host (torchrun's own
-            ``OMP_NUM_THREADS=1`` does not count).
+            ``OMP_NUM_THREADS=1`` does not count), less ``DelayedUpdate.CORES_KEPT_FREE`` under a
+            delayed update.
         chunk_numel: elements per pipelined chunk: the copy of chunk k+1, the CPU step of chunk k
             and the copy back of chunk k-1 overlap. Each chunk is at most one call of the CPU
             kernel, whose threads may have gone to sleep since the last one: fewer, larger chunks
@@ -141,7 +142,7 @@ class OffloadPolicy:
             ``True``: on where it applies, and a warning where it cannot (bounded staging, a
             delayed update, no chunk on the kernel, a DDP or FSDP2 model). Default ``False``: it
             pays where the CPU's share outlasts backward (a full offload at 1B on one GPU:
-            0.88-0.92x the iteration without it) and costs where the host drives a short
+            0.81-0.94x the iteration without it, median 0.88x) and costs where the host drives a short
             backward (303M on two GPUs: 1.04-1.14x at fraction 1, 1.26-1.52x at 0.5; see
             docs/benchmarks/e2e.md).
 

@@ -375,6 +375,15 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     # -- the public API ---------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a param group while the wrapper is being built; afterwards raises
+        ``NotImplementedError``: the shards are laid out at wrap. Add the group to the torch
+        optimizer and wrap it again while this wrapper lives: the new wrapper takes the params'
+        state over from this one.
+
+        Example:
+            >>> torch_opt.add_param_group({"params": head.parameters(), "lr": 1e-4})
+            >>> opt = zero_shard.wrap(torch_opt, model)  # while the old wrapper is alive
+        """
         if not self._building:
             raise NotImplementedError(
                 "ZeroShardOptimizer lays out its shards at wrap: add the param group to the torch "

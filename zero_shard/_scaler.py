@@ -20,6 +20,16 @@ class GradScaler(torch.amp.GradScaler):
     values would underflow: the factor is applied in fp32 when the optimizer casts them to its
     fp32 main grads. Other optimizers are handled as by torch's scaler.
 
+    Args (torch's, with torch's defaults):
+        device: the grads' device type, ``"cuda"`` by default.
+        init_scale: the first scale factor, ``2.0**16``.
+        growth_factor: the scale's factor after ``growth_interval`` steps without an inf or a
+            NaN, ``2.0``.
+        backoff_factor: the scale's factor after a step with one (the step is skipped on every
+            rank), ``0.5``.
+        growth_interval: steps without an inf or a NaN before the scale grows, ``2000``.
+        enabled: ``False`` makes every method a no-op (``scale`` returns its input), ``True``.
+
     Example::
 
         scaler = zero_shard.GradScaler("cuda")

@@ -687,7 +687,12 @@ def _full(value: Any, keep: bool) -> Any:
 
 def full_state_dict(optimizer: torch.optim.Optimizer, *, rank: int = 0) -> dict[str, Any]:
     """The optimizer's state dict with every DTensor gathered into a full CPU tensor, on rank
-    ``rank`` (``{}`` elsewhere): for ``torch.save``. Collective.
+    ``rank`` (``{}`` elsewhere): for ``torch.save``. Collective: every rank calls it.
+
+    Args:
+        optimizer: a :class:`ZeroShardOptimizer` (or any optimizer whose state dict holds
+            DTensors or plain tensors).
+        rank: the rank that receives the full state dict; default 0.
 
     Example::
 
@@ -710,7 +715,13 @@ def load_full_state_dict(
     optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None, *, rank: int = 0
 ) -> None:
     """Loads a state dict from ``full_state_dict`` (or a consolidated one of the same shape),
-    given on rank ``rank`` only; it is broadcast to the others. Collective."""
+    given on rank ``rank`` only; it is broadcast to the others. Collective: every rank calls it.
+
+    Args:
+        optimizer: the optimizer to load into (a :class:`ZeroShardOptimizer`).
+        state_dict: the full state dict on rank ``rank``; ignored (``None`` is fine) elsewhere.
+        rank: the rank that holds it; default 0.
+    """
     box = [state_dict if _rank() == rank else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=rank)

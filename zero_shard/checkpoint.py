@@ -485,6 +485,12 @@ def async_save(
     collectives are not interleaved with the save's. Wait for the last save's future before
     ``torch.distributed.destroy_process_group()``, which ends that group: a write still in
     flight then fails, and with no later save to raise it, it is reported at exit.
+
+    Args: as :func:`save` (``path``, ``model``, ``optimizer``, ``scheduler``, ``extra``).
+
+    Returns:
+        a ``concurrent.futures.Future`` whose ``result()`` is ``None`` once the checkpoint is
+        complete.
     """
     global _pending
     optimizer = _unwrapped(optimizer)
@@ -802,6 +808,17 @@ def load(
     model, or from a ZeroShardOptimizer); one that has not stepped yet gets its state created
     first, as ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` does, and
     loaded. An ``async_save`` still writing is waited for first (its failure raises here).
+
+    Args:
+        path: the checkpoint directory ``save`` wrote (a symlink to it is followed).
+        model: the model to load the weights into (plain, DDP-wrapped, FSDP2 or compiled).
+        optimizer: the optimizer to load the state into, or ``None`` (default) for the model
+            alone (fine-tuning: then ``opt.reload_model_params()`` if it was wrapped already).
+        scheduler: the LR scheduler to restore, or ``None`` (default).
+        restore_rng: restore this rank's random number generators; default ``True``.
+
+    Returns:
+        the ``extra`` dict given to ``save`` (``{}`` if none).
     """
     optimizer = _unwrapped(optimizer)
     model = _uncompiled(model)
