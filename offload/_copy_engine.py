@@ -20,7 +20,12 @@ __all__ = ["CopyEngine", "CopyPair", "copy_async"]
 
 
 class CopyPair(NamedTuple):
-    """One copy: ``dst.copy_(src)``; both 1-D with the same numel (dtypes may differ)."""
+    """One copy: ``dst.copy_(src)``; both 1-D with the same numel (dtypes may differ).
+
+    Attributes:
+        dst: the tensor copied into.
+        src: the tensor copied from.
+    """
 
     dst: torch.Tensor
     src: torch.Tensor
@@ -39,6 +44,12 @@ def copy_async(
 
     A copy between pinned host memory and the device overlaps with compute only when its dtypes
     agree; a dtype cast belongs on the host side (see docs/design.md: few bytes on the wire).
+
+    Args:
+        pairs: the copies, queued in one call.
+        stream: the stream to queue them on; ``None``: they run synchronously instead.
+        after: events ``stream`` waits for before the copies (``None`` entries are skipped, and
+            all of them where ``stream`` is ``None``). Default ``()``.
     """
     if stream is None:
         _copy_all(pairs, non_blocking=False)

@@ -24,7 +24,12 @@ _pin_failure_warned = False
 
 
 class HostBufferRequest(NamedTuple):
-    """One 1-D host buffer to allocate."""
+    """One 1-D host buffer to allocate.
+
+    Attributes:
+        numel: the buffer's number of elements.
+        dtype: its element dtype.
+    """
 
     numel: int
     dtype: torch.dtype
@@ -103,6 +108,12 @@ class HostBuffers:
 
     A failed pin (CPU-only torch, or the OS refusing) falls back to pageable memory with one
     warning per process; ``pinned`` says what was obtained.
+
+    Args:
+        requests: the buffers to allocate; ``views`` holds one per request, in their order.
+        pin: pin the blocks where possible.
+        block_bytes: bytes per block, a positive power of two (a larger buffer gets a larger
+            block; the last block is sized down). Default ``1 << 30`` (1 GiB).
 
     Example:
         >>> bufs = HostBuffers([HostBufferRequest(10, torch.bfloat16)], pin=False)

@@ -65,6 +65,10 @@ def wait_stream(waiter: Stream | None, waited: Stream | None) -> None:
 
     Take ``waited`` before entering ``use_stream(waiter)``: inside it, the current stream is
     ``waiter`` itself, and a stream waiting on itself orders nothing.
+
+    Args:
+        waiter: the stream whose later work waits; ``None`` (CPU): nothing is done.
+        waited: the stream whose queued work is waited for; ``None`` (CPU): nothing is done.
     """
     if waiter is not None and waited is not None:
         waiter.wait_stream(waited)
@@ -81,7 +85,12 @@ def record_event(stream: Stream | None) -> Event | None:
 
 def wait_for_event(stream: Stream | None, event: Event | None) -> None:
     """Orders later work on ``stream`` after ``event`` without blocking the host (nothing for
-    ``None`` on either side)."""
+    ``None`` on either side).
+
+    Args:
+        stream: the stream that waits; ``None`` on the CPU.
+        event: the event it waits for; ``None``: nothing in flight.
+    """
     if stream is not None and event is not None:
         stream.wait_event(event)
 

@@ -21,7 +21,13 @@ _torchrun_warned = False
 
 @dataclass(frozen=True)
 class ThreadBudget:
-    """The CPU thread count for one rank's CPU optimizer, and where it came from."""
+    """The CPU thread count for one rank's CPU optimizer, and where it came from.
+
+    Attributes:
+        num_threads: the thread count.
+        source: where it came from: ``"argument"``, ``"OMP_NUM_THREADS"``, or ``"cores / local
+            ranks"`` (``"cores / local ranks - N"`` where ``N`` cores are kept free).
+    """
 
     num_threads: int
     source: str  # "argument", "OMP_NUM_THREADS", or "cores / local ranks"

@@ -13,7 +13,12 @@ __all__ = ["check_device_scalar", "check_param", "check_param_kind", "check_uniq
 
 def check_param_kind(param: torch.Tensor, name: str) -> None:
     """Raises unless ``param`` is a dense, real, floating-point tensor with memory (not on the meta
-    device); ``name`` says which param, for the message ("param 'fc.weight'")."""
+    device).
+
+    Args:
+        param: the param to check.
+        name: which param, as the error messages name it (``"param 'fc.weight'"``).
+    """
     if param.device.type == "meta":
         raise ValueError(
             f"{name} is on the meta device; materialize the model first "

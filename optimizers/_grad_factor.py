@@ -28,7 +28,12 @@ def scale_grads_(grads: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
     grads, most of the time between backward and the first grad's copy to the host
     (docs/benchmarks/e2e.md measures it). Handing it the factor rounded to the grads' dtype
     takes the fused path and gives the same bits (tests/zero_shard/test_norms.py, on CUDA).
-    Elsewhere (the CPU multiplies by the fp32 factor itself) the factor goes as it is."""
+    Elsewhere (the CPU multiplies by the fp32 factor itself) the factor goes as it is.
+
+    Args:
+        grads: the grads to multiply in place; of any devices and dtypes (grouped by both).
+        factor: a one-element tensor, moved to each group's device (and rounded as above).
+    """
     by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         by_kind.setdefault((grad.device, grad.dtype), []).append(grad)

@@ -168,7 +168,22 @@ class ChunkJob:
 
 
 class HostStep:
-    """The CPU share of one step; see [Note: deferred host step]."""
+    """The CPU share of one step; see [Note: deferred host step].
+
+    Args:
+        jobs: one ``ChunkJob`` per chunk with grads, in the order the worker runs them.
+        start_event: an event on the current stream after which the grads are final (``None`` on
+            the CPU); the H2D copies into the params wait for it.
+        engine: the ``CopyEngine`` whose D2H and H2D streams the copies run on.
+        delayed: the step is a delayed update's: its weights reach the params at the next step
+            (see ``OffloadPolicy.delayed_update``). Default False.
+        verdict: the step's found_inf on its way to the host (a ``HostFlag``); nonzero skips the
+            step. Default ``None``: no check.
+        factor: the grads' factor on its way to the host (a ``HostFlag``), which the worker
+            multiplies the grads by (see ``grad_factor``). Default ``None``: no factor.
+        gil_switch_interval: seconds; the GIL switch interval held while the step is in flight
+            (see ``OffloadPolicy.gil_switch_interval``). Default ``None``: the interval stays.
+    """
 
     start_event: Any  # on the current stream when the step started: the grads are final there
     delayed: bool  # a delayed update's: its weights reach the params at the next step (see

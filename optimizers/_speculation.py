@@ -67,7 +67,13 @@ TWIN_BYTES_PER_ELEMENT = 12  # fp32 twins of the main weight and both moments
 @dataclass
 class SpeculationCounts:
     """Steps whose CPU share was speculated during backward, by outcome (one step counts once,
-    as redone where any of its chunks was redone or rolled back)."""
+    as redone where any of its chunks was redone or rolled back).
+
+    Attributes:
+        stood: steps whose every speculated chunk's step stood as it was. Default 0.
+        redone: steps with some chunk redone (a clip, a new lr) or rolled back (a skipped step).
+            Default 0.
+    """
 
     stood: int = 0  # every speculated chunk's step stood as it was
     redone: int = 0  # some chunk was redone (a clip, a new lr) or rolled back (a skipped step)

@@ -197,7 +197,13 @@ class StateOwner(Protocol):
 class ParamState(dict):
     """One param's state as ``optimizer.state[param]`` shows it: a key assigned is written into
     the live state ([Note: state edits]). Keys cannot be removed one by one (torch's step would
-    fail on the rest): ``del optimizer.state[param]`` drops the param's whole state."""
+    fail on the rest): ``del optimizer.state[param]`` drops the param's whole state.
+
+    Args:
+        values: the param's state as read (state key -> tensor or scalar): the dict's contents.
+        write: called as ``write(key, value)`` at each key assigned, before the dict takes it:
+            writes it into the live state.
+    """
 
     def __init__(self, values: Mapping[str, Any], write: Callable[[str, Any], None]) -> None:
         super().__init__(values)
@@ -515,8 +521,13 @@ def check_saved_keys(
 ) -> None:
     """Raises ``ValueError`` where params of one group were saved with different state keys
     (``main_param`` aside): one lacks a key the others have (a state dict cut or edited by hand),
-    which the step would find missing only after stepping the others. ``groups``: each group's
-    saved param ids."""
+    which the step would find missing only after stepping the others.
+
+    Args:
+        saved_state: a state dict's ``"state"``: saved param id -> that param's saved state (key
+            -> value). Ids with no or empty state are not compared.
+        groups: each param group's saved param ids (its ``"params"`` in ``"param_groups"``).
+    """
     for index, ids in enumerate(groups):
         keys = {
             pid: frozenset(key for key in saved_state[pid] if key != "main_param")

@@ -27,7 +27,13 @@ def state_dict_with_hooks(
     optimizer: torch.optim.Optimizer, build: Callable[[], dict[str, Any]]
 ) -> dict[str, Any]:
     """``build()`` between the optimizer's state-dict hooks: each pre-hook gets the optimizer
-    first; each post-hook gets (optimizer, state dict) and may return a new state dict."""
+    first; each post-hook gets (optimizer, state dict) and may return a new state dict.
+
+    Args:
+        optimizer: the optimizer whose state-dict hooks run (``register_state_dict_pre_hook``,
+            ``register_state_dict_post_hook``); each hook is given it.
+        build: called with no arguments, returns the state dict.
+    """
     for pre_hook in _hooks(optimizer, "_optimizer_state_dict_pre_hooks"):
         pre_hook(optimizer)
     state_dict = build()
@@ -45,7 +51,14 @@ def load_state_dict_with_hooks(
 ) -> None:
     """``load(state_dict)`` between the optimizer's load hooks: each pre-hook gets (optimizer,
     a shallow copy of ``state_dict``) and may return the state dict to load instead; each
-    post-hook gets the optimizer once it is loaded."""
+    post-hook gets the optimizer once it is loaded.
+
+    Args:
+        optimizer: the optimizer whose load hooks run (``register_load_state_dict_pre_hook``,
+            ``register_load_state_dict_post_hook``); each hook is given it.
+        state_dict: the state dict to load; the pre-hooks get a shallow copy of it.
+        load: called once with the state dict the pre-hooks leave; loads it.
+    """
     loaded = dict(state_dict)  # shallow, as torch copies it
     for pre_hook in _hooks(optimizer, "_optimizer_load_state_dict_pre_hooks"):
         result = pre_hook(optimizer, loaded)

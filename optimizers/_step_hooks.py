@@ -82,7 +82,13 @@ class _RefuseWrappedStep:
 def share_step_hooks(wrapper: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> None:
     """Makes ``wrapper`` run ``wrapped``'s step hooks, those registered later included: the
     tables are shared (private attributes of ``torch.optim.Optimizer``, the same since torch
-    2.0); and refuses ``wrapped.step()`` while ``wrapper`` lives, before its other hooks run."""
+    2.0); and refuses ``wrapped.step()`` while ``wrapper`` lives, before its other hooks run.
+
+    Args:
+        wrapper: the optimizer that steps in ``wrapped``'s place (``zero_shard.wrap``'s,
+            ``HybridDeviceOptimizer.wrap``'s); it takes ``wrapped``'s hook tables.
+        wrapped: the user's torch optimizer that ``wrapper`` wraps.
+    """
     table = wrapped._optimizer_step_pre_hooks
     refusal = next((h for h in table.values() if isinstance(h, _RefuseWrappedStep)), None)
     if refusal is None:

@@ -135,6 +135,22 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     :class:`HybridDeviceOptimizer`, which moves ``offload.fraction`` of them to the CPU.
     ``param_groups`` are the wrapped optimizer's own dicts (LR schedulers built on either work), and
     ``state[param]`` shows a param's state as DTensors with the param's global shape.
+
+    Args:
+        optimizer: the torch optimizer to shard (``wrap``'s ``optimizer``).
+        model: the model its params belong to (``wrap``'s ``model``).
+        offload: ``wrap``'s ``offload``: an ``OffloadPolicy``, or ``None`` (default): no offload.
+        mesh: ``wrap``'s ``mesh``, the data-parallel ``DeviceMesh``; ``None`` (default): all
+            ranks of the default group, or a DDP model's group.
+        stage: ``wrap``'s ``stage``: 2 (default) or 1.
+        overlap_param_gather: ``wrap``'s ``overlap_param_gather``; default True.
+        bucket_mb: ``wrap``'s ``bucket_mb``, MiB of params per bucket; default 256.
+        nonfinite: ``wrap``'s ``nonfinite``: ``"skip"`` (default) or ``"raise"``.
+        stale_params: ``wrap``'s ``stale_params``: ``"reload"`` (default) or ``"error"``.
+        units: ``wrap``'s ``units``; default ``None`` (the repeated blocks).
+        all_gather: ``wrap``'s ``all_gather``; default ``None`` (torch's all-gather).
+
+    See :func:`wrap` for each in full.
     """
 
     kind: Kind  # the kind of model (plain, DDP, FSDP2...): who communicates (see _kind.py)
