@@ -35,7 +35,7 @@ from offload import available_after
 from ._state_dict import staged
 from ._verdict import on_any_rank
 
-__all__ = ["DamagedCheckpointError", "read_metadata", "read_whole"]
+__all__ = ["DamagedCheckpointError", "find_damage", "read_metadata", "read_whole", "save_id"]
 
 _BATCH_BYTES = 1 << 30  # global bytes of the entries one verifying read takes
 
@@ -58,6 +58,19 @@ def read_metadata(path: Path) -> Metadata:
             f"the checkpoint at {path} is damaged: its index {path / '.metadata'} cannot be read "
             f"({type(err).__name__}: {err}); nothing was loaded. Load an earlier checkpoint"
         ) from err
+    damage = find_damage(path, metadata)
+    if damage is not None:
+        raise DamagedCheckpointError(
+            f"the checkpoint at {path} is damaged: {damage}; nothing was loaded. Load an "
+            "earlier checkpoint"
+        )
+    return metadata
+
+
+def find_damage(path: Path, metadata: Metadata) -> str | None:
+    """What keeps the checkpoint at ``path`` from being read whole: the first data file that
+    ``metadata`` names and that is missing or shorter than the entries it places there, with
+    the entries lost; ``None`` where every file is whole."""
     entries: dict[str, list[tuple[int, str]]] = {}  # file -> (end, FQN) of each entry in it
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         name = getattr(info, "relative_path", None)
@@ -72,11 +85,14 @@ def read_metadata(path: Path) -> Metadata:
         file = f"data file {name}" + (f", written by rank {match.group(1)}," if match else "")
         damage = "missing" if size is None else f"truncated ({size} bytes of {max(ends)[0]})"
         more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
-        raise DamagedCheckpointError(
-            f"the checkpoint at {path} is damaged: its {file} is {damage}, so {lost[:3]}{more} "
-            "cannot be read; nothing was loaded. Load an earlier checkpoint"
-        )
-    return metadata
+        return f"its {file} is {damage}, so {lost[:3]}{more} cannot be read"
+    return None
+
+
+def save_id(metadata: Metadata) -> str | None:
+    """The id DCP's file-system writer gave the save that wrote ``metadata`` (one per save, kept
+    by copies of the checkpoint); ``None`` where it recorded none."""
+    return getattr(getattr(metadata, "storage_meta", None), "save_id", None)
 
 
 def _local_bytes(value: Any) -> int:

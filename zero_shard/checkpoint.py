@@ -65,7 +65,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from ._host_group import default_timeout
 from ._names import is_compiled, module_state_key
 from ._optimizer import ZeroShardOptimizer
-from ._reading import DamagedCheckpointError, read_metadata, read_whole
+from ._reading import DamagedCheckpointError, find_damage, read_metadata, read_whole, save_id
 from ._snapshots import Snapshotter
 from ._state_dict import (
     add_state_saved_beyond,
@@ -244,6 +244,13 @@ def _prepare(
     and runs ``stage`` (the snapshot of an async save); if any of it fails on any rank (the last
     save failed), every rank raises, and nothing is written."""
     final, partial, previous = _paths(path)
+    _check_one_checkpoint(
+        str(final),
+        str(final),
+        f"save() was given {str(path)!r}, which the ranks resolve to different directories",
+        "every rank writes its part into one checkpoint: pass an absolute path on a file "
+        "system all ranks share; nothing was written",
+    )
 
     def prepare() -> T:
         _finish_pending()
@@ -258,6 +265,20 @@ def _prepare(
     # Sharing the verdict is also the barrier: no rank writes before rank 0 cleared the folder.
     staged = on_every_rank(prepare, mesh=None, device=device)
     return final, partial, previous, staged
+
+
+def _check_one_checkpoint(key: str, shown: str, what: str, fix: str) -> None:
+    """Raises ``ValueError`` on every rank where the ranks' ``key`` differ (a relative path
+    resolved against each rank's working directory, or node-local copies of other saves):
+    each rank writes, or reads, its part of one checkpoint. ``shown``: this rank's view of it.
+    A collective of the group ``_meet`` made."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (key, shown), group=_checkpoint_group())
+    if len({each for each, _ in gathered}) > 1:
+        views = "; ".join(f"rank {rank}: {view}" for rank, (_, view) in enumerate(gathered))
+        raise ValueError(f"{what} ({views}): {fix}")
 
 
 def _written_by_a_save(name: str) -> bool:
@@ -294,6 +315,15 @@ def _commit(final: Path, partial: Path, previous: Path) -> None:
     """Rank 0: marks ``partial`` complete and moves it into place ([Note: atomic checkpoints])."""
     if _rank() != 0:
         return
+    # Every rank's data file must be here, whole, before the marker says so: ranks that write
+    # to their own disks under one path leave rank 0 a checkpoint with parts missing.
+    damage = find_damage(partial, dcp.FileSystemReader(str(partial)).read_metadata())
+    if damage is not None:
+        raise RuntimeError(
+            f"the checkpoint written at {partial} is not whole: {damage}. Every rank writes its "
+            "part under the path: save to a file system all ranks share. It was not marked "
+            "complete"
+        )
     info = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     (partial / _MARKER).write_text(json.dumps(info))
     if (final / _MARKER).exists():  # the last complete one moves aside; an older one goes first
@@ -361,8 +391,21 @@ def save(
     optimizer = _unwrapped(optimizer)
     model = _uncompiled(model)
     group = _meet("save")
-    final, partial, previous, _ = _prepare(path, _device(model), lambda: None)
-    dcp.save(_state(model, optimizer, extra, scheduler), checkpoint_id=str(partial))
+    # The state is taken inside the shared verdict: a rank that cannot give it (a stale param
+    # under stale_params="error") fails every rank at once, nothing written.
+    final, partial, previous, state = _prepare(
+        path, _device(model), lambda: _state(model, optimizer, extra, scheduler)
+    )
+    try:
+        dcp.save(state, checkpoint_id=str(partial))
+    except dcp.CheckpointException as err:  # not an Exception: see DESIGN
+        failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+        if any(isinstance(failure, KeyboardInterrupt) for failure in failures):
+            raise KeyboardInterrupt(
+                f"the save was interrupted; nothing was marked complete, and the last complete "
+                f"checkpoint at {final} (if any) is kept"
+            ) from err
+        raise
     _barrier()
     _commit_on_every_rank(final, partial, previous, group)
 
@@ -759,6 +802,14 @@ def _read_checked(
     device = _device(model)
     try:
         loading = on_every_rank(plan, mesh=None, device=device)
+        saved_by = save_id(loading.metadata)
+        _check_one_checkpoint(
+            saved_by or str(loading.path),
+            f"{loading.path} (save {saved_by})",
+            f"load() was given {str(path)!r}, which the ranks resolve to different checkpoints",
+            "every rank must read its part of one checkpoint: pass an absolute path on a file "
+            "system all ranks share, or copies of one save; nothing was loaded",
+        )
 
         def check(read: dict[str, Any]) -> None:  # on every rank, before anything is written
             if optimizer is not None:

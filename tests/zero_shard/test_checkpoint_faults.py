@@ -432,6 +432,42 @@ def an_interrupted_load_raises_keyboardinterrupt_and_changes_nothing(rank: int, 
     assert_same(snapshot(model, opt), before, "right after the interrupted load", EXACT)
 
 
+def an_interrupted_save_raises_keyboardinterrupt_and_keeps_the_last(rank: int, world: int) -> None:
+    # Ctrl-C while rank 0 writes: every rank raises KeyboardInterrupt (DCP shares the failure as
+    # its CheckpointException), nothing is marked complete, the last checkpoint loads as it was.
+    save_good_checkpoint(rank, world)
+    model, opt = build(seed=1)
+    train(model, opt, range(2), rank, world)
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    writer = dcp.FileSystemWriter
+    patch = mock.patch.object(writer, "write_data", interrupted) if rank == 0 else None
+    with contextlib.ExitStack() as stack:
+        if patch is not None:
+            stack.enter_context(patch)
+        with pytest.raises(KeyboardInterrupt, match="the save was interrupted"):
+            checkpoint.save(folder(world) / "good", model=model, optimizer=opt, extra={"step": 9})
+    assert checkpoint.load(folder(world) / "good", model=model, optimizer=opt) == {"step": 3}
+
+
+def a_save_one_rank_cannot_give_fails_on_every_rank(rank: int, world: int) -> None:
+    # Under stale_params="error", a param written on rank 0 alone makes rank 0's state dict
+    # raise: every rank raises at once (not at the process group's timeout), nothing written.
+    model = make_model(seed=0)
+    opt = zero_shard.wrap(adamw(model), model, stale_params="error", bucket_mb=TINY_BUCKETS)
+    train(model, opt, range(1), rank, world)
+    if rank == 0:
+        with torch.no_grad():
+            model.mid.weight.add_(1.0)
+    path = folder(world) / "one_rank_fails"
+    error = raised_within(30, lambda: checkpoint.save(path, model=model, optimizer=opt))
+    assert isinstance(error, RuntimeError), repr(error)
+    assert ("mid.weight" in str(error)) if rank == 0 else str(error).startswith("on rank 0: ")
+    assert not path.exists()
+
+
 class AroundOptimizer(torch.optim.Optimizer):
     """What accelerate's AcceleratedOptimizer is (``accelerator.prepare`` returns one, and a
     ``TrainerCallback`` is handed one): a torch optimizer around the one it was given."""
@@ -573,6 +609,46 @@ def a_checkpoint_of_another_param_dtype_keeps_its_full_precision(rank: int, worl
                     assert torch.equal(loaded[name]["main_param"], exact[name]), where
 
 
+def ranks_given_other_checkpoints_are_refused(rank: int, world: int) -> None:
+    # Each rank writes and reads its part of one checkpoint: paths that resolve apart on the
+    # ranks (a relative path against each rank's working directory, node-local disks) are
+    # refused on every rank, nothing written or loaded; a save whose parts did not all reach
+    # rank 0's folder is not marked complete, and the checkpoint before it stays.
+    model, opt = build(seed=0)
+    train(model, opt, range(2), rank, world)
+    base = folder(world) / "apart"
+    with pytest.raises(ValueError, match="resolve to different directories .*rank 1: "):
+        checkpoint.save(base / f"rank{rank}", model=model, optimizer=opt)
+    dist.barrier()
+    assert not base.exists() or not any(base.iterdir()), sorted(base.rglob("*"))
+    # Two complete checkpoints of other steps, each rank handed its own: refused.
+    for step in (2, 3):
+        checkpoint.save(base / f"step{step}", model=model, optimizer=opt, extra={"step": step})
+        train(model, opt, range(step, step + 1), rank, world)
+    before = snapshot(model, opt)
+    mine = base / f"step{2 + rank % 2}"
+    with pytest.raises(ValueError, match="resolve to different checkpoints .*rank 1: "):
+        checkpoint.load(mine, model=model, optimizer=opt)
+    assert_same(snapshot(model, opt), before, "after the refused load", EXACT)
+    # Copies of one save, one a rank, load as that save.
+    copy = base / f"copy_of_step3_{rank}"
+    shutil.copytree(base / "step3", copy)
+    assert checkpoint.load(copy, model=model, optimizer=opt) == {"step": 3}
+    # Rank 1's part written elsewhere (a disk of its own under the same path): not complete.
+    path, elsewhere = base / "good", base / "elsewhere"
+    checkpoint.save(path, model=model, optimizer=opt, extra={"step": "good"})
+    save = dcp.save
+
+    def own_disk(state: Any, *, checkpoint_id: str, **kwargs: Any) -> Any:
+        return save(state, checkpoint_id=str(elsewhere), **kwargs)
+
+    with mock.patch.object(dcp, "save", own_disk if rank == 1 else save):
+        with pytest.raises(RuntimeError, match=r"not whole: its data file __1_0.distcp, written "
+                           r"by rank 1, is missing.*It was not marked complete"):  # fmt: skip
+            checkpoint.save(path, model=model, optimizer=opt, extra={"step": "apart"})
+    assert checkpoint.load(path, model=model, optimizer=opt) == {"step": "good"}
+
+
 DAMAGED = {
     "a_truncated_data_file_changes_nothing": a_truncated_data_file_changes_nothing,
     "a_missing_data_file_names_the_file_and_rank": a_missing_data_file_names_the_file_and_rank,
@@ -599,6 +675,13 @@ DAMAGED = {
     "extra_and_the_scheduler_are_rank_0s": extra_and_the_scheduler_are_rank_0s,
     "a_checkpoint_of_another_param_dtype_keeps_its_full_precision": (
         a_checkpoint_of_another_param_dtype_keeps_its_full_precision
+    ),
+    "ranks_given_other_checkpoints_are_refused": ranks_given_other_checkpoints_are_refused,
+    "an_interrupted_save_raises_keyboardinterrupt_and_keeps_the_last": (
+        an_interrupted_save_raises_keyboardinterrupt_and_keeps_the_last
+    ),
+    "a_save_one_rank_cannot_give_fails_on_every_rank": (
+        a_save_one_rank_cannot_give_fails_on_every_rank
     ),
 }
 LAST = {  # leaves the collectives out of step
