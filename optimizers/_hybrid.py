@@ -677,9 +677,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def reload_model_params(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Refreshes fp32 main weights, on the accelerator and the CPU, from the model: of every
-        param, or of ``params`` only. A piece of a low-precision param that holds its main
-        weights' rounding, every element, keeps its main weights (weights swapped out for an
-        evaluation and back lose no precision).
+        param, or of ``params`` only. Each element of a low-precision param that holds its main
+        weight's rounding keeps its main weight (weights swapped out for an evaluation and back,
+        or rows restored around others, lose no precision).
 
         :meth:`step` does it for the params written since it or a load last wrote them (their
         version counters moved: a weight load, ``p.clamp_()``); call it where a write bypassed

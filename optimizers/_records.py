@@ -93,13 +93,16 @@ def flat_param(param: torch.Tensor) -> torch.Tensor:
 
 def reload_mains(mains: torch.Tensor, values: torch.Tensor, *, keep_unchanged: bool) -> None:
     """Sets fp32 main weights from the model's ``values`` (in the model's dtype). With
-    ``keep_unchanged``, a piece whose every element equals its main weight's rounding keeps its
-    main weights: a write that left the params as the optimizer set them (weights swapped out
-    for an evaluation and back) carries nothing new, and reloading would round the main weights
-    to the model's dtype; a piece with any other element takes the values, as a weight load."""
+    ``keep_unchanged``, each element that equals its main weight's rounding keeps its main
+    weight: a write that left it as the optimizer set it (weights swapped out for an evaluation
+    and back, rows restored around others, a clamp that moved a few elements) carries nothing
+    new for it, and reloading would round it to the model's dtype; every other element takes
+    its value, as a weight load. Element by element, so that what a write keeps does not depend
+    on how the param is cut into pieces (the offload fraction, the ranks)."""
     if keep_unchanged and values.dtype != mains.dtype:
-        if torch.equal(values, mains.to(values.dtype)):
-            return
+        unchanged = values == mains.to(values.dtype)
+        mains.copy_(torch.where(unchanged, mains, values.to(mains.dtype)))
+        return
     mains.copy_(values)
 
 

@@ -623,8 +623,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
     def reload_model_params(self) -> None:
         """Refreshes every fp32 main weight (accelerator and CPU) from the model's params: call
         it on every rank after loading model weights (fine-tuning from a model-only checkpoint).
-        A low-precision param's part that holds exactly its main weights' rounding keeps its
-        main weights (the param holds what the optimizer set: nothing new to load).
+        Each element of a low-precision param that holds exactly its main weight's rounding
+        keeps its main weight (it holds what the optimizer set: nothing new to load).
 
         The last step's update reaches the params first. Weights loaded through a module's
         ``load_state_dict`` (or DCP into ``model.state_dict()``) land after it; a param written

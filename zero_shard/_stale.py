@@ -130,8 +130,8 @@ class StaleCheck:
             self._logged = True
             logger.warning(
                 "zero-shard: model params %s (%d in all) were written outside the optimizer; "
-                "their fp32 main weights were reloaded from them, unless they hold exactly the "
-                "main weights' rounding (stale_params='error' raises instead)",
+                "their fp32 main weights were reloaded from them, but for each element that holds "
+                "exactly its main weight's rounding (stale_params='error' raises instead)",
                 shown,
                 len(names),
             )

@@ -243,6 +243,27 @@ def weights_swapped_out_for_an_evaluation_and_back_keep_the_main_weights(
 
         written = _train_bf16(rank, world, fraction, write_one)
         assert (written[0].view(-1)[0] - plain[0].view(-1)[0]).abs() > 1.0, f"fraction {fraction}"
+        # Element by element: the written element takes its value, the others of its param keep
+        # their fp32 main weights, whichever piece (fraction, rank) holds them.
+        model = make_model().to(torch.bfloat16)
+        opt = zero_shard.wrap(adamw(model), model, offload=offload(fraction),
+                              bucket_mb=TINY_BUCKETS)  # fmt: skip
+        for step in range(2):
+            x, y = global_batch(step)
+            out = model(local_slice(x, rank, world).bfloat16()).float()
+            mse(out, local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish_param_sync()
+        for name, param in model.named_parameters():
+            before = zero_shard.full_state_dict(opt, rank=rank)["state"][name]["main_param"]
+            with torch.no_grad():
+                param.view(-1)[0] += 1.0
+            opt.reload_model_params()
+            after = zero_shard.full_state_dict(opt, rank=rank)["state"][name]["main_param"]
+            where = f"fraction {fraction}, {name}"
+            assert after.view(-1)[0] == param.detach().view(-1)[0].float(), where
+            assert torch.equal(after.view(-1)[1:], before.view(-1)[1:]), where
 
 
 @case
