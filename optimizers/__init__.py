@@ -8,7 +8,7 @@ from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
 from ._speculation import SpeculationCounts
-from ._state import ParamState, check_saved_keys
+from ._state import ParamState, check_saved_keys, stepped
 from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
 from ._step_hooks import has_step_post_hooks, share_step_hooks
 
@@ -30,4 +30,5 @@ __all__ = [
     "scale_grads_",
     "share_step_hooks",
     "state_dict_with_hooks",
+    "stepped",
 ]

@@ -60,6 +60,7 @@ from ._state import (
     reset_state,
     scatter_state,
     state_step_count,
+    stepped,
     write_state,
 )
 from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
@@ -274,7 +275,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         check_wrappable(optimizer)  # (before its class is built again by constructor_defaults)
-        saved = optimizer.state_dict() if optimizer.state else None
+        saved = optimizer.state_dict() if stepped(optimizer.state) else None
         hybrid = cls(
             optimizer.param_groups,
             type(optimizer),
@@ -284,7 +285,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
         if saved is not None:
             hybrid.load_state_dict(saved)
-            optimizer.state.clear()
+        optimizer.state.clear()  # taken over, or made again at construction in fp32
         hybrid._wrapped = weakref.ref(optimizer)
         share_step_hooks(hybrid, optimizer)
         return hybrid

@@ -49,6 +49,7 @@ __all__ = [
     "reset_state",
     "scatter_state",
     "state_step_count",
+    "stepped",
     "write_state",
 ]
 
@@ -105,6 +106,18 @@ def momentum_buffers(records: Iterable[ParamRecord], cls: type) -> set[int]:
         for piece in record.pieces
         if "momentum_buffer" in piece.state
     }
+
+
+def stepped(state: Mapping[Any, Mapping[str, Any]]) -> bool:
+    """Whether a torch optimizer's ``state`` holds more than its constructor made: some param's
+    state has no ``step``, or one above 0. Adagrad makes each param's state at construction
+    (``sum`` at ``initial_accumulator_value``, step 0), in the param's dtype: a wrap need not
+    take that over, the sub-optimizers' own constructors make it again, in fp32."""
+    for param_state in state.values():
+        step = param_state.get("step")
+        if step is None or float(step) != 0.0:
+            return True
+    return False
 
 
 def init_state(records: Iterable[ParamRecord], cls: type, state_keys: Sequence[StateKeys]) -> None:

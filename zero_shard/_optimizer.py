@@ -29,6 +29,7 @@ from optimizers import (
     load_state_dict_with_hooks,
     share_step_hooks,
     state_dict_with_hooks,
+    stepped,
 )
 
 from ._buckets import ShardedParam, shard_grads
@@ -295,7 +296,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         holds its state (the wrap took it over, emptying ``optimizer.state``): that state
         carries over to the params both hold, as a torch optimizer keeps its state."""
         carried = []
-        if optimizer.state:  # the wrapped optimizer stepped before: take its state over
+        if stepped(optimizer.state):  # the wrapped optimizer stepped before: take it over
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
             self._hybrid.state_started = True  # on every rank, whatever its shards hold

@@ -296,11 +296,33 @@ def test_step_hooks_run_once_around_the_step_as_torch_runs_them(fraction: float)
 def test_wrap_takes_the_state_over() -> None:
     params = make_params()
     user_opt = torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.3)
+    for param in params:
+        param.grad = torch.full_like(param, 0.5)
+    user_opt.step()
     expected = {index: dict(user_opt.state[p]) for index, p in enumerate(params)}
     opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(0.5))
     assert not user_opt.state, "the original still holds a second copy of the state"
     for index, param in enumerate(params):
         assert torch.equal(opt.state[param]["sum"], expected[index]["sum"])
+        assert float(opt.state[param]["step"]) == 1.0
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_state_made_at_construction_starts_in_fp32_under_bf16_params(fraction: float) -> None:
+    # torch's Adagrad makes `sum` at construction in the param's dtype (0.1 rounds to
+    # 0.10009765625 in bf16); wrapped before any step, the fp32 state starts at 0.1, as the
+    # hybrid's own constructor starts it, not at the rounding.
+    params = [torch.nn.Parameter(p.detach().bfloat16()) for p in make_params()]
+    user_opt = torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.1)
+    built = HybridDeviceOptimizer(
+        [torch.nn.Parameter(p.detach().clone()) for p in params], torch.optim.Adagrad,
+        policy=policy(fraction), lr=0.1, initial_accumulator_value=0.1,
+    )  # fmt: skip
+    opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(fraction))
+    assert not user_opt.state, "the original still holds a second copy of the state"
+    for param, other in zip(params, built.param_groups[0]["params"], strict=True):
+        assert torch.equal(opt.state[param]["sum"], torch.full(param.shape, 0.1)), param.shape
+        assert torch.equal(opt.state[param]["sum"], built.state[other]["sum"])
 
 
 def lr_of(opt: torch.optim.Optimizer) -> list[float]:

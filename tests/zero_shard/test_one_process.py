@@ -126,6 +126,16 @@ ONE_PROCESS = textwrap.dedent(
         torch.testing.assert_close(param, ref_param, **PARAM_TOL, msg=name)
     print("a 0-dim param")
 
+    # torch's Adagrad makes its state at construction in the params' dtype: wrapped before a
+    # step, a bf16 model's fp32 state starts at 0.1, not at its bf16 rounding (0.10009765625).
+    bf16 = make_model().to(torch.bfloat16)
+    ada = zero_shard.wrap(torch.optim.Adagrad(bf16.parameters(), initial_accumulator_value=0.1),
+                          bf16)  # fmt: skip
+    for param in bf16.parameters():
+        summed = ada.state[param]["sum"].full_tensor()
+        assert torch.equal(summed, torch.full(param.shape, 0.1)), summed.flatten()[:3]
+    print("fp32 state from the constructor")
+
     # A group made after wrap: the wrappers made alone still step alone (a group of one), and a
     # new wrap shards over the group.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -290,6 +300,7 @@ def test_wrap_without_a_process_group_trains_as_torch() -> None:
         "a full copy",
         "no second copy",
         "a 0-dim param",
+        "fp32 state from the constructor",
         "a later group",
     ):
         assert said in result.stdout, (said, result.stdout)
