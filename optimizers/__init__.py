@@ -9,7 +9,11 @@ from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
 from ._speculation import SpeculationCounts
 from ._state import ParamState, check_saved_keys, stepped
-from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
+from ._state_dict_hooks import (
+    load_state_dict_with_hooks,
+    share_state_dict_hooks,
+    state_dict_with_hooks,
+)
 from ._step_hooks import has_step_post_hooks, share_step_hooks
 
 __all__ = [
@@ -28,6 +32,7 @@ __all__ = [
     "has_step_post_hooks",
     "load_state_dict_with_hooks",
     "scale_grads_",
+    "share_state_dict_hooks",
     "share_step_hooks",
     "state_dict_with_hooks",
     "stepped",

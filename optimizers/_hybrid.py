@@ -63,7 +63,11 @@ from ._state import (
     stepped,
     write_state,
 )
-from ._state_dict_hooks import load_state_dict_with_hooks, state_dict_with_hooks
+from ._state_dict_hooks import (
+    load_state_dict_with_hooks,
+    share_state_dict_hooks,
+    state_dict_with_hooks,
+)
 from ._step_hooks import share_step_hooks
 
 __all__ = ["HybridDeviceOptimizer", "MemoryReport"]
@@ -288,6 +292,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         optimizer.state.clear()  # taken over, or made again at construction in fp32
         hybrid._wrapped = weakref.ref(optimizer)
         share_step_hooks(hybrid, optimizer)
+        share_state_dict_hooks(hybrid, optimizer)
         return hybrid
 
     def __getstate__(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from optimizers import (
     constructor_defaults,
     has_step_post_hooks,
     load_state_dict_with_hooks,
+    share_state_dict_hooks,
     share_step_hooks,
     state_dict_with_hooks,
     stepped,
@@ -275,6 +276,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
         share_step_hooks(self, optimizer)  # the user no longer steps it: its hooks run here
+        share_state_dict_hooks(self, optimizer)  # nor saves it
         self._wrapped = weakref.ref(optimizer)
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._group_fqns = [[fqns[id(p)] for p in params] for params in self._group_params]

@@ -855,3 +855,36 @@ def test_state_dict_hooks_run_as_in_torch(fraction: float) -> None:
     assert lr_of(opt) == lr_of(ref_opt) == [0.125]
     step_both(opt, ref_opt, params, refs, torch.Generator().manual_seed(1))
     assert_params_match(params, refs, "after the load")
+
+
+@pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
+def test_state_dict_hooks_on_the_wrapped_optimizer_run_as_in_torch(when: str) -> None:
+    # A library registers its hooks on the torch optimizer (before the wrap, or on the one it
+    # kept): they run around the wrapper's state_dict and load_state_dict, as around torch's;
+    # the torch optimizer's own state_dict(), whose state the wrapper holds, is refused while
+    # the wrapper lives, and serves again once it is gone.
+    params, refs = make_params(), make_params()
+    user_opt = torch.optim.AdamW(params, lr=1e-2)
+    ref_opt = torch.optim.AdamW(refs, lr=1e-2)
+    ran: dict[str, list[str]] = {"hybrid": [], "torch": []}
+    register_recording_hooks(ref_opt, ran["torch"])
+    if when == "before_wrap":
+        register_recording_hooks(user_opt, ran["hybrid"])
+    opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(0.5))
+    if when == "after_wrap":
+        register_recording_hooks(user_opt, ran["hybrid"])
+    step_both(opt, ref_opt, params, refs, torch.Generator().manual_seed(0))
+    state, ref_state = opt.state_dict(), ref_opt.state_dict()
+    assert state["extra"] == ref_state["extra"] == 2
+    opt.load_state_dict(state)
+    ref_opt.load_state_dict(ref_state)
+    assert ran["hybrid"] == ran["torch"]
+    assert lr_of(opt) == lr_of(ref_opt) == [0.125]
+    step_both(opt, ref_opt, params, refs, torch.Generator().manual_seed(1))
+    assert_params_match(params, refs, "after the load")
+    with pytest.raises(RuntimeError, match="state_dict\\(\\) was called on the AdamW that a "
+                       "HybridDeviceOptimizer wraps"):  # fmt: skip
+        user_opt.state_dict()
+    del opt
+    gc.collect()
+    assert user_opt.state_dict()["state"] == {}

@@ -1742,6 +1742,16 @@ def a_loaded_state_dicts_options_are_copies_in_force_from_the_first_step(
         torch_opt.step()
     assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before, strict=True))
     opt.zero_grad()
+    # Its state_dict() too (the wrapper holds the state: a checkpoint through the kept
+    # reference would hold none), also through torch's get_optimizer_state_dict; its state-dict
+    # hooks run around the wrapper's, as its step hooks do.
+    refused = "state_dict\\(\\) was called on the SGD that a ZeroShardOptimizer wraps"
+    with pytest.raises(RuntimeError, match=refused):
+        torch_opt.state_dict()
+    with pytest.raises(RuntimeError, match="was called on the SGD that a ZeroShardOptimizer"):
+        get_optimizer_state_dict(net, torch_opt)  # (torch steps it first to make its state)
+    torch_opt.register_state_dict_post_hook(lambda _, state: {**state, "noted": rank})
+    assert opt.state_dict()["noted"] == rank
 
 
 @case
