@@ -294,6 +294,8 @@ class ParamGatherer:
     #                                  at a flush (see [Note: delayed update])
     _waited: list[bool]  # per bucket: the current stream follows its copy into the params
     _num_waited: int
+    wait_everything: bool  # the forwards wait for every bucket: the planned waits no longer
+    #                        hold ([Note: params registered after wrap] in _hooks.py)
 
     def __init__(
         self,
@@ -319,6 +321,7 @@ class ParamGatherer:
         self._deferred = None
         self._waited = []
         self._num_waited = 0
+        self.wait_everything = False
         weakref.finalize(self, _shut_down, self._executor)
 
     @property

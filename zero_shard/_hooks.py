@@ -19,6 +19,15 @@
   copying to the host until its step is complete ([Note: deferred host step]).
 
 Every hook is marked as zero-shard's: copies of the model leave them out ([Note: plain copies]).
+
+[Note: params registered after wrap]
+The waits are planned at wrap from where each param is registered. A param of the optimizer's
+set on another module afterwards (weights tied after wrap: ``blocks[0].fc.weight =
+blocks[2].fc.weight``) is read there, in a unit whose waits need not cover its bucket, and the
+forward would read it before its update lands. torch's global hook on param registrations
+(installed once) tells the model's gatherer; from then on the forwards wait for every bucket
+before they start (the gathers no longer overlap the forward), with a warning once. A param set
+where it was, or one the optimizer does not hold (no gather writes it), changes nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ._buckets import Bucket
@@ -102,6 +112,9 @@ class _WaitHook(CompileAwareHook):
         gatherer = self._gatherer()
         if gatherer is None or not gatherer.pending:
             return
+        if gatherer.wait_everything:  # [Note: params registered after wrap]
+            gatherer.finish()
+            return
         gatherer.wait_for(self._own)
         if not_run:
             if self._unit == 0:
@@ -109,6 +122,53 @@ class _WaitHook(CompileAwareHook):
             for unit, indices in self._below:
                 if unit in not_run:
                     gatherer.wait_for(indices)
+
+
+@dataclass
+class _Registrations:
+    """What a wrapped model's param registrations are checked against: the optimizer's params,
+    and each module's params at wrap, by name ([Note: params registered after wrap])."""
+
+    gatherer: weakref.ref[ParamGatherer]
+    held: set[int]  # ids of the params the optimizer gathers into
+    at_wrap: dict[str, int]  # the module's params at wrap: name -> id
+    model_name: str
+
+
+_REGISTRATIONS: weakref.WeakKeyDictionary[nn.Module, _Registrations] = weakref.WeakKeyDictionary()
+_hook_installed = False
+
+
+def _on_param_registered(module: nn.Module, name: str, param: torch.Tensor) -> None:
+    """torch's global hook on every param registration (``module.name = param``)."""
+    watched = _REGISTRATIONS.get(module)
+    if watched is None or watched.at_wrap.get(name) == id(param) or id(param) not in watched.held:
+        return
+    gatherer = watched.gatherer()
+    if gatherer is None or gatherer.wait_everything:
+        return
+    gatherer.wait_everything = True
+    warnings.warn(
+        f"zero-shard: a param of the optimizer was set as {name!r} of a "
+        f"{type(module).__name__} in {watched.model_name} after wrap (weights tied after "
+        "wrap?): the waits for gathered params were planned at wrap, so from now on each "
+        "forward waits for every param's gather before it starts, and the gathers no longer "
+        "overlap it. Tie or set params before wrap to keep the overlap",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _watch_registrations(model: nn.Module, gatherer: ParamGatherer, held: set[int]) -> None:
+    global _hook_installed
+    if not _hook_installed:
+        nn.modules.module.register_module_parameter_registration_hook(_on_param_registered)
+        _hook_installed = True
+    for module in model.modules():
+        at_wrap = {name: id(p) for name, p in module._parameters.items() if p is not None}
+        _REGISTRATIONS[module] = _Registrations(
+            weakref.ref(gatherer), held, at_wrap, type(model).__name__
+        )
 
 
 def _while_pending(gatherer: ParamGatherer, action: Callable[[ParamGatherer], None]) -> Any:
@@ -181,6 +241,7 @@ def register_param_waits(
             RuntimeWarning,
             stacklevel=4,
         )
+    _watch_registrations(model, gatherer, set(bucket_of))
     handles = []
     for module in model.modules():
         place = 0 if module is model else unit_of.get(id(module))

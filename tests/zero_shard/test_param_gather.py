@@ -942,6 +942,39 @@ def slow_gathers(seconds: float) -> contextlib.AbstractContextManager:
     return delayed(_gather, "unpack_params", lambda: time.sleep(seconds))
 
 
+class Blocks(nn.Module):
+    """Three blocks (the units) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tie_the_first_block_to_the_last(model: nn.Module, opt: Any, step: int) -> None:
+    if step == 0:
+        model.blocks[0][0].weight = model.blocks[2][0].weight
+
+
+@case
+def weights_tied_after_wrap_are_waited_for(rank: int, world: int) -> None:
+    # A param of the optimizer set on another unit's module after wrap is read there before the
+    # units' planned waits reach its bucket: the forwards wait for every bucket from then on
+    # ([Note: params registered after wrap]), with a warning; torch's numbers every step.
+    with slow_gathers(0.02 if rank == 0 else 0.0):
+        for fraction in (0.0, 0.5):
+            with pytest.warns(RuntimeWarning, match="set as 'weight' of a Linear .* after wrap"):
+                train_against_torch(
+                    rank, world, Blocks, bucket_mb=ONE_PER_BUCKET, fraction=fraction,
+                    after_step=tie_the_first_block_to_the_last,
+                )  # fmt: skip
+
+
 def read_state(model: nn.Module, opt: Any, step: int) -> None:
     """Reads the optimizer state while the step's CPU share and gathers are in flight."""
     if opt is not None:
