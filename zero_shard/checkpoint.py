@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from ._host_group import default_timeout
-from ._names import is_compiled, module_state_key
+from ._names import canonical_names, is_compiled, module_state_key
 from ._optimizer import ZeroShardOptimizer
 from ._reading import DamagedCheckpointError, find_damage, read_metadata, read_whole, save_id
 from ._snapshots import Snapshotter
@@ -592,6 +592,8 @@ class _LoadPlan(NamedTuple):
     mains_from_model: dict[str, str]  # param FQN -> the model key whose saved fp32
     #                                   values are the param's main weight ([Note: main weights
     #                                   across dtypes])
+    params_from_mains: dict[str, str]  # model key -> the param FQN whose saved fp32 main
+    #                                    weights the param is read from (a torch optimizer's)
 
 
 def _load_plan(
@@ -609,6 +611,7 @@ def _load_plan(
     group_fqns: list[list[str]] = []
     numbered = False
     mains_from_model: dict[str, str] = {}
+    params_from_mains: dict[str, str] = {}
     if "optim" in state:
         group_fqns = [list(group["params"]) for group in state["optim"]["param_groups"]]
         numbered = numbers_params(saved, state["optim"])
@@ -622,6 +625,8 @@ def _load_plan(
             flat = [fqn for fqns in group_fqns for fqn in fqns]
             keys = {fqn: index if numbered else fqn for index, fqn in enumerate(flat)}
             mains_from_model = _mains_across_dtypes(saved, state, optimizer, model, keys)
+        elif not numbered:
+            params_from_mains = _params_from_saved_mains(saved, state, model)
         _leave_out_params_saved_without_state(saved, state["optim"])
         _leave_out_group_keys_saved_without(saved, state["optim"], optimizer.defaults)
         _leave_out_state_of_options_saved_off(saved, state["optim"])
@@ -651,7 +656,9 @@ def _load_plan(
                 "checkpoint saved with save(..., scheduler=...)"
             )
         state["scheduler"] = b""  # filled by DCP
-    return _LoadPlan(resolved, metadata, state, group_fqns, numbered, mains_from_model)
+    return _LoadPlan(
+        resolved, metadata, state, group_fqns, numbered, mains_from_model, params_from_mains
+    )
 
 
 def _mains_across_dtypes(
@@ -690,6 +697,34 @@ def _mains_across_dtypes(
                 state["model"][model_key] = _as_float32(template)
                 mains_from_model[record.fqn] = model_key
     return mains_from_model
+
+
+def _params_from_saved_mains(
+    saved: Mapping[str, Any], state: dict[str, Any], model: nn.Module
+) -> dict[str, str]:
+    """[Note: main weights across dtypes] for a torch optimizer: a checkpoint saved from bf16
+    params by zero-shard holds their fp32 ``main_param``; loaded into an fp32 model, each such
+    param is read from it (the model's saved weights are its rounding), into a template of the
+    param's layout in the optimizer's state, which the load moves to the model. Returns the
+    model key -> param FQN of each."""
+    params_from_mains = {}
+    optim_state = state["optim"]["state"]
+    fqns = canonical_names(model)  # as the optimizer's state dict names them
+    for name, param in model.named_parameters():
+        fqn, model_key = fqns[id(param)], module_state_key(name)
+        template = state["model"].get(model_key)
+        entry = saved.get(f"model.{model_key}")
+        saved_dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        if (
+            f"optim.state.{fqn}.main_param" not in saved
+            or not isinstance(template, torch.Tensor)
+            or template.dtype != torch.float32
+            or saved_dtype not in (torch.bfloat16, torch.float16)
+        ):
+            continue
+        optim_state.setdefault(fqn, {})["main_param"] = _as_float32(template)
+        params_from_mains[model_key] = fqn
+    return params_from_mains
 
 
 def _as_float32(template: torch.Tensor) -> torch.Tensor:
@@ -818,6 +853,8 @@ def _read_checked(
                 )
 
         state = read_whole(loading.state, loading.path, loading.metadata, device, check)
+        for model_key, fqn in loading.params_from_mains.items():  # (a torch optimizer's)
+            state["model"][model_key] = state["optim"]["state"][fqn].pop("main_param")
         # Checked above: it passes.
         optim_state = None if optimizer is None else _loaded_optim_state(loading, state, optimizer)
     except BaseException:  # DCP's CheckpointException is not an Exception

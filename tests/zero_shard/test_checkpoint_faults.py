@@ -43,7 +43,13 @@ from _models import (
 )
 from torch import nn
 from torch.distributed import distributed_c10d
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 import zero_shard
@@ -607,6 +613,23 @@ def a_checkpoint_of_another_param_dtype_keeps_its_full_precision(rank: int, worl
                 assert torch.equal(full(param), exact[name].to(loaded_dtype)), where
                 if loaded_dtype == torch.bfloat16:
                     assert torch.equal(loaded[name]["main_param"], exact[name]), where
+        if saved_dtype != torch.bfloat16:
+            continue
+        # The bf16 checkpoint into an fp32 model with a torch AdamW, and through torch's own
+        # full-state functions into an fp32 zero-shard wrapper (the model's weights first, then
+        # the optimizer's state): the params are the saved fp32 main weights there too.
+        plain = make_model(seed=1)
+        plain_opt = adamw(plain)
+        checkpoint.load(path, model=plain, optimizer=plain_opt)
+        assert all("main_param" not in each for each in plain_opt.state.values())
+        full_options = StateDictOptions(full_state_dict=True)
+        model_state, optim_state = get_state_dict(model, opt, options=full_options)
+        other, other_opt = build_as(torch.float32, 1, 0.5)
+        set_model_state_dict(other, model_state, options=full_options)
+        set_optimizer_state_dict(other, other_opt, optim_state, options=full_options)
+        for route, net in (("load into torch AdamW", plain), ("set_*_state_dict", other)):
+            for name, param in net.named_parameters():
+                assert torch.equal(full(param), exact[name]), f"{route}: {name}"
 
 
 def ranks_given_other_checkpoints_are_refused(rank: int, world: int) -> None:
