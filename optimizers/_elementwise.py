@@ -96,7 +96,9 @@ def check_elementwise(cls: Any) -> None:
 
     Accepted: torch's elementwise optimizers (Adam, AdamW, SGD, Adagrad, Adamax, NAdam, RAdam,
     RMSprop, Rprop, Adadelta, ASGD), subclasses of them that keep their ``step``, and any class
-    that declares ``_zero_shard_elementwise = True``. Only torch's own classes have their state
+    that declares ``_zero_shard_elementwise = True``. Every class is stepped over flat 1-D pieces
+    of the params: a declared class whose step looks at a param's shape (``p.ndim >= 2`` to decay
+    matrices only) sees ``ndim == 1`` everywhere; put such choices in the param groups instead. Only torch's own classes have their state
     made at construction (zeros, where their first step would make zeros); a subclass that
     changes its ``step`` or ``_init_group`` makes its state itself, at its first step.
     """
@@ -109,7 +111,10 @@ def check_elementwise(cls: Any) -> None:
         f"{cls.__module__}.{cls.__qualname__} is not a known elementwise optimizer: zero-shard "
         f"splits parameters by element between devices and ranks, which changes the result of "
         f"optimizers that look at whole tensors (norms, factored or matrix state). Supported: "
-        f"{names}. If your class really is elementwise, set `_zero_shard_elementwise = True` on it."
+        f"{names}. If your class really is elementwise (each element's update reads only that "
+        "element's param, grad and state and the group's options: zero-shard steps it over flat "
+        "1-D pieces of the params, so it must not look at a param's shape, dims or norm), set "
+        "`_zero_shard_elementwise = True` on it."
     )
 
 
