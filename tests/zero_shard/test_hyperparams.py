@@ -185,7 +185,14 @@ def groups_changed_on_the_torch_optimizer_are_refused_until_wrapped_again(
 ) -> None:
     model = make_model()
     torch_opt, opt = wrapped_without_the_out_layer(model)
-    torch_opt.load_state_dict(torch_opt.state_dict())  # new group dicts: not the wrapper's
+    # A state dict saved before (the wrapped optimizer's own state_dict() is refused): new group
+    # dicts, not the wrapper's.
+    sizes = [len(group["params"]) for group in torch_opt.param_groups]
+    starts = [sum(sizes[:index]) for index in range(len(sizes))]
+    groups = zip(torch_opt.param_groups, starts, sizes, strict=True)
+    saved_groups = [{**group, "params": list(range(start, start + size))}
+                    for group, start, size in groups]  # fmt: skip
+    torch_opt.load_state_dict({"state": {}, "param_groups": saved_groups})
     refused_without_change(opt, model, 0, rank, world)
     # The params lists are the user's to edit, as in torch (progressive unfreezing, a param moved
     # to a group with other options), and the groups list too: each edit is refused.
