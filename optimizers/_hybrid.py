@@ -289,6 +289,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
         if saved is not None:
             hybrid.load_state_dict(saved)
+        elif optimizer.state:  # made by its constructor: made again in fp32, held as torch's
+            hybrid.state_started = True
         optimizer.state.clear()  # taken over, or made again at construction in fp32
         hybrid._wrapped = weakref.ref(optimizer)
         share_step_hooks(hybrid, optimizer)

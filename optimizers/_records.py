@@ -98,10 +98,12 @@ def reload_mains(mains: torch.Tensor, values: torch.Tensor, *, keep_unchanged: b
     and back, rows restored around others, a clamp that moved a few elements) carries nothing
     new for it, and reloading would round it to the model's dtype; every other element takes
     its value, as a weight load. Element by element, so that what a write keeps does not depend
-    on how the param is cut into pieces (the offload fraction, the ranks)."""
+    on how the param is cut into pieces (the offload fraction, the ranks). An element a clamp
+    left at its rounding keeps its main weight, which may lie up to half a step of the model's
+    dtype past the clamp's bound."""
     if keep_unchanged and values.dtype != mains.dtype:
-        unchanged = values == mains.to(values.dtype)
-        mains.copy_(torch.where(unchanged, mains, values.to(mains.dtype)))
+        unchanged = values == mains.to(values.dtype)  # (3 bytes an element, for the moment)
+        torch.where(unchanged, mains, values, out=mains)
         return
     mains.copy_(values)
 

@@ -135,28 +135,30 @@ class _Registrations:
     model_name: str
 
 
-_REGISTRATIONS: weakref.WeakKeyDictionary[nn.Module, _Registrations] = weakref.WeakKeyDictionary()
+_REGISTRATIONS: weakref.WeakKeyDictionary[nn.Module, list[_Registrations]] = (
+    weakref.WeakKeyDictionary()
+)  # one a wrapper over the module's model (two wrappers may hold disjoint params of one model)
 _hook_installed = False
 
 
 def _on_param_registered(module: nn.Module, name: str, param: torch.Tensor) -> None:
     """torch's global hook on every param registration (``module.name = param``)."""
-    watched = _REGISTRATIONS.get(module)
-    if watched is None or watched.at_wrap.get(name) == id(param) or id(param) not in watched.held:
-        return
-    gatherer = watched.gatherer()
-    if gatherer is None or gatherer.wait_everything:
-        return
-    gatherer.wait_everything = True
-    warnings.warn(
-        f"zero-shard: a param of the optimizer was set as {name!r} of a "
-        f"{type(module).__name__} in {watched.model_name} after wrap (weights tied after "
-        "wrap?): the waits for gathered params were planned at wrap, so from now on each "
-        "forward waits for every param's gather before it starts, and the gathers no longer "
-        "overlap it. Tie or set params before wrap to keep the overlap",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+    for watched in _REGISTRATIONS.get(module, ()):
+        if watched.at_wrap.get(name) == id(param) or id(param) not in watched.held:
+            continue
+        gatherer = watched.gatherer()
+        if gatherer is None or gatherer.wait_everything:
+            continue
+        gatherer.wait_everything = True
+        warnings.warn(
+            f"zero-shard: a param of the optimizer was set as {name!r} of a "
+            f"{type(module).__name__} in {watched.model_name} after wrap (weights tied after "
+            "wrap?): the waits for gathered params were planned at wrap, so from now on each "
+            "forward waits for every param's gather before it starts, and the gathers no longer "
+            "overlap it. Tie or set params before wrap to keep the overlap",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _watch_registrations(model: nn.Module, gatherer: ParamGatherer, held: set[int]) -> None:
@@ -166,9 +168,9 @@ def _watch_registrations(model: nn.Module, gatherer: ParamGatherer, held: set[in
         _hook_installed = True
     for module in model.modules():
         at_wrap = {name: id(p) for name, p in module._parameters.items() if p is not None}
-        _REGISTRATIONS[module] = _Registrations(
-            weakref.ref(gatherer), held, at_wrap, type(model).__name__
-        )
+        live = [w for w in _REGISTRATIONS.get(module, ()) if w.gatherer() is not None]
+        live.append(_Registrations(weakref.ref(gatherer), held, at_wrap, type(model).__name__))
+        _REGISTRATIONS[module] = live
 
 
 def _while_pending(gatherer: ParamGatherer, action: Callable[[ParamGatherer], None]) -> Any:

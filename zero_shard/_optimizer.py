@@ -276,7 +276,6 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._building = False
         share_step_hooks(self, optimizer)  # the user no longer steps it: its hooks run here
-        share_state_dict_hooks(self, optimizer)  # nor saves it
         self._wrapped = weakref.ref(optimizer)
         self._group_params = [list(g["params"]) for g in self.param_groups]
         self._group_fqns = [[fqns[id(p)] for p in params] for params in self._group_params]
@@ -302,6 +301,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
             self._hybrid.state_started = True  # on every rank, whatever its shards hold
+        elif optimizer.state:  # made by its constructor: made again in fp32, and held as torch's
+            self._hybrid.state_started = True
         else:  # read before they retire (the same on every rank: each wraps alike)
             carried = [
                 owner._state_dict(TorchCall.NONE)
@@ -321,6 +322,8 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             sharded.record_version()
         claim([sharded.param for sharded in self._sharded], self)
         optimizer.state.clear()  # taken over: not held twice (a scheduler may keep it alive)
+        # Its state is the wrapper's from here on (not before: a wrap that failed left it there).
+        share_state_dict_hooks(self, optimizer)
         if carried:
             self._load_carried_state(carried)
 

@@ -244,9 +244,12 @@ def _prepare(
     and runs ``stage`` (the snapshot of an async save); if any of it fails on any rank (the last
     save failed), every rank raises, and nothing is written."""
     final, partial, previous = _paths(path)
+    # The path as given, made absolute (a relative one resolves against each rank's working
+    # directory); not through links, which may differ between hosts that share one file system.
+    given = os.path.abspath(os.fspath(path))
     _check_one_checkpoint(
-        str(final),
-        str(final),
+        given,
+        given,
         f"save() was given {str(path)!r}, which the ranks resolve to different directories",
         "every rank writes its part into one checkpoint: pass an absolute path on a file "
         "system all ranks share; nothing was written",
@@ -710,7 +713,7 @@ def _params_from_saved_mains(
     params_from_mains = {}
     optim_state = state["optim"]["state"]
     fqns = canonical_names(model)  # as the optimizer's state dict names them
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters(remove_duplicate=False):  # tied: every key
         fqn, model_key = fqns[id(param)], module_state_key(name)
         template = state["model"].get(model_key)
         entry = saved.get(f"model.{model_key}")
@@ -722,7 +725,8 @@ def _params_from_saved_mains(
             or saved_dtype not in (torch.bfloat16, torch.float16)
         ):
             continue
-        optim_state.setdefault(fqn, {})["main_param"] = _as_float32(template)
+        if "main_param" not in optim_state.setdefault(fqn, {}):
+            optim_state[fqn]["main_param"] = _as_float32(template)
         params_from_mains[model_key] = fqn
     return params_from_mains
 
@@ -853,8 +857,11 @@ def _read_checked(
                 )
 
         state = read_whole(loading.state, loading.path, loading.metadata, device, check)
-        for model_key, fqn in loading.params_from_mains.items():  # (a torch optimizer's)
-            state["model"][model_key] = state["optim"]["state"][fqn].pop("main_param")
+        mains: dict[str, torch.Tensor] = {}  # (a torch optimizer's: it keeps no main_param)
+        for model_key, fqn in loading.params_from_mains.items():  # a tied param's keys share one
+            if fqn not in mains:
+                mains[fqn] = state["optim"]["state"][fqn].pop("main_param")
+            state["model"][model_key] = mains[fqn]
         # Checked above: it passes.
         optim_state = None if optimizer is None else _loaded_optim_state(loading, state, optimizer)
     except BaseException:  # DCP's CheckpointException is not an Exception

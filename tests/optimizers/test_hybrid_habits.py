@@ -320,6 +320,7 @@ def test_state_made_at_construction_starts_in_fp32_under_bf16_params(fraction: f
     )  # fmt: skip
     opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(fraction))
     assert not user_opt.state, "the original still holds a second copy of the state"
+    assert opt.state, "torch's Adagrad holds state from its construction on"
     for param, other in zip(params, built.param_groups[0]["params"], strict=True):
         assert torch.equal(opt.state[param]["sum"], torch.full(param.shape, 0.1)), param.shape
         assert torch.equal(opt.state[param]["sum"], built.state[other]["sum"])
@@ -838,6 +839,25 @@ def register_recording_hooks(opt: torch.optim.Optimizer, ran: list[str]) -> None
     opt.register_load_state_dict_post_hook(lambda opt: ran.append("load post"))
 
 
+def saved_and_loaded_as_torch(
+    opt: torch.optim.Optimizer,
+    ref_opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    refs: list[torch.Tensor],
+    ran: dict[str, list[str]],
+) -> None:
+    """A state dict taken and loaded back on both, through the hooks ``register_recording_hooks``
+    registered: the same hooks ran, the same state dict and lr came out, the next step agrees."""
+    state, ref_state = opt.state_dict(), ref_opt.state_dict()
+    assert state["extra"] == ref_state["extra"] == 2
+    opt.load_state_dict(state)
+    ref_opt.load_state_dict(ref_state)
+    assert ran["hybrid"] == ran["torch"]
+    assert lr_of(opt) == lr_of(ref_opt) == [0.125]
+    step_both(opt, ref_opt, params, refs, torch.Generator().manual_seed(1))
+    assert_params_match(params, refs, "after the load")
+
+
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_state_dict_hooks_run_as_in_torch(fraction: float) -> None:
     params, refs = make_params(), make_params()
@@ -847,14 +867,7 @@ def test_state_dict_hooks_run_as_in_torch(fraction: float) -> None:
     ran: dict[str, list[str]] = {"hybrid": [], "torch": []}
     register_recording_hooks(opt, ran["hybrid"])
     register_recording_hooks(ref_opt, ran["torch"])
-    state, ref_state = opt.state_dict(), ref_opt.state_dict()
-    assert state["extra"] == ref_state["extra"] == 2
-    opt.load_state_dict(state)
-    ref_opt.load_state_dict(ref_state)
-    assert ran["hybrid"] == ran["torch"]
-    assert lr_of(opt) == lr_of(ref_opt) == [0.125]
-    step_both(opt, ref_opt, params, refs, torch.Generator().manual_seed(1))
-    assert_params_match(params, refs, "after the load")
+    saved_and_loaded_as_torch(opt, ref_opt, params, refs, ran)
 
 
 @pytest.mark.parametrize("when", ["before_wrap", "after_wrap"])
@@ -874,14 +887,7 @@ def test_state_dict_hooks_on_the_wrapped_optimizer_run_as_in_torch(when: str) ->
     if when == "after_wrap":
         register_recording_hooks(user_opt, ran["hybrid"])
     step_both(opt, ref_opt, params, refs, torch.Generator().manual_seed(0))
-    state, ref_state = opt.state_dict(), ref_opt.state_dict()
-    assert state["extra"] == ref_state["extra"] == 2
-    opt.load_state_dict(state)
-    ref_opt.load_state_dict(ref_state)
-    assert ran["hybrid"] == ran["torch"]
-    assert lr_of(opt) == lr_of(ref_opt) == [0.125]
-    step_both(opt, ref_opt, params, refs, torch.Generator().manual_seed(1))
-    assert_params_match(params, refs, "after the load")
+    saved_and_loaded_as_torch(opt, ref_opt, params, refs, ran)
     with pytest.raises(RuntimeError, match="state_dict\\(\\) was called on the AdamW that a "
                        "HybridDeviceOptimizer wraps"):  # fmt: skip
         user_opt.state_dict()

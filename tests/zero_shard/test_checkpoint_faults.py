@@ -417,6 +417,19 @@ def the_first_save_on_rank_0_alone_raises_there(rank: int, world: int) -> None:
     save_on_rank_0_alone(rank, world, "alone_first")
 
 
+def interrupted_on_rank_0(
+    rank: int, storage: type, method: str
+) -> contextlib.AbstractContextManager:
+    """Ctrl-C in ``storage.method`` (DCP's reads or writes) on rank 0."""
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    if rank != 0:
+        return contextlib.nullcontext()
+    return mock.patch.object(storage, method, interrupted)
+
+
 def an_interrupted_load_raises_keyboardinterrupt_and_changes_nothing(rank: int, world: int) -> None:
     # Ctrl-C while rank 0 reads: DCP shares the failure; every rank raises KeyboardInterrupt (not
     # DamagedCheckpointError: nothing is damaged), and nothing was loaded.
@@ -424,15 +437,7 @@ def an_interrupted_load_raises_keyboardinterrupt_and_changes_nothing(rank: int, 
     model, opt = build(seed=1)
     train(model, opt, range(2), rank, world)
     before = snapshot(model, opt)
-
-    def interrupted(*args: Any, **kwargs: Any) -> None:
-        raise KeyboardInterrupt
-
-    reader = dcp.FileSystemReader
-    patch = mock.patch.object(reader, "read_data", interrupted) if rank == 0 else None
-    with contextlib.ExitStack() as stack:
-        if patch is not None:
-            stack.enter_context(patch)
+    with interrupted_on_rank_0(rank, dcp.FileSystemReader, "read_data"):
         with pytest.raises(KeyboardInterrupt, match="nothing was loaded"):
             checkpoint.load(folder(world) / "good", model=model, optimizer=opt)
     assert_same(snapshot(model, opt), before, "right after the interrupted load", EXACT)
@@ -444,15 +449,7 @@ def an_interrupted_save_raises_keyboardinterrupt_and_keeps_the_last(rank: int, w
     save_good_checkpoint(rank, world)
     model, opt = build(seed=1)
     train(model, opt, range(2), rank, world)
-
-    def interrupted(*args: Any, **kwargs: Any) -> None:
-        raise KeyboardInterrupt
-
-    writer = dcp.FileSystemWriter
-    patch = mock.patch.object(writer, "write_data", interrupted) if rank == 0 else None
-    with contextlib.ExitStack() as stack:
-        if patch is not None:
-            stack.enter_context(patch)
+    with interrupted_on_rank_0(rank, dcp.FileSystemWriter, "write_data"):
         with pytest.raises(KeyboardInterrupt, match="the save was interrupted"):
             checkpoint.save(folder(world) / "good", model=model, optimizer=opt, extra={"step": 9})
     assert checkpoint.load(folder(world) / "good", model=model, optimizer=opt) == {"step": 3}
@@ -572,6 +569,22 @@ def extra_and_the_scheduler_are_rank_0s(rank: int, world: int) -> None:
     assert other_sched.last_epoch == 1, other_sched.last_epoch
 
 
+class Tied(nn.Module):
+    """``again`` applies ``mid``'s weight (tied) with a bias of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(15, 7)
+        self.mid = nn.Linear(7, 7)
+        self.again = nn.Linear(7, 7)
+        self.again.weight = self.mid.weight
+        self.out = nn.Linear(7, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        return self.out(torch.tanh(self.again(h)))
+
+
 def a_checkpoint_of_another_param_dtype_keeps_its_full_precision(rank: int, world: int) -> None:
     # Saved with bf16 params, loaded into an fp32 model: the params are the saved fp32 main
     # weights (not the rounded bf16 params). Saved with fp32 params, loaded into a bf16 model:
@@ -630,6 +643,21 @@ def a_checkpoint_of_another_param_dtype_keeps_its_full_precision(rank: int, worl
         for route, net in (("load into torch AdamW", plain), ("set_*_state_dict", other)):
             for name, param in net.named_parameters():
                 assert torch.equal(full(param), exact[name]), f"{route}: {name}"
+    # A tied param (two keys of the model's state dict, one param) into fp32 and a torch AdamW:
+    # both keys read its main weight.
+    model = Tied().to(torch.bfloat16)
+    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+    for step in range(2):
+        x, y = global_batch(step)
+        mse(model(local_slice(x, rank, world).bfloat16()), local_slice(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(folder(world) / "tied_bf16", model=model, optimizer=opt)
+    saved = zero_shard.full_state_dict(opt, rank=rank)["state"]
+    plain = Tied()
+    checkpoint.load(folder(world) / "tied_bf16", model=plain, optimizer=adamw(plain))
+    for name, param in plain.named_parameters():
+        assert torch.equal(param.detach(), saved[name]["main_param"]), f"tied: {name}"
 
 
 def ranks_given_other_checkpoints_are_refused(rank: int, world: int) -> None:

@@ -131,10 +131,29 @@ ONE_PROCESS = textwrap.dedent(
     bf16 = make_model().to(torch.bfloat16)
     ada = zero_shard.wrap(torch.optim.Adagrad(bf16.parameters(), initial_accumulator_value=0.1),
                           bf16)  # fmt: skip
+    assert ada.state, "torch's Adagrad holds state from its construction on"
     for param in bf16.parameters():
         summed = ada.state[param]["sum"].full_tensor()
         assert torch.equal(summed, torch.full(param.shape, 0.1)), summed.flatten()[:3]
     print("fp32 state from the constructor")
+
+    # A wrap that fails after taking the groups (here: building its hybrid) leaves the torch
+    # optimizer as it was: its state, and its own state_dict().
+    from unittest import mock
+
+    fresh = make_model()
+    stepped_opt = adamw(fresh)
+    mse(fresh(global_batch(0)[0]), global_batch(0)[1]).backward()
+    stepped_opt.step()
+    failing = mock.patch.object(zero_shard.ZeroShardOptimizer, "_make_hybrid",
+                                side_effect=RuntimeError("out of memory, say"))  # fmt: skip
+    try:
+        with failing:
+            zero_shard.wrap(stepped_opt, fresh)
+    except RuntimeError as err:
+        kept = err  # the half-built wrapper lives as long as the traceback
+        assert len(stepped_opt.state_dict()["state"]) == len(list(fresh.parameters())), kept
+    print("a failed wrap leaves it")
 
     # A group made after wrap: the wrappers made alone still step alone (a group of one), and a
     # new wrap shards over the group.
@@ -301,6 +320,7 @@ def test_wrap_without_a_process_group_trains_as_torch() -> None:
         "no second copy",
         "a 0-dim param",
         "fp32 state from the constructor",
+        "a failed wrap leaves it",
         "a later group",
     ):
         assert said in result.stdout, (said, result.stdout)

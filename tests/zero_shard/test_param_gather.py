@@ -973,6 +973,14 @@ def weights_tied_after_wrap_are_waited_for(rank: int, world: int) -> None:
                     rank, world, Blocks, bucket_mb=ONE_PER_BUCKET, fraction=fraction,
                     after_step=tie_the_first_block_to_the_last,
                 )  # fmt: skip
+    # Two wrappers over one model (the blocks', then the head's): the one holding the param is
+    # told, whichever wrapped last.
+    model = Blocks()
+    blocks_opt = zero_shard.wrap(torch.optim.AdamW(model.blocks.parameters()), model)
+    head_opt = zero_shard.wrap(torch.optim.SGD(model.head.parameters(), lr=LR), model)
+    with pytest.warns(RuntimeWarning, match="set as 'weight' of a Linear .* after wrap"):
+        tie_the_first_block_to_the_last(model, blocks_opt, 0)
+    assert head_opt is not None  # alive through the tie
 
 
 def read_state(model: nn.Module, opt: Any, step: int) -> None:
