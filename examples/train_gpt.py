@@ -784,8 +784,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the step then stands, or is redone or forgotten (exact; per_chunk staging). auto: on "
         "where this is the host's only rank and the host keeps a quarter of its memory "
         "available with it. Default off")  # fmt: skip
-    add("--delayed-update", action="store_true", help="with --offload-fraction 1: the CPU step "
-        "of step k runs during step k+1's forward and backward (the params lag one step)")  # fmt: skip
+    add("--delayed-update", action="store_true", help="with --offload-fraction 1, one process: "
+        "the CPU step of step k runs during step k+1's forward and backward (the params lag one "
+        "step, except after an evaluation or a checkpoint, which complete it: set --eval-every)")  # fmt: skip
     add("--delayed-update-warmup", type=int, default=0, metavar="STEPS", help="with "
         "--delayed-update: the first STEPS steps are exact, the delay starts after them")  # fmt: skip
     add("--fsdp2-cpu-offload", action="store_true", help="zero-shard over the model sharded as "
@@ -837,6 +838,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> arg
         parser.error("--tp runs with --optimizer zero-shard only")
     if args.sequence_parallel and args.tp == 1:
         parser.error("--sequence-parallel splits the sequence over --tp ranks: add --tp 2 or more")
+    if args.delayed_update and (args.offload_fraction != 1.0 or world_size > 1):
+        parser.error(f"--delayed-update runs with --offload-fraction 1 on one process, got "
+                     f"--offload-fraction {args.offload_fraction} on {world_size} rank(s)")  # fmt: skip
     if args.delayed_update_warmup and not args.delayed_update:
         parser.error("--delayed-update-warmup counts the exact steps before --delayed-update: "
                      "add --delayed-update")  # fmt: skip

@@ -160,11 +160,20 @@ def _checked_staging(
             reason,
         )
     if speculative is True and not speculates:
+        lacking = []
+        if not early_copies:
+            lacking.append("grads on the host during backward (a delayed update copies none)")
+        if kind != "per_chunk":
+            lacking.append(
+                f"a staging buffer per chunk (host_staging is {kind!r} here: set "
+                "host_staging='per_chunk')"
+            )
+        if all(kernel is None for kernel in kernels):
+            lacking.append("chunks on the single-pass Adam/AdamW kernel")
         warnings.warn(
-            "OffloadPolicy(speculative=True) has no effect here: it needs a staging buffer per "
-            f"chunk (host_staging is {kind!r} here) and chunks on the single-pass Adam/AdamW "
-            "kernel, with no delayed update. Set host_staging='per_chunk', or speculative="
-            "'auto' to silence this",
+            "OffloadPolicy(speculative=True) has no effect here: it needs grads on the host "
+            "during backward, a staging buffer per chunk and chunks on the single-pass Adam/AdamW "
+            f"kernel; here it lacks {'; '.join(lacking)}. Pass speculative='auto' to silence this",
             RuntimeWarning,
             stacklevel=4,
         )

@@ -140,7 +140,10 @@ class OffloadPolicy:
             host keeps at least a quarter of its memory available with it (as
             ``host_staging="auto"`` decides; the choice is logged, logger ``zero_shard``, INFO).
             ``True``: on where it applies, and a warning where it cannot (bounded staging, a
-            delayed update, no chunk on the kernel, a DDP or FSDP2 model). Default ``False``: it
+            delayed update, no chunk on the kernel, a DDP or FSDP2 model). Only chunks whose
+            grads reach the host before backward ends speculate: under ``zero_shard.wrap``, not
+            those of the first bucket, reduced last (a model of one bucket never speculates, its
+            twins held all the same). Default ``False``: it
             pays where the CPU's share outlasts backward (a full offload at 1B on one GPU:
             0.81-0.94x the iteration without it, median 0.88x) and costs where the host drives a short
             backward (303M on two GPUs: 1.04-1.14x at fraction 1, 1.26-1.52x at 0.5; see
