@@ -189,6 +189,8 @@ class GradReducer:
                     if reducer is not None and reducer.enabled and next(reversed(hooks)) != mine[0]:
                         reducer.defer(sharded)  # hooks registered after wrap run after this one
                         return
+                    if param.grad is None:  # a hook before this one took it (p.grad = None)
+                        return
                     sharded.watch.after_accumulate()
                     if reducer is not None:
                         reducer.on_grad_ready(sharded)

@@ -458,11 +458,28 @@ class GradWatch:
         if isinstance(grad, ReleasedGrad):
             if grad is not self.placeholder and _root(grad).retired:
                 raise restored_error(self.placeholder.fqn)
+            if self.kept and not grad.zeroed:
+                self._refuse_hooks_on_a_sum()
             self.param.grad = None
         elif sys.getrefcount(self.placeholder) > _HELD_ONCE + (self.expected is self.placeholder):
             # .grad cleared or set by hand: torch's grad from now on is another tensor than the
             # one held, which keeps its values (checked inline: every backward)
             self.renew_if_held()
+
+    def _refuse_hooks_on_a_sum(self) -> None:
+        """Raises where the param has post-accumulate-grad hooks of its user (beside zero-shard's
+        own), and this backward adds to a grad reduced before: torch's hooks would see the sum of
+        the backwards, but this backward's grad reaches ``.grad`` alone, added to the reduced one
+        after them (checked only on this path: accumulation)."""
+        hooks = self.param._post_accumulate_grad_hooks
+        if hooks is not None and len(hooks) > 1:
+            raise RuntimeError(
+                f"param {self.placeholder.fqn!r} has a post-accumulate-grad hook "
+                "(register_post_accumulate_grad_hook), and this backward adds to the grads the "
+                "last one reduced: torch's hook would see their sum, but here it sees this "
+                "backward's grad alone. Run the backwards before the last inside opt.no_sync() "
+                "(their grads then add up in .grad, and the hook sees the sum, as in torch)"
+            )
 
     def after_accumulate(self) -> None:
         """A backward accumulated into ``.grad`` (inside ``no_sync()``, it stays there)."""

@@ -770,23 +770,54 @@ def post_accumulate_grad_hooks_registered_after_wrap_see_the_local_grad(
                 optimizer.zero_grad()
         opt.finish_param_sync()
         assert_params_close(model, ref, f"fraction {fraction}, after wrap: {registered_after}")
-    # A hook after wrap that takes the grad (p.grad = None, as optimizer-in-backward does): the
-    # param is not stepped, as torch's optimizer skips a param without a grad.
-    model, ref = make_model(), make_model()
-    opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
-    ref_opt = adamw(ref)
-    for net in (model, ref):
-        net.mid.weight.register_post_accumulate_grad_hook(
-            lambda param: setattr(param, "grad", None)
+    # A hook before or after wrap that takes the grad (p.grad = None, as optimizer-in-backward
+    # does): the param is not stepped, as torch's optimizer skips a param without a grad.
+    for registered_after in (True, False):
+        model, ref = make_model(), make_model()
+        for net in (model, ref) if not registered_after else (ref,):
+            net.mid.weight.register_post_accumulate_grad_hook(
+                lambda param: setattr(param, "grad", None)
+            )
+        opt = zero_shard.wrap(adamw(model), model, bucket_mb=TINY_BUCKETS)
+        ref_opt = adamw(ref)
+        if registered_after:
+            model.mid.weight.register_post_accumulate_grad_hook(
+                lambda param: setattr(param, "grad", None)
+            )
+        for step in range(3):
+            x, y = global_batch(step)
+            mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+            step_reference(ref, ref_opt, x, y)
+        opt.finish_param_sync()
+        assert_params_close(
+            model, ref, f"a hook that takes the grad, after wrap: {registered_after}"
         )
+    # Accumulated over two backwards, torch's hook sees their sum; here the second backward's
+    # grad would reach it alone, added to the reduced one after: refused, and under no_sync()
+    # (the backwards but the last) the hook sees the sum, as in torch.
+    model, ref = hooked(make_model()), hooked(make_model())
+    opt = zero_shard.wrap(adamw(model), model, offload=offload(0.5), bucket_mb=TINY_BUCKETS)
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    ref_opt = adamw(ref)
+    x, y = global_batch(0)
+    x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+    mse(model(x[:1]), y[:1]).backward()
+    with pytest.raises(RuntimeError, match="has a post-accumulate-grad hook .* opt.no_sync"):
+        mse(model(x[1:]), y[1:]).backward()
+    opt.zero_grad()
     for step in range(3):
         x, y = global_batch(step)
-        mse(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-        step_reference(ref, ref_opt, x, y)
+        x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+        for net, optimizer, no_sync in ((model, opt, opt.no_sync), (ddp, ref_opt, ddp.no_sync)):
+            with no_sync():
+                mse(net(x[:1]), y[:1]).backward()
+            mse(net(x[1:]), y[1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
     opt.finish_param_sync()
-    assert_params_close(model, ref, "a hook that takes the grad")
+    assert_params_close(model, ref, "hooks over backwards accumulated in no_sync()")
 
 
 @case
