@@ -102,7 +102,7 @@ def reload_mains(mains: torch.Tensor, values: torch.Tensor, *, keep_unchanged: b
     left at its rounding keeps its main weight, which may lie up to half a step of the model's
     dtype past the clamp's bound."""
     if keep_unchanged and values.dtype != mains.dtype:
-        unchanged = values == mains.to(values.dtype)  # (3 bytes an element, for the moment)
+        unchanged = values == mains.to(values.dtype)  # (3 bytes an element, freed at return)
         torch.where(unchanged, mains, values, out=mains)
         return
     mains.copy_(values)

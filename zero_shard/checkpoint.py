@@ -401,7 +401,7 @@ def save(
     )
     try:
         dcp.save(state, checkpoint_id=str(partial))
-    except dcp.CheckpointException as err:  # not an Exception: see DESIGN
+    except dcp.CheckpointException as err:  # (a BaseException, not an Exception)
         failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
         if any(isinstance(failure, KeyboardInterrupt) for failure in failures):
             raise KeyboardInterrupt(
