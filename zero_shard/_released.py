@@ -46,6 +46,7 @@ torch's tensor does.
 from __future__ import annotations
 
 import sys
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -459,27 +460,35 @@ class GradWatch:
             if grad is not self.placeholder and _root(grad).retired:
                 raise restored_error(self.placeholder.fqn)
             if self.kept and not grad.zeroed:
-                self._refuse_hooks_on_a_sum()
+                self._warn_hooks_on_a_sum()
             self.param.grad = None
         elif sys.getrefcount(self.placeholder) > _HELD_ONCE + (self.expected is self.placeholder):
             # .grad cleared or set by hand: torch's grad from now on is another tensor than the
             # one held, which keeps its values (checked inline: every backward)
             self.renew_if_held()
 
-    def _refuse_hooks_on_a_sum(self) -> None:
-        """Raises where the param has post-accumulate-grad hooks of its user (beside zero-shard's
-        own), and this backward adds to a grad reduced before: torch's hooks would see the sum of
-        the backwards, but this backward's grad reaches ``.grad`` alone, added to the reduced one
-        after them (checked only on this path: accumulation)."""
+    def _warn_hooks_on_a_sum(self) -> None:
+        """Warns (once a process) where the param has post-accumulate-grad hooks of its user
+        (beside zero-shard's own), and this backward adds to a grad reduced before: torch's hooks
+        would see the sum of the backwards, but this backward's grad reaches ``.grad`` alone,
+        added to the reduced one after them. A warning, not an error: hooks that only observe
+        (grad logging, often on one rank) are harmless, and an error on the ranks that have the
+        hook would leave the others waiting in a collective (checked only on this path)."""
+        global _warned_hooks_on_a_sum
         hooks = self.param._post_accumulate_grad_hooks
-        if hooks is not None and len(hooks) > 1:
-            raise RuntimeError(
-                f"param {self.placeholder.fqn!r} has a post-accumulate-grad hook "
-                "(register_post_accumulate_grad_hook), and this backward adds to the grads the "
-                "last one reduced: torch's hook would see their sum, but here it sees this "
-                "backward's grad alone. Run the backwards before the last inside opt.no_sync() "
-                "(their grads then add up in .grad, and the hook sees the sum, as in torch)"
-            )
+        if _warned_hooks_on_a_sum or hooks is None or len(hooks) < 2:
+            return
+        _warned_hooks_on_a_sum = True
+        warnings.warn(
+            f"zero-shard: param {self.placeholder.fqn!r} has a post-accumulate-grad hook "
+            "(register_post_accumulate_grad_hook), and this backward adds to the grads an "
+            "earlier one reduced: torch's hook would see their sum, but here it sees this "
+            "backward's grad alone (a hook that changes the grad, a clamp, then changes the "
+            "step). Run the backwards before the last inside opt.no_sync(): their grads add up "
+            "in .grad, and the hook sees the sum, as in torch",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def after_accumulate(self) -> None:
         """A backward accumulated into ``.grad`` (inside ``no_sync()``, it stays there)."""
@@ -578,6 +587,7 @@ def _count_held_once() -> int:
 
 
 _HELD_ONCE = _count_held_once()
+_warned_hooks_on_a_sum = False  # see GradWatch._warn_hooks_on_a_sum
 
 
 class PlaceholderRemoval:
