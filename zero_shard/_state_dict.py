@@ -50,7 +50,6 @@ __all__ = [
     "named_as_saved",
     "numbers_params",
     "param_fqns",
-    "picklable",
     "sharded_state",
     "staged",
     "tag_origin",
@@ -68,34 +67,27 @@ def _dtensor_here(
     """A DTensor of ``shape`` over ``local`` where ``local`` is: ``DTensor.from_local`` would copy
     a host tensor to the mesh's device, as FSDP2's CPU offload avoids the same way."""
     meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-    spec = DTensorSpec(mesh, placements, tensor_meta=meta)
-    return picklable(DTensor(local, spec, requires_grad=False))
+    return _over_view(local, DTensorSpec(mesh, placements, tensor_meta=meta))
 
 
-def _over_a_copy(tensor: DTensor) -> DTensor:
-    copied = DTensor(tensor._local_tensor.clone(), tensor._spec, requires_grad=False)
-    copied.__dict__.update(
-        {k: v for k, v in tensor.__dict__.items() if k not in ("__reduce_ex__", "__deepcopy__")}
-    )
-    return copied
-
-
-def picklable(tensor: DTensor) -> DTensor:
-    """``tensor``, which ``torch.save`` and ``copy.deepcopy`` take even where its local tensor is a
-    view past the start of its storage (a param's rows in a flat buffer of main weights).
+def _over_view(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor of ``spec`` over ``local``, whose own storage offset is 0 even where ``local`` is
+    a view past the start of its storage (a param's rows in a flat buffer of main weights).
 
     [Note: DTensors over views]
-    A DTensor takes its local tensor's storage offset, and pickling or deep-copying one whose
-    offset is not 0 fails on torch 2.13 ("Attempted to access the data pointer on an invalid
-    python storage"): ``torch.save(opt.state_dict())`` of a bf16 model (its ``main_param``
-    entries, views of the flat main weights), as Hugging Face's Trainer and accelerate save.
-    Such a DTensor is pickled and deep-copied as one over a copy of its local tensor (its other
-    attributes kept), made then; it stays a view of the live state otherwise (``dcp.load`` writes
-    into it)."""
-    if tensor._local_tensor.storage_offset() != 0:
-        this = weakref.ref(tensor)  # no cycle through its own attributes
-        tensor.__reduce_ex__ = lambda proto: _over_a_copy(this()).__reduce_ex__(proto)
-        tensor.__deepcopy__ = lambda memo: _over_a_copy(this())
+    torch's DTensor takes its local tensor's storage offset. The DTensor itself has no storage,
+    so one with an offset has a data pointer that is not null, and code that reads it as a
+    tensor with storage fails on torch 2.13 ("Attempted to call copy_() on an invalid python
+    storage", "... access the data pointer on an invalid python storage"): ``torch.save`` and
+    ``copy.deepcopy`` of ``opt.state_dict()`` of a bf16 model (its ``main_param`` entries), as
+    Hugging Face's Trainer and accelerate save, and DCP's staging for ``dcp.async_save``. So the
+    DTensor is made over an empty tensor of ``local``'s dtype and device (offset 0) and then
+    given ``local``, which it reads from then on: it stays a view of the live state
+    (``dcp.load`` writes into it)."""
+    if local.storage_offset() == 0:
+        return DTensor(local, spec, requires_grad=False)
+    tensor = DTensor(local.new_empty(0), spec, requires_grad=False)
+    tensor._local_tensor = local
     return tensor
 
 
@@ -122,7 +114,7 @@ def to_dtensor(sharded: ShardedParam, local: torch.Tensor, *, keep_device: bool 
         shape=layout.shape,
         stride=layout.stride,
     )
-    return picklable(tensor)
+    return _over_view(tensor._local_tensor, tensor._spec)
 
 
 def local_rows(sharded: ShardedParam, value: Any) -> Any:

@@ -24,6 +24,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _harness import check_outcome, run_cases
 from _models import (
     GLOBAL_BATCH,
@@ -519,9 +520,11 @@ def fp16_grads_whose_sum_overflows_but_mean_does_not_step_as_under_ddp(
 def a_low_precision_models_state_dict_saved_per_rank_with_torch_save_resumes(
     rank: int, world: int
 ) -> None:
-    # Hugging Face's Trainer and accelerate torch.save the optimizer's state dict; a bf16
-    # model's holds main_param DTensors over views of the flat main weights ([Note: DTensors
-    # over views] in zero_shard/_state_dict.py). Saved per rank, loaded back: the same trajectory.
+    # Hugging Face's Trainer and accelerate torch.save the optimizer's state dict, and users
+    # hand it to dcp.async_save; a bf16 model's holds main_param DTensors over views of the flat
+    # main weights ([Note: DTensors over views] in zero_shard/_state_dict.py). Saved, loaded
+    # back: the same trajectory.
+    folder = os.path.dirname(shared_path(rank))
     for fraction in (0.0, 0.5):
         model = make_model().to(torch.bfloat16)
         opt = zero_shard.wrap(adamw(model), model, offload=offload(fraction),
@@ -540,12 +543,20 @@ def a_low_precision_models_state_dict_saved_per_rank_with_torch_save_resumes(
         saved, weights = io.BytesIO(), copy.deepcopy(model.state_dict())
         torch.save(opt.state_dict(), saved)
         kept = copy.deepcopy(opt.state_dict())
+        written = os.path.join(folder, f"dcp_{fraction}")
+        dcp.async_save({"optim": opt.state_dict()}, checkpoint_id=written).result()
         expected = steps(2)
-        for source in ("torch.save", "copy.deepcopy"):
+        for source in ("torch.save", "copy.deepcopy", "dcp.async_save"):
             model.load_state_dict(weights)
-            saved.seek(0)
-            opt.load_state_dict(torch.load(saved, weights_only=False) if source == "torch.save"
-                                else kept)  # fmt: skip
+            if source == "torch.save":
+                saved.seek(0)
+                opt.load_state_dict(torch.load(saved, weights_only=False))
+            elif source == "copy.deepcopy":
+                opt.load_state_dict(kept)
+            else:
+                into = {"optim": opt.state_dict()}
+                dcp.load(into, checkpoint_id=written)
+                opt.load_state_dict(into["optim"])
             got = steps(2)
             for a, b in zip(got, expected, strict=True):
                 assert torch.equal(a, b), f"{source} at fraction {fraction}"
