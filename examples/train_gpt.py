@@ -535,7 +535,7 @@ def train(args: argparse.Namespace, ranks: Ranks) -> dict[str, Any]:
     else:
         log.val_losses[0] = evaluate(trainer.model, val_batches, trainer.autocast_dtype)
     rss_samples = run_steps(trainer, log, train_data, val_batches, first, args, ranks)
-    log.summary = summarize(log, args)
+    log.summary = summarize(log, args, first)
     log.summary["memory"] = measure_memory(trainer, ranks, rss_samples[RSS_WARMUP_STEPS:])
     log.summary["clipping"] = {"max_norm": args.clip, **dataclasses.asdict(CLIPPING[trainer.kind])}
     if isinstance(trainer.optimizer, zero_shard.ZeroShardOptimizer):
@@ -651,10 +651,14 @@ def last_step(args: argparse.Namespace) -> int:
     return args.steps if args.stop_after is None else args.stop_after
 
 
-def summarize(log: Log, args: argparse.Namespace) -> dict[str, Any]:
+def summarize(log: Log, args: argparse.Namespace, first: int) -> dict[str, Any]:
+    """Losses over every step, the checkpoint's run's included; times over this process's steps
+    after ``first`` (the step it started at): the first compiles kernels and warms caches, and a
+    run resumed from a checkpoint may have run elsewhere, at another world size or offload."""
     losses = [record["loss"] for record in log.steps]
     window = losses[-LAST_LOSS_WINDOW:]
-    timed = log.steps[1:] or log.steps  # the first step compiles kernels and warms caches
+    ours = [record for record in log.steps if record["step"] > first]
+    timed = ours[1:] or ours or log.steps
     mean = {f"{key}_ms": _mean(r[f"{key}_ms"] for r in timed) for key in (*PHASES, "other")}
     wall_s = sum(record["wall_ms"] for record in timed) / 1e3
     seq_len = PRESETS[args.preset].model.seq_len

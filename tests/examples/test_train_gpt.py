@@ -139,6 +139,9 @@ def test_stop_after_and_resume_equals_the_straight_run(
     assert [record["step"] for record in first["steps"]] == list(range(1, 11))
     resumed = run_in_process(tmp_path / "resumed", *flags)
     assert losses(resumed) == losses(curves["0.5"])
+    # Its times are its own steps' after its first (step 11), not the first run's.
+    own = [record["wall_ms"] for record in resumed["steps"] if record["step"] > 11]
+    assert resumed["summary"]["iteration_ms"] == pytest.approx(sum(own) / len(own))
     with pytest.raises(SystemExit):
         run_in_process(tmp_path / "bad", "--stop-after", str(NUM_STEPS + 1))
 
