@@ -52,6 +52,7 @@ from ._state import (
     StateView,
     check_saved_keys,
     check_saved_state,
+    gather_main,
     init_state,
     load_main,
     match_saved,
@@ -60,7 +61,7 @@ from ._state import (
     reset_state,
     scatter_state,
     state_step_count,
-    stepped,
+    state_to_take_over,
     write_state,
 )
 from ._state_dict_hooks import (
@@ -279,7 +280,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         check_wrappable(optimizer)  # (before its class is built again by constructor_defaults)
-        saved = optimizer.state_dict() if stepped(optimizer.state) else None
+        saved = optimizer.state_dict() if state_to_take_over(optimizer) else None
         hybrid = cls(
             optimizer.param_groups,
             type(optimizer),
@@ -736,7 +737,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _state_dict(self) -> dict[str, Any]:
         self._host.settle()
-        states = {record.index: self.read_state(record) for record in self._records}
+        states = {
+            record.index: self.read_state(record, main_alone=True) for record in self._records
+        }
         state = {index: param_state for index, param_state in states.items() if param_state}
         param_groups = []
         for group_index, group in enumerate(self.param_groups):
@@ -745,14 +748,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             param_groups.append(packed)
         return {"state": state, "param_groups": param_groups}
 
-    def read_state(self, record: ParamRecord, *, watch: bool = True) -> dict[str, Any]:
+    def read_state(
+        self, record: ParamRecord, *, watch: bool = True, main_alone: bool = False
+    ) -> dict[str, Any]:
         """The param's state as ``record_state`` shows it, edits of copies handed out before
         written back first. Where the param is in several pieces the tensors are copies (its
         ``step`` too), watched for edits unless ``watch`` is False ([Note: state edits] in
-        ``_state.py``)."""
+        ``_state.py``). With ``main_alone``, as state dicts show it: a low-precision param of a
+        group whose optimizer keeps no state per param (SGD without momentum) holds its fp32
+        ``main_param`` alone, which a resume would otherwise take from the rounded param."""
         self.wait_for_worker()  # the worker may be writing it
         self._edits.apply()
         state = record_state(record)
+        if main_alone and not state and self._keeps_no_state(record):
+            state = {"main_param": gather_main(record)}
         if len(record.pieces) > 1:
             first = record.pieces[0].state
             for key, value in state.items():
@@ -765,6 +774,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if watch and torch.is_tensor(value):
                     self.hand_out(record.param, key, value)
         return state
+
+    def _keeps_no_state(self, record: ParamRecord) -> bool:
+        """Whether ``record`` is a low-precision param stepped by an optimizer that keeps no
+        state for it (its group's, as probed at construction)."""
+        keys = self._state_keys[record.group_index]
+        stateless = not keys.elementwise_keys and not keys.scalar_keys
+        return stateless and not record.ignored and record.param.dtype != torch.float32
 
     def state_is_copied(self, param: torch.Tensor) -> bool:
         """Whether ``param_state(param)`` hands out copies (the param is in several pieces)."""
@@ -835,12 +851,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             raise KeyError(f"a param of shape {tuple(param.shape)} is not in this optimizer")
         return record
 
-    def param_state(self, param: torch.Tensor, *, watch: bool = True) -> dict[str, Any]:
-        """One param's state as ``state_dict()`` shows it (``{}`` before it has any): tensors in
-        the param's shape (views of the live state where the param is in one piece, else CPU
+    def param_state(
+        self, param: torch.Tensor, *, watch: bool = True, main_alone: bool = False
+    ) -> dict[str, Any]:
+        """One param's state as ``optimizer.state`` shows it (``{}`` before it has any): tensors
+        in the param's shape (views of the live state where the param is in one piece, else CPU
         copies, watched for edits unless ``watch`` is False), scalars such as ``step``, and
-        ``main_param`` (fp32) for low-precision params."""
-        return self.read_state(self._record_of(param), watch=watch)
+        ``main_param`` (fp32) for low-precision params; with ``main_alone``, as ``state_dict()``
+        shows it (``read_state``)."""
+        return self.read_state(self._record_of(param), watch=watch, main_alone=main_alone)
 
     def write_param_state(
         self, param: torch.Tensor, key: str, value: Any, *, watch: bool = True

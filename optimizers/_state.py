@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ._elementwise import StateKeys, torch_class_run_as_is
+from ._elementwise import OptimizerSpec, StateKeys, constructor_defaults, torch_class_run_as_is
 from ._kept_lists import forget_step_lists
 from ._records import ParamRecord, Piece, flat_param
 
@@ -49,7 +49,7 @@ __all__ = [
     "reset_state",
     "scatter_state",
     "state_step_count",
-    "stepped",
+    "state_to_take_over",
     "write_state",
 ]
 
@@ -108,16 +108,44 @@ def momentum_buffers(records: Iterable[ParamRecord], cls: type) -> set[int]:
     }
 
 
-def stepped(state: Mapping[Any, Mapping[str, Any]]) -> bool:
-    """Whether a torch optimizer's ``state`` holds more than its constructor made: some param's
-    state has no ``step``, or one above 0. Adagrad makes each param's state at construction
-    (``sum`` at ``initial_accumulator_value``, step 0), in the param's dtype: a wrap need not
-    take that over, the sub-optimizers' own constructors make it again, in fp32."""
-    for param_state in state.values():
-        step = param_state.get("step")
-        if step is None or float(step) != 0.0:
+def state_to_take_over(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a torch optimizer holds state that a wrap must take over: state of a step, or set
+    by the user (Adagrad's ``sum`` filled with a value of theirs, moments loaded with their step
+    counts reset to 0). State that its constructor alone makes (Adagrad's ``sum`` at
+    ``initial_accumulator_value``, step 0, in the param's dtype) is not: the sub-optimizers' own
+    constructors make it again, in fp32. That is told apart by building the class again over a
+    one-element probe, with each group's options, and comparing each param's state with the
+    probe's, element by element (in the param state's dtype)."""
+    if not optimizer.state:
+        return False
+    spec = OptimizerSpec.of(type(optimizer), constructor_defaults(optimizer))
+    for group in optimizer.param_groups:
+        held = [optimizer.state[p] for p in group["params"] if optimizer.state.get(p)]
+        if not held:
+            continue
+        probe = torch.zeros(1)
+        options = {key: value for key, value in group.items() if key != "params"}
+        made = spec.build([{**options, "params": [probe]}], {}).state.get(probe, {})
+        if not all(_as_made(state, made) for state in held):
             return True
     return False
+
+
+def _as_made(state: Mapping[str, Any], made: Mapping[str, Any]) -> bool:
+    """Whether ``state`` is ``made`` (a one-element probe's state) at every element."""
+    if set(state) != set(made):
+        return False
+    for key, value in state.items():
+        expected = made[key]
+        if torch.is_tensor(value) and torch.is_tensor(expected):
+            if expected.numel() != 1:
+                return False
+            like = expected.reshape(()).to(device=value.device, dtype=value.dtype)
+            if not bool((value == like).all()):
+                return False
+        elif torch.is_tensor(value) or torch.is_tensor(expected) or value != expected:
+            return False
+    return True
 
 
 def init_state(records: Iterable[ParamRecord], cls: type, state_keys: Sequence[StateKeys]) -> None:
@@ -212,15 +240,26 @@ class ParamState(dict):
     the live state ([Note: state edits]). Keys cannot be removed one by one (torch's step would
     fail on the rest): ``del optimizer.state[param]`` drops the param's whole state.
 
+    A low-precision param's fp32 main weight is read by name (``state["main_param"]``, edited
+    in place as the rest) but is not one of the keys: torch's state has no such key, and a loop
+    over the keys (a reset that zeroes every state tensor) must not reach the main weights.
+
     Args:
-        values: the param's state as read (state key -> tensor or scalar): the dict's contents.
+        values: the param's state as read (state key -> tensor or scalar), ``main_param`` (fp32)
+            included where the param has one: the dict's contents, ``main_param`` aside.
         write: called as ``write(key, value)`` at each key assigned, before the dict takes it:
             writes it into the live state.
     """
 
     def __init__(self, values: Mapping[str, Any], write: Callable[[str, Any], None]) -> None:
-        super().__init__(values)
+        super().__init__({key: value for key, value in values.items() if key != "main_param"})
+        self._main = values.get("main_param")
         self._write = write
+
+    def __missing__(self, key: str) -> Any:
+        if key == "main_param" and self._main is not None:
+            return self._main
+        raise KeyError(key)
 
     def __setitem__(self, key: str, value: Any) -> None:
         self._write(key, value)

@@ -30,7 +30,7 @@ from optimizers import (
     share_state_dict_hooks,
     share_step_hooks,
     state_dict_with_hooks,
-    stepped,
+    state_to_take_over,
 )
 
 from ._buckets import ShardedParam, shard_grads
@@ -297,7 +297,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         holds its state (the wrap took it over, emptying ``optimizer.state``): that state
         carries over to the params both hold, as a torch optimizer keeps its state."""
         carried = []
-        if stepped(optimizer.state):  # the wrapped optimizer stepped before: take it over
+        if state_to_take_over(optimizer):  # of a step before, or the user's
             saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
             self._hybrid.state_started = True  # on every rank, whatever its shards hold
@@ -717,7 +717,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
             self._stale.check(self.stale_params)
         state = {}
         for sharded in self._sharded:
-            param_state = sharded_state(sharded, self._hybrid, keep_device=True)
+            param_state = sharded_state(sharded, self._hybrid, keep_device=True, main_alone=True)
             if layout:
                 param_state = host_layout(param_state)
             if param_state:

@@ -133,9 +133,14 @@ def local_rows(sharded: ShardedParam, value: Any) -> Any:
 
 
 def sharded_state(
-    sharded: ShardedParam, hybrid: HybridDeviceOptimizer, *, keep_device: bool = False
+    sharded: ShardedParam,
+    hybrid: HybridDeviceOptimizer,
+    *,
+    keep_device: bool = False,
+    main_alone: bool = False,
 ) -> dict[str, Any]:
-    """The param's state from ``hybrid``, each param-shaped tensor as a DTensor (host state
+    """The param's state from ``hybrid`` (``main_alone``: as state dicts show it, see
+    ``HybridDeviceOptimizer.read_state``), each param-shaped tensor as a DTensor (host state
     kept on the host with ``keep_device``; see ``to_dtensor``). Where a DTensor's local tensor is
     a copy of the state (the hybrid's, or one on the mesh's device), the DTensor and its local
     tensor are watched for edits: an in-place op on a DTensor moves its own version counter, not
@@ -143,7 +148,7 @@ def sharded_state(
     ``optimizers/_state.py``). Where it is the live state, the DTensor is watched for writes
     while a step is speculated (``HybridDeviceOptimizer.watch_live``)."""
     param = sharded.shard
-    local = hybrid.param_state(param, watch=False)
+    local = hybrid.param_state(param, watch=False, main_alone=main_alone)
     copied = hybrid.state_is_copied(param)
     state: dict[str, Any] = {}
     for key, value in local.items():
@@ -444,7 +449,10 @@ def check_saved_optimizer(path: Path, saved: dict[str, Any], optim_state: dict[s
             f"the checkpoint at {path} holds no optimizer state (it was saved with "
             "optimizer=None); load it with optimizer=None, then call opt.reload_model_params()"
         )
-    if not optim_state["state"] and any(key.startswith("optim.state.") for key in saved):
+    held_state = (
+        key for key in saved if key.startswith("optim.state.") and not key.endswith(".main_param")
+    )
+    if not optim_state["state"] and any(held_state):
         raise ValueError(
             f"the checkpoint at {path} holds optimizer state, but this optimizer has none to load "
             "it into: it is of another optimizer class, or one whose state is created at its "

@@ -80,6 +80,7 @@ from ._state_dict import (
     load_full_state_dict,
     numbers_params,
     param_fqns,
+    to_dtensor,
 )
 from ._tp import as_dtensor
 from ._verdict import on_every_rank
@@ -686,14 +687,20 @@ def _mains_across_dtypes(
         key = state_keys.get(record.fqn)
         param_state = state["optim"]["state"].get(key)
         model_key = model_keys.get(id(record.param))
-        if param_state is None or model_key not in state["model"]:
+        if model_key not in state["model"]:
             continue
         template = state["model"][model_key]
-        if "main_param" not in param_state and f"optim.state.{key}.main_param" in saved:
-            like = next((v for v in param_state.values() if isinstance(v, DTensor)), None)
-            if like is not None and like.shape == template.shape:
-                local = torch.empty(like.to_local().shape, dtype=torch.float32)
-                param_state["main_param"] = dtensor_on(like, local)
+        main_saved = f"optim.state.{key}.main_param" in saved
+        if param_state is None:
+            if not main_saved or template.shape != record.layout.shape:
+                continue
+            # Saved with its main weight alone (its optimizer keeps no state: SGD without
+            # momentum), into an fp32 param that holds no state either.
+            param_state = state["optim"]["state"][key] = {}
+        if "main_param" not in param_state and main_saved:
+            if template.shape == record.layout.shape:
+                local = torch.empty(record.shard.shape, dtype=torch.float32)
+                param_state["main_param"] = to_dtensor(record, local, keep_device=True)
         elif "main_param" not in param_state and template.dtype != torch.float32:
             entry = saved.get(f"model.{model_key}")
             if getattr(getattr(entry, "properties", None), "dtype", None) == torch.float32:
@@ -744,15 +751,17 @@ def _leave_out_params_saved_without_state(saved: Mapping[str, Any], optim: dict[
     no grad yet) loads none: torch's ``load_state_dict`` leaves such a param without state, and
     its next step starts it afresh. Only where every param the checkpoint holds state for is one
     of this optimizer's: otherwise the checkpoint is of another model, which the checks say."""
-    names = {
-        flat.removeprefix("optim.state.").rsplit(".", 1)[0]
-        for flat in saved
-        if flat.startswith("optim.state.")
-    }
+    saved_keys: dict[str, set[str]] = {}
+    for flat in saved:
+        if flat.startswith("optim.state."):
+            name, key = flat.removeprefix("optim.state.").rsplit(".", 1)
+            saved_keys.setdefault(name, set()).add(key)
     held = {str(key) for key in optim["state"]}
-    if not names <= held:
+    # A param saved with its fp32 main weight alone (of a group whose optimizer keeps no state,
+    # SGD without momentum) holds no state that an optimizer must have for it.
+    if not {name for name, keys in saved_keys.items() if keys - {"main_param"}} <= held:
         return
-    for key in [key for key in optim["state"] if str(key) not in names]:
+    for key in [key for key in optim["state"] if str(key) not in saved_keys]:
         del optim["state"][key]
 
 

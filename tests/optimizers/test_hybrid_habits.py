@@ -326,6 +326,62 @@ def test_state_made_at_construction_starts_in_fp32_under_bf16_params(fraction: f
         assert torch.equal(opt.state[param]["sum"], built.state[other]["sum"])
 
 
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_state_the_user_set_before_wrap_is_taken_over(fraction: float) -> None:
+    # State set in the torch optimizer before any step: Adagrad's accumulator filled with a
+    # value of the user's, and AdamW moments loaded with their step counts reset to 0 (bias
+    # correction restarted). torch steps from it; so does the wrapper, at every fraction.
+    def adagrad(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = torch.optim.Adagrad(two_groups(params, 0.1), lr=0.1, initial_accumulator_value=0.1)
+        opt.state[params[0]]["sum"].fill_(5.0)
+        return opt
+
+    def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = torch.optim.AdamW(two_groups(params, 1e-2), lr=1e-2)
+        for index, param in enumerate(params):
+            opt.state[param] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.full_like(param, 0.01 * (index + 1)),
+                "exp_avg_sq": torch.full_like(param, 0.02 * (index + 1)),
+            }
+        return opt
+
+    for make in (adagrad, adamw):
+        params, refs = make_params(), make_params()
+        opt = HybridDeviceOptimizer.wrap(make(params), policy=policy(fraction))
+        ref_opt = make(refs)
+        for step in range(2):
+            for param, ref in zip(params, refs, strict=True):
+                param.grad = torch.full_like(param, 0.5 - step)
+                ref.grad = param.grad.clone()
+            opt.step()
+            ref_opt.step()
+            for param, ref in zip(params, refs, strict=True):
+                torch.testing.assert_close(param, ref, msg=f"{make.__name__}, step {step}")
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_loop_over_the_state_keys_leaves_the_main_weights(fraction: float) -> None:
+    # A reset that zeroes every tensor of each param's state (as torch's keys are: no fp32 main
+    # weight among them) leaves a bf16 param's main weight; it is read by name.
+    params = [torch.nn.Parameter(p.detach().bfloat16()) for p in make_params()]
+    opt = HybridDeviceOptimizer.wrap(torch.optim.AdamW(params, lr=1e-2), policy=policy(fraction))
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.ones_like(param)
+        opt.step()
+    mains = [opt.state[param]["main_param"].clone() for param in params]
+    for param in params:
+        state = opt.state[param]
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"], sorted(state)
+        for value in state.values():
+            value.zero_()
+    for param, main in zip(params, mains, strict=True):
+        assert torch.equal(opt.state[param]["main_param"], main)
+        assert float(opt.state[param]["step"]) == 0.0
+        assert not opt.state[param]["exp_avg"].any()
+
+
 def lr_of(opt: torch.optim.Optimizer) -> list[float]:
     return [float(group["lr"]) for group in opt.param_groups]
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _harness import check_outcome, run_cases
 from _models import (
+    LR,
     PARAM_TOL,
     Net,
     adamw,
@@ -97,8 +98,11 @@ def snapshot(model: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     out = {}
     for name, param in model.named_parameters():
         out[f"param {name}"] = full(param)
-        for key, value in opt.state[param].items():
+        state = opt.state[param]
+        for key, value in state.items():
             out[f"state {name} {key}"] = full(value)
+        if isinstance(opt, ZeroShardOptimizer) and param.dtype != torch.float32 and state:
+            out[f"state {name} main_param"] = full(state["main_param"])  # read by name alone
     return out
 
 
@@ -660,6 +664,56 @@ def a_checkpoint_of_another_param_dtype_keeps_its_full_precision(rank: int, worl
         assert torch.equal(param.detach(), saved[name]["main_param"]), f"tied: {name}"
 
 
+def plain_sgd_of_a_bf16_model_keeps_its_main_weights_across_checkpoints(
+    rank: int, world: int
+) -> None:
+    # SGD without momentum keeps no state per param; a bf16 model's fp32 main weights are its
+    # only precision beyond the params, so its state dict holds each param's main_param alone:
+    # a run resumed from its checkpoints is the uninterrupted one, bit for bit (resumed from the
+    # rounded params, updates under half a bf16 step would be lost at each resume). Loaded into
+    # an fp32 model, the params are the main weights; into a bf16 model with torch's SGD, the
+    # saved params.
+    def build_as(dtype: torch.dtype, seed: int, fraction: float, wrapped: bool = True) -> Any:
+        model = make_model(seed=seed).to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        if wrapped:
+            policy = OffloadPolicy(fraction=fraction, num_threads=1, chunk_numel=16)
+            opt = zero_shard.wrap(opt, model, offload=policy, bucket_mb=TINY_BUCKETS)
+        return model, opt
+
+    def steps(model: nn.Module, opt: Any, first: int) -> None:
+        for step in range(first, first + 2):
+            x, y = global_batch(step)
+            x, y = local_slice(x, rank, world).bfloat16(), local_slice(y, rank, world)
+            mse(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish_param_sync()
+
+    for fraction in (0.0, 0.5):
+        model, opt = build_as(torch.bfloat16, 0, fraction)
+        steps(model, opt, 0)
+        assert len(opt.state) == 0, "torch's SGD without momentum holds no state"
+        assert all(set(s) == {"main_param"} for s in opt.state_dict()["state"].values())
+        path = folder(world) / f"sgd_bf16_{fraction}"
+        checkpoint.save(path, model=model, optimizer=opt)
+        mains = {k: full(v["main_param"]) for k, v in opt.state_dict()["state"].items()}
+        steps(model, opt, 2)
+        expected = [full(p) for p in model.parameters()]
+        resumed, resumed_opt = build_as(torch.bfloat16, 1, 1.0 - fraction)
+        checkpoint.load(path, model=resumed, optimizer=resumed_opt)
+        steps(resumed, resumed_opt, 2)
+        for (name, param), want in zip(resumed.named_parameters(), expected, strict=True):
+            assert torch.equal(full(param), want), f"fraction {fraction}: {name}"
+        for loaded_dtype, wrapped in ((torch.float32, True), (torch.float32, False),
+                                      (torch.bfloat16, False)):  # fmt: skip
+            other, other_opt = build_as(loaded_dtype, 1, 0.5, wrapped)
+            checkpoint.load(path, model=other, optimizer=other_opt)
+            for name, param in other.named_parameters():
+                want = mains[name].to(loaded_dtype)
+                assert torch.equal(full(param), want), f"{loaded_dtype}, {wrapped=}: {name}"
+
+
 def ranks_given_other_checkpoints_are_refused(rank: int, world: int) -> None:
     # Each rank writes and reads its part of one checkpoint: paths that resolve apart on the
     # ranks (a relative path against each rank's working directory, node-local disks) are
@@ -726,6 +780,9 @@ DAMAGED = {
     "extra_and_the_scheduler_are_rank_0s": extra_and_the_scheduler_are_rank_0s,
     "a_checkpoint_of_another_param_dtype_keeps_its_full_precision": (
         a_checkpoint_of_another_param_dtype_keeps_its_full_precision
+    ),
+    "plain_sgd_of_a_bf16_model_keeps_its_main_weights_across_checkpoints": (
+        plain_sgd_of_a_bf16_model_keeps_its_main_weights_across_checkpoints
     ),
     "ranks_given_other_checkpoints_are_refused": ranks_given_other_checkpoints_are_refused,
     "an_interrupted_save_raises_keyboardinterrupt_and_keeps_the_last": (

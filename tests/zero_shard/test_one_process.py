@@ -137,6 +137,41 @@ ONE_PROCESS = textwrap.dedent(
         assert torch.equal(summed, torch.full(param.shape, 0.1)), summed.flatten()[:3]
     print("fp32 state from the constructor")
 
+    # A loop over the state's keys (as torch's are: no main_param) leaves the main weights.
+    bf16 = make_model().to(torch.bfloat16)
+    opt16 = zero_shard.wrap(adamw(bf16), bf16)
+    mse(bf16(global_batch(0)[0].bfloat16()), global_batch(0)[1]).backward()
+    opt16.step()
+    opt16.finish_param_sync()
+    mains = [opt16.state[param]["main_param"].full_tensor() for param in bf16.parameters()]
+    for param in bf16.parameters():
+        assert "main_param" not in opt16.state[param], sorted(opt16.state[param])
+        for value in opt16.state[param].values():
+            value.zero_()
+    for param, main in zip(bf16.parameters(), mains, strict=True):
+        assert torch.equal(opt16.state[param]["main_param"].full_tensor(), main)
+    print("a loop over the state's keys")
+
+    # State the user set before wrap, with every step still 0 (Adagrad's accumulator filled
+    # with a value of theirs), is taken over, as torch steps from it.
+    nets, opts = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        nets.append(make_model())
+        opts.append(torch.optim.Adagrad(nets[-1].parameters(), lr=0.1))
+        opts[-1].state[nets[-1].inp.weight]["sum"].fill_(5.0)
+    opts[0] = zero_shard.wrap(opts[0], nets[0])
+    for step in range(2):
+        x, y = global_batch(step)
+        for each, each_opt in zip(nets, opts, strict=True):
+            mse(each(x), y).backward()
+            each_opt.step()
+            each_opt.zero_grad()
+    opts[0].finish_param_sync()
+    for (name, param), ref_param in zip(nets[0].named_parameters(), nets[1].parameters()):
+        torch.testing.assert_close(param, ref_param, **PARAM_TOL, msg=name)
+    print("state the user set before wrap")
+
     # A wrap that fails after taking the groups (here: building its hybrid) leaves the torch
     # optimizer as it was: its state, and its own state_dict().
     from unittest import mock
