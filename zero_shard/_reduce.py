@@ -39,6 +39,19 @@ checkpointed calls (as DDP's ``static_graph`` and FSDP2 assume): a rank whose ba
 takes part in the agreement, and one that skipped every checkpointed call (data-dependent) would
 not, mismatching the collectives; ``use_reentrant=False`` has no nested backward.
 
+[Note: reductions of several wrappers]
+Collectives on one group pair up across ranks by the order each rank issues them. One wrapper's
+reductions come in one order on every rank (its buckets'), but two wrappers' reductions in one
+backward would interleave by when each bucket's grads are complete, and that differs by rank
+where a param has grads on some ranks only (a branch only some ranks' data reach): one wrapper's
+bucket on a rank would pair with the other wrapper's on another rank, and grads of equal size
+would be summed with others' silently (or, on the CPU, each rank would wait for a reduction the
+other issues later). So while more than one live wrapper reduces over the same ranks, none of
+them reduces during backward: one callback, queued at the first grad of any of them in a
+backward, reduces each one's buckets at its end, the wrappers in the order they were made (the
+same on every rank: every rank wraps in one order). Their reductions then no longer overlap
+backward's compute.
+
 At one rank the packed grads are the reduced ones: they are packed straight into the grad buffer
 and no collective runs, on backward's own stream unless the bucket's params are large
 (``GradReducer._stream_for``).
@@ -92,6 +105,36 @@ __all__ = ["SIDE_PACK_NUMEL", "GradReducer"]
 SIDE_PACK_NUMEL = 1 << 21
 
 
+# The live reducers over each set of ranks, in the order they were made, and the graph tasks
+# whose end reduces them in that order ([Note: reductions of several wrappers]).
+_REDUCING: dict[tuple[int, ...], list[weakref.ref[GradReducer]]] = {}
+_ORDERED_ENDS: set[tuple[tuple[int, ...], int]] = set()
+
+
+def _reducing(ranks: tuple[int, ...]) -> list[GradReducer]:
+    """The live reducers over ``ranks``, in the order they were made."""
+    live = [reducer() for reducer in _REDUCING.get(ranks, [])]
+    return [reducer for reducer in live if reducer is not None]
+
+
+def _queue_ordered_end(ranks: tuple[int, ...], task: int) -> None:
+    """Queues, once per graph task, the callback that ends the backward of every reducer over
+    ``ranks`` that started in it, in the order they were made."""
+    key = (ranks, task)
+    if key in _ORDERED_ENDS:
+        return
+    _ORDERED_ENDS.add(key)
+
+    @torch.compiler.disable  # see [Note: compiled models] in _compiled.py
+    def end() -> None:
+        _ORDERED_ENDS.discard(key)
+        for reducer in _reducing(ranks):
+            if reducer.in_backward_of(task):
+                reducer._end_backward()
+
+    torch.autograd.Variable._execution_engine.queue_callback(end)
+
+
 class GradReducer:
     """Reduces the grads of a replicated model into per-bucket shards ([Note: grad reduction])."""
 
@@ -101,6 +144,9 @@ class GradReducer:
     #                       no_sync(): DDP would hold each rank's own grads now ([Note: DDP
     #                       around a wrapped model])
     _group: dist.ProcessGroup | None  # None: one rank, which reduces nothing
+    ranks: tuple[int, ...]  # the global ranks of _group
+    _shared: bool  # this backward, another live reducer is over the same ranks: reduce at its end,
+    #                in order ([Note: reductions of several wrappers])
     _rank: int
     _world_size: int
     _scatter: bool  # stage 2: reduce-scatter; stage 1: all-reduce
@@ -143,6 +189,8 @@ class GradReducer:
         self.enabled = True
         self.outer_unsynced = False
         self._group = group
+        self.ranks = () if group is None else tuple(dist.get_process_group_ranks(group))
+        self._shared = False
         self._rank = 0 if group is None else dist.get_rank(group)
         self._world_size = 1 if group is None else dist.get_world_size(group)
         self._scatter = stage == 2
@@ -200,6 +248,9 @@ class GradReducer:
                 mine.append(handles[-1].id)
         handles.append(PlaceholderRemoval([s.watch for b in self.buckets for s in b.params]))
         handles.append(_AccumulatorRelease(self._accumulators))
+        if self._group is not None:
+            _REDUCING.setdefault(self.ranks, []).append(this)
+            handles.append(_Reducing(self.ranks, this))
         return handles
 
     def forget_aborted_backward(self) -> None:
@@ -214,6 +265,11 @@ class GradReducer:
             self._next = len(self.buckets) - 1
             for bucket in self.buckets:
                 bucket.ready.clear()
+            _ORDERED_ENDS.discard((self.ranks, self._round_task))
+
+    def in_backward_of(self, task: int) -> bool:
+        """Whether this reducer's backward started in graph task ``task`` and has not ended."""
+        return self._in_backward and self._round_task == task
 
     def defer(self, sharded: ShardedParam) -> None:
         """Hook, where post-accumulate-grad hooks registered after wrap follow zero-shard's on
@@ -240,7 +296,12 @@ class GradReducer:
         self._in_backward = True
         self._round_task = torch._C._current_graph_task_id()
         self._before_first_reduction()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        # [Note: reductions of several wrappers]
+        self._shared = len(_reducing(self.ranks)) > 1
+        if self._shared:
+            _queue_ordered_end(self.ranks, self._round_task)
+        else:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def on_grad_ready(self, sharded: ShardedParam) -> None:
         """Hook: the param's grad is complete for this backward; reduce what is ready."""
@@ -257,7 +318,7 @@ class GradReducer:
         if sharded.bucket > self._next:  # its bucket is reduced already
             self._late.add(sharded.bucket)
         self.buckets[sharded.bucket].ready.add(sharded.position)
-        while self._next >= 0:
+        while self._next >= 0 and not self._shared:
             bucket = self.buckets[self._next]
             if len(bucket.ready) < len(bucket.params):
                 break
@@ -603,6 +664,19 @@ class _AccumulatorRelease:
 
     def remove(self) -> None:
         self._accumulators.clear()
+
+
+class _Reducing:
+    """A handle whose removal (the wrapper retired or dropped) takes the reducer out of those
+    over its ranks ([Note: reductions of several wrappers])."""
+
+    def __init__(self, ranks: tuple[int, ...], reducer: weakref.ref[GradReducer]) -> None:
+        self._ranks, self._reducer = ranks, reducer
+
+    def remove(self) -> None:
+        held = _REDUCING.get(self._ranks, [])
+        if self._reducer in held:
+            held.remove(self._reducer)
 
 
 def _untouched(bucket: Bucket) -> bool:

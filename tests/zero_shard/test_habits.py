@@ -1224,6 +1224,49 @@ def two_wrappers_over_disjoint_params_of_one_model(rank: int, world: int) -> Non
     assert_params_close(model, ref, "two wrappers")
 
 
+class Chain(nn.Module):
+    """Three layers in a row and a `side` layer that only some calls use (a branch only some
+    ranks' data reach)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b = nn.Linear(15, 15), nn.Linear(15, 15)
+        self.c, self.side = nn.Linear(15, 2), nn.Linear(15, 2)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return h + self.side(x) if use_side else h
+
+
+@case
+def two_wrappers_in_one_backward_with_a_layer_some_ranks_use(rank: int, world: int) -> None:
+    # Two models of one shape, a wrapper each, trained by one backward of the summed losses;
+    # model A's `side` layer gets grads on rank 0 alone, so A's bucket is reduced during
+    # backward there and at backward's end on the others, after B's. The two wrappers'
+    # reductions must not pair with each other's across ranks ([Note: reductions of several
+    # wrappers] in zero_shard/_reduce.py): equal in size, they would be summed silently.
+    for stage, fraction in ((2, 0.0), (1, 0.5)):
+        nets, refs = [Chain(0), Chain(1)], [Chain(0), Chain(1)]
+        opts = [zero_shard.wrap(adamw(net), net, stage=stage, offload=offload(fraction))
+                for net in nets]  # fmt: skip
+        ref_opts = [adamw(ref) for ref in refs]
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+            (mse(nets[0](xs, rank == 0), ys) + mse(nets[1](xs, False), ys)).backward()
+            for each in range(world):  # the reference: each rank's rows, as the ranks run them
+                xr, yr = local_slice(x, each, world), local_slice(y, each, world)
+                ((mse(refs[0](xr, each == 0), yr) + mse(refs[1](xr, False), yr)) / world).backward()
+            for each in (*opts, *ref_opts):
+                each.step()
+                each.zero_grad()
+        for opt in opts:
+            opt.finish_param_sync()
+        for net, ref in zip(nets, refs, strict=True):
+            assert_params_close(net, ref, f"stage {stage}, fraction {fraction}")
+
+
 # -- weights loaded on one rank, models copied ---------------------------------------------------
 
 
