@@ -427,6 +427,10 @@ class StateView(MutableMapping[torch.Tensor, dict[str, Any]]):
     def __bool__(self) -> bool:
         return self._owner.state_started
 
+    def get(self, param: Any, default: Any = None) -> Any:
+        """As torch's ``defaultdict.get``: ``default`` for a param without state."""
+        return self[param] if param in self else default
+
     def __contains__(self, param: object) -> bool:
         record = self._records.get(param)  # type: ignore[call-overload]
         if record is None:

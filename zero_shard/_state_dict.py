@@ -620,6 +620,10 @@ class ShardedStateView(MutableMapping):
             "instead, or load a state dict with load_state_dict(...)"
         )
 
+    def get(self, param: Any, default: Any = None) -> Any:
+        """As torch's ``defaultdict.get``: ``default`` for a param without state."""
+        return self[param] if param in self else default
+
     def __contains__(self, param: object) -> bool:
         hybrid = self._hybrid()
         return any(r.param is param and r.shard in hybrid.state for r in self._sharded)

@@ -152,6 +152,18 @@ ONE_PROCESS = textwrap.dedent(
         assert torch.equal(opt16.state[param]["main_param"].full_tensor(), main)
     print("a loop over the state's keys")
 
+    # opt.state.get(p) is torch's defaultdict's: None for a param without state yet (SGD with
+    # dampening makes its buffer at the first step), the state after.
+    sgd_net = make_model()
+    sgd = zero_shard.wrap(torch.optim.SGD(sgd_net.parameters(), lr=0.1, momentum=0.9,
+                                          dampening=0.5), sgd_net)  # fmt: skip
+    assert sgd.state.get(sgd_net.inp.weight) is None
+    assert sgd.state.get(sgd_net.inp.weight, "default") == "default"
+    mse(sgd_net(global_batch(0)[0]), global_batch(0)[1]).backward()
+    sgd.step()
+    assert sorted(sgd.state.get(sgd_net.inp.weight)) == ["momentum_buffer"]
+    print("opt.state.get")
+
     # State the user set before wrap, with every step still 0 (Adagrad's accumulator filled
     # with a value of theirs), is taken over, as torch steps from it.
     nets, opts = [], []
