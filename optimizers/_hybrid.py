@@ -52,6 +52,7 @@ from ._state import (
     StateView,
     check_saved_keys,
     check_saved_state,
+    constructor_state,
     gather_main,
     init_state,
     load_main,
@@ -219,7 +220,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._groups_at_build = GroupsAtBuild(self.param_groups)
         self._record_by_param = {record.param: record for record in self._records}
         self._edits = StateEdits()
-        self.state_started = False
+        # torch's Adagrad holds state from its construction on; most classes from a first step.
+        self.state_started = any(
+            constructor_state(self._optimizer_spec, group) for group in self.param_groups
+        )
         self._param_versions = None
         self._logged_written = False
         self.state = StateView(self._records, self)

@@ -40,6 +40,7 @@ __all__ = [
     "assign_state",
     "check_saved_keys",
     "check_saved_state",
+    "constructor_state",
     "gather_main",
     "gather_state",
     "init_state",
@@ -121,14 +122,17 @@ def state_to_take_over(optimizer: torch.optim.Optimizer) -> bool:
     spec = OptimizerSpec.of(type(optimizer), constructor_defaults(optimizer))
     for group in optimizer.param_groups:
         held = [optimizer.state[p] for p in group["params"] if optimizer.state.get(p)]
-        if not held:
-            continue
-        probe = torch.zeros(1)
-        options = {key: value for key, value in group.items() if key != "params"}
-        made = spec.build([{**options, "params": [probe]}], {}).state.get(probe, {})
-        if not all(_as_made(state, made) for state in held):
+        if held and not all(_as_made(state, constructor_state(spec, group)) for state in held):
             return True
     return False
+
+
+def constructor_state(spec: OptimizerSpec, group: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The state ``spec``'s class makes at construction for a one-element param of ``group``'s
+    options (Adagrad's ``sum`` and ``step``; nothing for most classes)."""
+    probe = torch.zeros(1)
+    options = {key: value for key, value in group.items() if key != "params"}
+    return spec.build([{**options, "params": [probe]}], {}).state.get(probe, {})
 
 
 def _as_made(state: Mapping[str, Any], made: Mapping[str, Any]) -> bool:

@@ -321,6 +321,7 @@ def test_state_made_at_construction_starts_in_fp32_under_bf16_params(fraction: f
     opt = HybridDeviceOptimizer.wrap(user_opt, policy=policy(fraction))
     assert not user_opt.state, "the original still holds a second copy of the state"
     assert opt.state, "torch's Adagrad holds state from its construction on"
+    assert built.state, "built directly, as torch's Adagrad"
     for param, other in zip(params, built.param_groups[0]["params"], strict=True):
         assert torch.equal(opt.state[param]["sum"], torch.full(param.shape, 0.1)), param.shape
         assert torch.equal(opt.state[param]["sum"], built.state[other]["sum"])
