@@ -8,7 +8,7 @@ from ._host_step import HostStep
 from ._hybrid import HybridDeviceOptimizer, MemoryReport
 from ._policy import OffloadPolicy
 from ._speculation import SpeculationCounts
-from ._state import ParamState, check_saved_keys, state_to_take_over
+from ._state import ParamState, check_saved_keys, state_to_take_over, torch_state
 from ._state_dict_hooks import (
     load_state_dict_with_hooks,
     share_state_dict_hooks,
@@ -36,4 +36,5 @@ __all__ = [
     "share_step_hooks",
     "state_dict_with_hooks",
     "state_to_take_over",
+    "torch_state",
 ]

@@ -63,6 +63,7 @@ from ._state import (
     scatter_state,
     state_step_count,
     state_to_take_over,
+    torch_state,
     write_state,
 )
 from ._state_dict_hooks import (
@@ -284,7 +285,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         check_wrappable(optimizer)  # (before its class is built again by constructor_defaults)
-        saved = optimizer.state_dict() if state_to_take_over(optimizer) else None
+        saved = None
+        if state_to_take_over(optimizer):
+            saved = optimizer.state_dict()
+            saved["state"] = {key: torch_state(value) for key, value in saved["state"].items()}
         hybrid = cls(
             optimizer.param_groups,
             type(optimizer),

@@ -51,6 +51,7 @@ __all__ = [
     "scatter_state",
     "state_step_count",
     "state_to_take_over",
+    "torch_state",
     "write_state",
 ]
 
@@ -121,10 +122,17 @@ def state_to_take_over(optimizer: torch.optim.Optimizer) -> bool:
         return False
     spec = OptimizerSpec.of(type(optimizer), constructor_defaults(optimizer))
     for group in optimizer.param_groups:
-        held = [optimizer.state[p] for p in group["params"] if optimizer.state.get(p)]
+        held = [torch_state(optimizer.state.get(p)) for p in group["params"]]
+        held = [state for state in held if state]
         if held and not all(_as_made(state, constructor_state(spec, group)) for state in held):
             return True
     return False
+
+
+def torch_state(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A param's state in a torch optimizer, less a ``main_param`` that a zero-shard state dict
+    loaded into it left there: torch's steps do not keep it, so it is not taken over."""
+    return {key: value for key, value in (state or {}).items() if key != "main_param"}
 
 
 def constructor_state(spec: OptimizerSpec, group: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -264,6 +272,10 @@ class ParamState(dict):
         if key == "main_param" and self._main is not None:
             return self._main
         raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        held = key in self or (key == "main_param" and self._main is not None)
+        return self[key] if held else default
 
     def __setitem__(self, key: str, value: Any) -> None:
         self._write(key, value)
@@ -585,14 +597,15 @@ def check_saved_keys(
 
     Args:
         saved_state: a state dict's ``"state"``: saved param id -> that param's saved state (key
-            -> value). Ids with no or empty state are not compared.
+            -> value). Ids with no state, or a ``main_param`` alone (a param that had no state,
+            as one that got no grad since momentum was switched on), are not compared.
         groups: each param group's saved param ids (its ``"params"`` in ``"param_groups"``).
     """
     for index, ids in enumerate(groups):
         keys = {
             pid: frozenset(key for key in saved_state[pid] if key != "main_param")
             for pid in ids
-            if saved_state.get(pid)
+            if set(saved_state.get(pid) or ()) - {"main_param"}
         }
         if len(set(keys.values())) <= 1:
             continue

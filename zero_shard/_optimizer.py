@@ -31,6 +31,7 @@ from optimizers import (
     share_step_hooks,
     state_dict_with_hooks,
     state_to_take_over,
+    torch_state,
 )
 
 from ._buckets import ShardedParam, shard_grads
@@ -298,7 +299,7 @@ class ZeroShardOptimizer(torch.optim.Optimizer):
         carries over to the params both hold, as a torch optimizer keeps its state."""
         carried = []
         if state_to_take_over(optimizer):  # of a step before, or the user's
-            saved = {fqns[id(p)]: value for p, value in optimizer.state.items()}
+            saved = {fqns[id(p)]: torch_state(value) for p, value in optimizer.state.items()}
             self._hybrid.load_state_dict(self._local_state_dict(saved))
             self._hybrid.state_started = True  # on every rank, whatever its shards hold
         elif optimizer.state:  # made by its constructor: made again in fp32, and held as torch's

@@ -816,15 +816,13 @@ def _loaded_optim_state(
         state = keyed_by_fqn(state, [fqn for fqns in plan.group_fqns for fqn in fqns])
     check_saved_groups(state, plan.group_fqns)
     if plan.mains_from_model:  # keyed by FQN now; see [Note: main weights across dtypes]
-        state = {
-            **state,
-            "state": {
-                key: {**value, "main_param": read["model"][plan.mains_from_model[key]]}
-                if key in plan.mains_from_model
-                else value
-                for key, value in state["state"].items()
-            },
-        }
+        held = state["state"]
+        mains = {key: read["model"][model_key] for key, model_key in plan.mains_from_model.items()}
+        # A param saved with no state (SGD without momentum's, or one without a grad yet) takes
+        # its main weight alone.
+        state = {**state, "state": {key: {**held.get(key, {}), "main_param": main}
+                                    for key, main in mains.items()}}  # fmt: skip
+        state["state"].update({key: value for key, value in held.items() if key not in mains})
     if isinstance(optimizer, ZeroShardOptimizer):
         return state
     return keyed_by_position(state, plan.group_fqns)
@@ -867,9 +865,12 @@ def _read_checked(
 
         state = read_whole(loading.state, loading.path, loading.metadata, device, check)
         mains: dict[str, torch.Tensor] = {}  # (a torch optimizer's: it keeps no main_param)
+        optim_held = {} if "optim" not in state else state["optim"]["state"]
         for model_key, fqn in loading.params_from_mains.items():  # a tied param's keys share one
             if fqn not in mains:
-                mains[fqn] = state["optim"]["state"][fqn].pop("main_param")
+                mains[fqn] = optim_held[fqn].pop("main_param")
+                if not optim_held[fqn]:  # saved with the main weight alone: no state in torch's
+                    del optim_held[fqn]
             state["model"][model_key] = mains[fqn]
         # Checked above: it passes.
         optim_state = None if optimizer is None else _loaded_optim_state(loading, state, optimizer)

@@ -347,7 +347,15 @@ def test_state_the_user_set_before_wrap_is_taken_over(fraction: float) -> None:
             }
         return opt
 
-    for make in (adagrad, adamw):
+    def sgd_with_a_main_param(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        # Left by a zero-shard state dict loaded into torch's SGD (torch keeps the key and
+        # never steps it): not taken over, as the params have moved on since.
+        opt = torch.optim.SGD(params, lr=0.1)
+        for param in params:
+            opt.state[param]["main_param"] = param.detach() + 1.0
+        return opt
+
+    for make in (adagrad, adamw, sgd_with_a_main_param):
         params, refs = make_params(), make_params()
         opt = HybridDeviceOptimizer.wrap(make(params), policy=policy(fraction))
         ref_opt = make(refs)

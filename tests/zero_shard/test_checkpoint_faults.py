@@ -684,8 +684,8 @@ def plain_sgd_of_a_bf16_model_keeps_its_main_weights_across_checkpoints(
     def steps(model: nn.Module, opt: Any, first: int) -> None:
         for step in range(first, first + 2):
             x, y = global_batch(step)
-            x, y = local_slice(x, rank, world).bfloat16(), local_slice(y, rank, world)
-            mse(model(x), y).backward()
+            x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+            mse(model(x.to(next(model.parameters()).dtype)), y).backward()
             opt.step()
             opt.zero_grad()
         opt.finish_param_sync()
@@ -712,6 +712,30 @@ def plain_sgd_of_a_bf16_model_keeps_its_main_weights_across_checkpoints(
             for name, param in other.named_parameters():
                 want = mains[name].to(loaded_dtype)
                 assert torch.equal(full(param), want), f"{loaded_dtype}, {wrapped=}: {name}"
+            if not wrapped:
+                assert not other_opt.state, "torch's SGD without momentum holds no state"
+    # Saved from fp32 params, loaded into a bf16 model: the main weights are the saved params.
+    model, opt = build_as(torch.float32, 0, 0.5)
+    steps(model, opt, 0)
+    checkpoint.save(folder(world) / "sgd_fp32", model=model, optimizer=opt)
+    other, other_opt = build_as(torch.bfloat16, 1, 0.5)
+    checkpoint.load(folder(world) / "sgd_fp32", model=other, optimizer=other_opt)
+    loaded = other_opt.state_dict()["state"]
+    for (name, _), saved in zip(other.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(full(loaded[name]["main_param"]), full(saved)), name
+    # Momentum switched on after wrap: a param that had no grad since holds its main weight
+    # alone, beside the buffers of the others; the state dict loads back, and resumes.
+    model = make_model(with_side=True).bfloat16()
+    opt = zero_shard.wrap(torch.optim.SGD(model.parameters(), lr=LR), model)
+    steps(model, opt, 0)
+    opt.param_groups[0]["momentum"] = 0.9
+    steps(model, opt, 2)
+    held = opt.state_dict()["state"]
+    assert set(held["side.weight"]) == {"main_param"}, sorted(held["side.weight"])
+    assert "momentum_buffer" in held["inp.weight"]
+    opt.load_state_dict(opt.state_dict())
+    checkpoint.save(folder(world) / "sgd_momentum_later", model=model, optimizer=opt)
+    checkpoint.load(folder(world) / "sgd_momentum_later", model=model, optimizer=opt)
 
 
 def ranks_given_other_checkpoints_are_refused(rank: int, world: int) -> None:
