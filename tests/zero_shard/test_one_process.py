@@ -165,45 +165,34 @@ ONE_PROCESS = textwrap.dedent(
     print("opt.state.get")
 
     # State the user set before wrap, with every step still 0 (Adagrad's accumulator filled
-    # with a value of theirs), is taken over, as torch steps from it.
-    nets, opts = [], []
-    for _ in range(2):
-        torch.manual_seed(0)
-        nets.append(make_model())
-        opts.append(torch.optim.Adagrad(nets[-1].parameters(), lr=0.1))
-        opts[-1].state[nets[-1].inp.weight]["sum"].fill_(5.0)
-    opts[0] = zero_shard.wrap(opts[0], nets[0])
-    for step in range(2):
-        x, y = global_batch(step)
-        for each, each_opt in zip(nets, opts, strict=True):
-            mse(each(x), y).backward()
-            each_opt.step()
-            each_opt.zero_grad()
-    opts[0].finish_param_sync()
-    for (name, param), ref_param in zip(nets[0].named_parameters(), nets[1].parameters()):
-        torch.testing.assert_close(param, ref_param, **PARAM_TOL, msg=name)
-    print("state the user set before wrap")
+    # with a value of theirs), is taken over, as torch steps from it. A main_param that a
+    # zero-shard state dict left in torch's SGD (torch never steps it) is not: the params have
+    # moved on since.
+    def adagrad_with_a_sum_set(net: torch.nn.Module) -> torch.optim.Optimizer:
+        opt = torch.optim.Adagrad(net.parameters(), lr=0.1)
+        opt.state[net.inp.weight]["sum"].fill_(5.0)
+        return opt
 
-    # A main_param that a zero-shard state dict left in torch's SGD (torch never steps it) is not
-    # taken over: the params have moved on since.
-    nets, opts = [], []
-    for _ in range(2):
-        torch.manual_seed(0)
-        nets.append(make_model())
-        opts.append(torch.optim.SGD(nets[-1].parameters(), lr=0.1))
-        for param in nets[-1].parameters():
-            opts[-1].state[param]["main_param"] = param.detach() + 1.0
-    opts[0] = zero_shard.wrap(opts[0], nets[0])
-    for step in range(2):
-        x, y = global_batch(step)
-        for each, each_opt in zip(nets, opts, strict=True):
-            mse(each(x), y).backward()
-            each_opt.step()
-            each_opt.zero_grad()
-    opts[0].finish_param_sync()
-    for (name, param), ref_param in zip(nets[0].named_parameters(), nets[1].parameters()):
-        torch.testing.assert_close(param, ref_param, **PARAM_TOL, msg=name)
-    print("a main_param left in torch's state")
+    def sgd_with_a_main_param(net: torch.nn.Module) -> torch.optim.Optimizer:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for param in net.parameters():
+            opt.state[param]["main_param"] = param.detach() + 1.0
+        return opt
+
+    for make_optimizer in (adagrad_with_a_sum_set, sgd_with_a_main_param):
+        nets = [make_model(), make_model()]
+        opts = [make_optimizer(net) for net in nets]
+        opts[0] = zero_shard.wrap(opts[0], nets[0])
+        for step in range(2):
+            x, y = global_batch(step)
+            for each, each_opt in zip(nets, opts, strict=True):
+                mse(each(x), y).backward()
+                each_opt.step()
+                each_opt.zero_grad()
+        opts[0].finish_param_sync()
+        for (name, param), ref_param in zip(nets[0].named_parameters(), nets[1].parameters()):
+            torch.testing.assert_close(param, ref_param, **PARAM_TOL, msg=name)
+    print("state set in the torch optimizer before wrap")
 
     # A wrap that fails after taking the groups (here: building its hybrid) leaves the torch
     # optimizer as it was: its state, and its own state_dict().
