@@ -124,7 +124,10 @@ def state_to_take_over(optimizer: torch.optim.Optimizer) -> bool:
     for group in optimizer.param_groups:
         held = [torch_state(optimizer.state.get(p)) for p in group["params"]]
         held = [state for state in held if state]
-        if held and not all(_as_made(state, constructor_state(spec, group)) for state in held):
+        if not held:
+            continue
+        made = constructor_state(spec, group)
+        if not all(_as_made(state, made) for state in held):
             return True
     return False
 
