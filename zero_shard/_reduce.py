@@ -49,7 +49,7 @@ would be summed with others' silently (or, on the CPU, each rank would wait for 
 other issues later). So while more than one live wrapper reduces over the same ranks, none of
 them reduces during backward: one callback, queued at the first grad of any of them in a
 backward, reduces each one's buckets at its end, the wrappers in the order they were made (the
-same on every rank: every rank wraps in one order). Their reductions then no longer overlap
+same on every rank: every rank wraps in one order). Their reductions then do not overlap
 backward's compute.
 
 At one rank the packed grads are the reduced ones: they are packed straight into the grad buffer
